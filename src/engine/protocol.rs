@@ -1,0 +1,163 @@
+//! The plain-data boundary between the scheduler actor and the engine thread.
+//!
+//! Nothing here holds a tensor: a [`StepPlan`] says *which* slots do *what*
+//! this step (counts and token ids), a [`StepOutcome`] says what came of it.
+//! The engine remembers each slot's last sampled token, so a plan for step
+//! N+1 can be built before the scheduler has routed step N's tokens.
+//!
+//! Ownership rules both sides rely on:
+//! - A slot exists in the engine from the step whose plan admits it until the
+//!   engine reports it finished or failed, or until a plan releases it.
+//! - The engine frees a slot's KV and sampler state by itself when it reports
+//!   a [`SeqFinish`] or an error for it; `release` is only for ends the
+//!   scheduler decides (cancellation, stop strings). Releasing an unknown
+//!   slot is a no-op, so a release racing a finish is harmless.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::engine::EngineError;
+use crate::sampler::SamplingOptions;
+
+/// Identifies a sequence inside the engine (sampler row, KV cache, routing).
+pub type SlotId = u32;
+
+/// What the scheduler needs to know about the engine to plan steps.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    /// Model name reported to clients.
+    pub model_name: String,
+    /// Longest sequence (prompt + generated) a slot may hold.
+    pub context_len: usize,
+    /// Vocabulary size of the model's logits.
+    pub vocab_size: usize,
+    /// Token ids that end generation.
+    pub eos_ids: Vec<u32>,
+    /// KV pool capacity in tokens, summed over all slots.
+    pub kv_capacity_tokens: usize,
+}
+
+/// One step's work, sent to the engine thread.
+#[derive(Debug, Clone, Default)]
+pub struct StepPlan {
+    /// Monotonic step number (echoed in the outcome).
+    pub step: u64,
+    /// Slots to drop before this step's work (cancelled, stopped by a stop
+    /// string, or abandoned by their requester).
+    pub release: Vec<SlotId>,
+    /// Slots to register before this step's work.
+    pub admit: Vec<Admission>,
+    /// Per-sequence work, batched into one forward pass and one sampler call.
+    pub work: Vec<SeqWork>,
+}
+
+/// Registration of a new sequence.
+#[derive(Debug, Clone)]
+pub struct Admission {
+    pub slot: SlotId,
+    /// The whole prompt (BOS included when the model wants one).
+    pub prompt: Arc<[u32]>,
+    /// Validated sampling options.
+    pub sampling: SamplingOptions,
+    /// Generation stops with [`SeqFinish::Length`] after this many tokens.
+    pub max_new_tokens: usize,
+    /// KV tokens to reserve up front (prompt + max_new_tokens, capped at the
+    /// context length); admission control makes sure they are available.
+    pub kv_reserve: usize,
+}
+
+/// What one sequence contributes to a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqWork {
+    /// Feed `prompt[start..start + len]`. When the chunk reaches the end of
+    /// the prompt the first generated token is sampled in the same step.
+    Prefill {
+        slot: SlotId,
+        start: usize,
+        len: usize,
+    },
+    /// Feed the slot's last sampled token and sample the next one.
+    Decode { slot: SlotId },
+}
+
+impl SeqWork {
+    pub fn slot(&self) -> SlotId {
+        match *self {
+            SeqWork::Prefill { slot, .. } | SeqWork::Decode { slot } => slot,
+        }
+    }
+}
+
+/// The result of one [`StepPlan`].
+#[derive(Debug, Clone, Default)]
+pub struct StepOutcome {
+    pub step: u64,
+    /// One entry per admitted-but-failed slot and per `work` item, in plan order.
+    pub seqs: Vec<SeqOutcome>,
+    pub stats: StepStats,
+}
+
+/// What happened to one sequence this step.
+#[derive(Debug, Clone)]
+pub struct SeqOutcome {
+    pub slot: SlotId,
+    pub result: Result<SeqProgress, EngineError>,
+}
+
+/// Progress of a sequence in one step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SeqProgress {
+    /// Prompt tokens fed this step (0 for a decode).
+    pub prefilled: usize,
+    /// Tokens generated this step, in order (more than one with MTP).
+    pub tokens: Vec<GeneratedToken>,
+    /// Set when the engine ended the sequence; its slot is already freed.
+    pub finish: Option<SeqFinish>,
+}
+
+/// A generated token and, when the request asked, its log-probabilities.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GeneratedToken {
+    pub id: u32,
+    /// Log-probability of `id` under the model (raw logits, before any
+    /// sampling transform); `None` unless the request asked for logprobs.
+    pub logprob: Option<f32>,
+    /// The request's `top_logprobs` most likely tokens, descending.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// Why the engine ended a sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqFinish {
+    /// An end-of-sequence token was generated (it is the last token).
+    Eos,
+    /// `max_new_tokens` were generated.
+    Length,
+    /// The sequence reached the context length.
+    ContextFull,
+}
+
+/// Counters and timings of one step, for metrics and benchmarks.
+#[derive(Debug, Clone, Default)]
+pub struct StepStats {
+    /// Sequences in the forward pass.
+    pub batch_seqs: usize,
+    /// Tokens in the forward pass (prefill chunks + decode tokens + drafts).
+    pub batch_tokens: usize,
+    /// Wall time of the model's forward pass and unembedding.
+    pub forward: Duration,
+    /// Wall time of the sampler call(s).
+    pub sample: Duration,
+    /// Wall time of the whole step inside the engine.
+    pub total: Duration,
+    /// Sampler calls that took the fused uniform path / the serial path.
+    pub uniform_calls: u32,
+    pub serial_calls: u32,
+}
+
+/// Executes steps. The engine thread drives any implementation; the real
+/// one is [`crate::engine::Engine`], tests may plug in a fake.
+pub trait StepExecutor: Send + 'static {
+    fn info(&self) -> EngineInfo;
+    fn execute(&mut self, plan: StepPlan) -> StepOutcome;
+}
