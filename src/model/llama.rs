@@ -1,0 +1,468 @@
+//! The Llama-family decoder (Llama 2/3, Mistral, Qwen2), after
+//! "LLaMA: Open and Efficient Foundation Language Models" (Touvron et al.,
+//! 2023), with a position and a KV cache per sequence.
+//!
+//! Weights are fused at load (q/k/v into one projection, gate/up into one)
+//! so a step runs few, large matmuls over every token of the batch: the
+//! weights are read once per step, not once per sequence. Attention is the
+//! only per-sequence part; it reads each slot's cache in place.
+//!
+//! RoPE uses the "rotate half" pairing (dimension i with i + d/2), which is
+//! what Hugging Face checkpoints expect: their q/k weights are permuted for
+//! it. Using the interleaved pairing on them would silently give garbage.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, IndexOp, Tensor};
+
+use super::{Batch, ModelConfig, ModelError, OutputRows, Weights};
+use crate::kv::{KvCache, KvLayout};
+
+/// How to load a model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Compute (and KV) dtype. f32 is the default on CPU; bf16 needs a GPU.
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            dtype: DType::F32,
+            device: Device::Cpu,
+        }
+    }
+}
+
+struct Layer {
+    attn_norm: Tensor,
+    /// `[(heads + 2·kv_heads)·head_dim, hidden]`: q, k, v stacked.
+    qkv: Tensor,
+    qkv_bias: Option<Tensor>,
+    o_proj: Tensor,
+    mlp_norm: Tensor,
+    /// `[2·intermediate, hidden]`: gate then up.
+    gate_up: Tensor,
+    down: Tensor,
+}
+
+/// A loaded model. Immutable after load; the engine owns it with the caches.
+pub struct Model {
+    cfg: ModelConfig,
+    dtype: DType,
+    device: Device,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    /// `[vocab, hidden]`; the embedding matrix itself when tied.
+    lm_head: Tensor,
+    /// `[max_positions, head_dim / 2]` rotary tables in the compute dtype.
+    cos: Tensor,
+    sin: Tensor,
+}
+
+fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    x.matmul(&w.t()?)
+}
+
+impl Model {
+    /// Loads `config.json` and the safetensors of a Hugging Face model directory.
+    pub fn from_dir(dir: &Path, opts: &LoadOptions) -> Result<Self, ModelError> {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let weights = Weights::from_dir(dir)?;
+        Self::load(cfg, &weights, opts)
+    }
+
+    /// Builds the model from any weight source.
+    pub fn load(cfg: ModelConfig, w: &Weights, opts: &LoadOptions) -> Result<Self, ModelError> {
+        let (dtype, dev) = (opts.dtype, &opts.device);
+        match dtype {
+            DType::F32 | DType::F16 => {}
+            DType::BF16 if !dev.is_cpu() => {}
+            DType::BF16 => {
+                return Err(ModelError::UnsupportedDType(
+                    "bf16 compute needs a GPU; use f32 or f16 on CPU".into(),
+                ))
+            }
+            other => {
+                return Err(ModelError::UnsupportedDType(format!(
+                    "{other:?} (use f32, f16 or bf16)"
+                )))
+            }
+        }
+        let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+        let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+        let get = |name: &str, shape: &[usize]| w.get(name, shape, dtype, dev);
+
+        let embed = get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}");
+            let qkv = Tensor::cat(
+                &[
+                    get(&format!("{p}.self_attn.q_proj.weight"), &[q, h])?,
+                    get(&format!("{p}.self_attn.k_proj.weight"), &[kv, h])?,
+                    get(&format!("{p}.self_attn.v_proj.weight"), &[kv, h])?,
+                ],
+                0,
+            )?;
+            let qkv_bias = if cfg.attention_bias {
+                Some(Tensor::cat(
+                    &[
+                        get(&format!("{p}.self_attn.q_proj.bias"), &[q])?,
+                        get(&format!("{p}.self_attn.k_proj.bias"), &[kv])?,
+                        get(&format!("{p}.self_attn.v_proj.bias"), &[kv])?,
+                    ],
+                    0,
+                )?)
+            } else {
+                None
+            };
+            let gate_up = Tensor::cat(
+                &[
+                    get(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
+                    get(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
+                ],
+                0,
+            )?;
+            layers.push(Layer {
+                attn_norm: get(&format!("{p}.input_layernorm.weight"), &[h])?,
+                qkv,
+                qkv_bias,
+                o_proj: get(&format!("{p}.self_attn.o_proj.weight"), &[h, q])?,
+                mlp_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                gate_up,
+                down: get(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+            });
+        }
+        let norm = get("model.norm.weight", &[h])?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            get("lm_head.weight", &[cfg.vocab_size, h])?
+        };
+
+        let inv_freq = cfg.rope_inv_freq();
+        let max_pos = cfg.max_position_embeddings;
+        let mut angles = Vec::with_capacity(max_pos * inv_freq.len());
+        for p in 0..max_pos {
+            angles.extend(inv_freq.iter().map(|f| p as f64 * f));
+        }
+        let cos: Vec<f32> = angles.iter().map(|a| a.cos() as f32).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| a.sin() as f32).collect();
+        let cos = Tensor::from_vec(cos, (max_pos, hd / 2), dev)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (max_pos, hd / 2), dev)?.to_dtype(dtype)?;
+
+        Ok(Self {
+            cfg,
+            dtype,
+            device: dev.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            cos,
+            sin,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The KV entry shape this model needs.
+    pub fn kv_layout(&self) -> KvLayout {
+        KvLayout {
+            num_layers: self.cfg.num_layers,
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+            dtype: self.dtype,
+        }
+    }
+
+    /// Embeddings of `ids`: `[n, hidden]`.
+    pub fn token_embeddings(&self, ids: &[u32]) -> Result<Tensor, ModelError> {
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(ModelError::InvalidBatch(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.cfg.vocab_size
+            )));
+        }
+        let ids = Tensor::new(ids, &self.device)?;
+        Ok(self.embed.index_select(&ids, 0)?)
+    }
+
+    /// Final norm and unembedding: `[n, hidden]` → `[n, vocab]` logits (f32).
+    pub fn unembed(&self, hidden: &Tensor) -> Result<Tensor, ModelError> {
+        let x = candle_nn::ops::rms_norm(
+            &hidden.contiguous()?,
+            &self.norm,
+            self.cfg.rms_norm_eps as f32,
+        )?;
+        Ok(linear(&x, &self.lm_head)?.to_dtype(DType::F32)?)
+    }
+
+    /// Runs every layer over the batch; returns the (pre-final-norm) hidden
+    /// states of the rows each sequence asked for, `[batch.num_outputs(), hidden]`.
+    /// Appends each sequence's K/V to its slot at `offset..offset + len`.
+    pub fn forward(&self, batch: &Batch, kv: &mut KvCache) -> Result<Tensor, ModelError> {
+        self.forward_layers(batch, kv, self.cfg.num_layers)
+    }
+
+    /// Like [`forward`](Self::forward) but stops after the first
+    /// `num_layers` layers (early exit). Only those layers' K/V are written.
+    pub fn forward_layers(
+        &self,
+        batch: &Batch,
+        kv: &mut KvCache,
+        num_layers: usize,
+    ) -> Result<Tensor, ModelError> {
+        self.check_batch(batch, kv, num_layers)?;
+        let n = batch.tokens.len();
+        let cfg = &self.cfg;
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+
+        for s in &batch.seqs {
+            kv.ensure_room(s.slot, s.len)?;
+        }
+        let positions: Vec<u32> = batch
+            .seqs
+            .iter()
+            .flat_map(|s| (s.offset..s.offset + s.len).map(|p| p as u32))
+            .collect();
+        let positions = Tensor::new(positions.as_slice(), &self.device)?;
+        let cos = self.cos.index_select(&positions, 0)?;
+        let sin = self.sin.index_select(&positions, 0)?;
+
+        let mut x = self.token_embeddings(&batch.tokens)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        for (l, layer) in self.layers.iter().take(num_layers).enumerate() {
+            let residual = &x;
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps as f32)?;
+            let mut qkv = linear(&h, &layer.qkv)?;
+            if let Some(b) = &layer.qkv_bias {
+                qkv = qkv.broadcast_add(b)?;
+            }
+            let q = qkv
+                .narrow(1, 0, nh * hd)?
+                .contiguous()?
+                .reshape((1, n, nh, hd))?;
+            let k = qkv
+                .narrow(1, nh * hd, nkv * hd)?
+                .contiguous()?
+                .reshape((1, n, nkv, hd))?;
+            let v = qkv
+                .narrow(1, (nh + nkv) * hd, nkv * hd)?
+                .contiguous()?
+                .reshape((n, nkv, hd))?;
+            let q = (candle_nn::rotary_emb::rope_thd(&q, &cos, &sin)?.squeeze(0)? * scale)?;
+            let k = candle_nn::rotary_emb::rope_thd(&k, &cos, &sin)?.squeeze(0)?;
+
+            let mut outs = Vec::with_capacity(batch.seqs.len());
+            let mut start = 0;
+            for s in &batch.seqs {
+                kv.write(
+                    s.slot,
+                    l,
+                    s.offset,
+                    &k.narrow(0, start, s.len)?,
+                    &v.narrow(0, start, s.len)?,
+                )?;
+                let (kc, vc) = kv.view(s.slot, l, s.offset + s.len)?;
+                outs.push(self.attention(&q.narrow(0, start, s.len)?, &kc, &vc, s.offset)?);
+                start += s.len;
+            }
+            let attn = if outs.len() == 1 {
+                outs.pop().expect("one output")
+            } else {
+                Tensor::cat(&outs, 0)?
+            };
+            x = (residual + linear(&attn, &layer.o_proj)?)?;
+
+            let h = candle_nn::ops::rms_norm(&x, &layer.mlp_norm, cfg.rms_norm_eps as f32)?;
+            let gu = linear(&h, &layer.gate_up)?;
+            let i = cfg.intermediate_size;
+            let act = (candle_nn::ops::silu(&gu.narrow(1, 0, i)?)? * gu.narrow(1, i, i)?)?;
+            x = (x + linear(&act, &layer.down)?)?;
+        }
+        for s in &batch.seqs {
+            kv.set_len(s.slot, s.offset + s.len)?;
+        }
+
+        let wanted = batch.output_indices();
+        if wanted.len() == n {
+            return Ok(x);
+        }
+        let idx = Tensor::new(wanted.as_slice(), &self.device)?;
+        Ok(x.index_select(&idx, 0)?)
+    }
+
+    /// Causal attention of one sequence's queries `[len, heads, head_dim]`
+    /// (already scaled) over its cache `[offset + len, kv_heads, head_dim]`.
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        offset: usize,
+    ) -> Result<Tensor, ModelError> {
+        let cfg = &self.cfg;
+        let (nh, nkv, hd, g) = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.group_size(),
+        );
+        let len = q.dim(0)?;
+        let total = k.dim(0)?;
+        // Keys before the sliding window of the *first* query are never seen.
+        let first_key = match cfg.sliding_window {
+            Some(w) if offset + 1 > w => offset + 1 - w,
+            _ => 0,
+        };
+        let (k, v) = if first_key > 0 {
+            (
+                k.narrow(0, first_key, total - first_key)?,
+                v.narrow(0, first_key, total - first_key)?,
+            )
+        } else {
+            (k.clone(), v.clone())
+        };
+        let keys = total - first_key;
+
+        // Group the query heads that share a KV head: rows are (position, head-in-group).
+        let qg = q
+            .reshape((len, nkv, g, hd))?
+            .permute((1, 0, 2, 3))?
+            .contiguous()?
+            .reshape((nkv, len * g, hd))?;
+        let kt = k.permute((1, 2, 0))?; // [kv_heads, head_dim, keys]
+        let vt = v.permute((1, 0, 2))?; // [kv_heads, keys, head_dim]
+        let (kt, vt) = if self.device.is_cpu() {
+            (kt, vt)
+        } else {
+            (kt.contiguous()?, vt.contiguous()?)
+        };
+        let mut scores = qg.matmul(&kt)?; // [kv_heads, len·g, keys]
+        if len > 1 || cfg.sliding_window.is_some() {
+            let mask = self.mask(len, g, offset, first_key, keys)?;
+            if let Some(mask) = mask {
+                scores = scores.broadcast_add(&mask)?;
+            }
+        }
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs.matmul(&vt)?; // [kv_heads, len·g, head_dim]
+        Ok(out
+            .reshape((nkv, len, g, hd))?
+            .permute((1, 0, 2, 3))?
+            .contiguous()?
+            .reshape((len, nh * hd))?)
+    }
+
+    /// Additive mask `[len·g, keys]`: query row r sits at position
+    /// `offset + r / g` and sees keys at positions ≤ its own (and inside the
+    /// sliding window). `None` when nothing is masked.
+    fn mask(
+        &self,
+        len: usize,
+        g: usize,
+        offset: usize,
+        first_key: usize,
+        keys: usize,
+    ) -> Result<Option<Tensor>, ModelError> {
+        let window = self.cfg.sliding_window;
+        let mut any = false;
+        let mut data = vec![0f32; len * g * keys];
+        for r in 0..len * g {
+            let pos = offset + r / g;
+            for j in 0..keys {
+                let kpos = first_key + j;
+                let hidden = kpos > pos || window.is_some_and(|w| kpos + w <= pos);
+                if hidden {
+                    data[r * keys + j] = f32::NEG_INFINITY;
+                    any = true;
+                }
+            }
+        }
+        if !any {
+            return Ok(None);
+        }
+        Ok(Some(
+            Tensor::from_vec(data, (len * g, keys), &self.device)?.to_dtype(self.dtype)?,
+        ))
+    }
+
+    fn check_batch(
+        &self,
+        batch: &Batch,
+        kv: &KvCache,
+        num_layers: usize,
+    ) -> Result<(), ModelError> {
+        if num_layers == 0 || num_layers > self.cfg.num_layers {
+            return Err(ModelError::InvalidBatch(format!(
+                "num_layers {num_layers} outside 1..={}",
+                self.cfg.num_layers
+            )));
+        }
+        if batch.seqs.is_empty() {
+            return Err(ModelError::InvalidBatch("empty batch".into()));
+        }
+        let total: usize = batch.seqs.iter().map(|s| s.len).sum();
+        if total != batch.tokens.len() {
+            return Err(ModelError::InvalidBatch(format!(
+                "spans cover {total} tokens but the batch holds {}",
+                batch.tokens.len()
+            )));
+        }
+        for (i, s) in batch.seqs.iter().enumerate() {
+            if s.len == 0 {
+                return Err(ModelError::InvalidBatch(format!(
+                    "sequence of slot {} has no tokens",
+                    s.slot
+                )));
+            }
+            if batch.seqs[..i].iter().any(|o| o.slot == s.slot) {
+                return Err(ModelError::InvalidBatch(format!(
+                    "slot {} appears twice",
+                    s.slot
+                )));
+            }
+            let have = kv.len(s.slot)?;
+            if s.offset != have {
+                return Err(ModelError::InvalidBatch(format!(
+                    "slot {} starts at position {} but its cache holds {have}",
+                    s.slot, s.offset
+                )));
+            }
+            if s.offset + s.len > self.cfg.max_position_embeddings {
+                return Err(ModelError::InvalidBatch(format!(
+                    "slot {} reaches position {} beyond the context of {}",
+                    s.slot,
+                    s.offset + s.len,
+                    self.cfg.max_position_embeddings
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Logits of the last position of one sequence fed from scratch, for tests
+    /// and tools (allocates and frees a temporary slot).
+    pub fn logits_for(&self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        let mut kv = KvCache::new(self.kv_layout(), self.device.clone(), tokens.len());
+        kv.allocate(0, tokens.len())?;
+        let mut batch = Batch::default();
+        batch.push(0, 0, tokens, OutputRows::Last);
+        let hidden = self.forward(&batch, &mut kv)?;
+        Ok(self.unembed(&hidden)?.i(0)?.to_vec1()?)
+    }
+}

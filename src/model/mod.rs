@@ -1,0 +1,56 @@
+//! Llama-family decoder on candle, run over ragged batches of sequences.
+//!
+//! # Layout
+//! - [`config`]: `config.json` → [`ModelConfig`].
+//! - [`weights`]: safetensors (single or sharded) or in-memory tensors.
+//! - [`batch`]: the ragged [`Batch`] a forward pass consumes.
+//! - [`llama`]: the [`Model`]: `forward` (→ hidden), `unembed`
+//!   (hidden → logits), `token_embeddings` (ids → embeddings).
+//!
+//! All tensor code lives under `model/`, `kv/` and `sampler/`, so another
+//! backend only has to replace these modules.
+
+pub mod batch;
+pub mod config;
+pub mod llama;
+pub mod weights;
+
+use std::path::PathBuf;
+
+pub use batch::{Batch, OutputRows, SeqSpan};
+pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use llama::{LoadOptions, Model};
+pub use weights::Weights;
+
+/// Errors loading or running a model. Messages name the file and tensor.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid config: {reason}")]
+    Config { path: PathBuf, reason: String },
+    #[error("unsupported architecture `{0}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)")]
+    UnsupportedArchitecture(String),
+    #[error("{path}: missing tensor `{name}`")]
+    MissingTensor { path: PathBuf, name: String },
+    #[error("{path}: tensor `{name}` has shape {found:?}, expected {expected:?}")]
+    ShapeMismatch {
+        path: PathBuf,
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("{path}: {reason}")]
+    Weights { path: PathBuf, reason: String },
+    #[error("unsupported dtype: {0}")]
+    UnsupportedDType(String),
+    #[error("invalid batch: {0}")]
+    InvalidBatch(String),
+    #[error(transparent)]
+    Kv(#[from] crate::kv::KvError),
+    #[error("tensor error: {0}")]
+    Tensor(#[from] candle_core::Error),
+}
