@@ -1,0 +1,155 @@
+//! The public request and event types: what a host service, a custom actor
+//! or the HTTP layer sends to Tandem and gets back.
+//!
+//! A [`GenerateRequest`] is what the client said; it is checked (prompt
+//! tokenized, limits resolved, options validated) before it takes a slot,
+//! and any problem comes back as a [`TandemError`] naming the field.
+//! Events for one request arrive in order: zero or more [`Event::Tokens`],
+//! then exactly one terminal [`Event::Finished`] or [`Event::Error`].
+
+use serde::{Deserialize, Serialize};
+
+use crate::sampler::SamplingOptions;
+use crate::scheduler::{FinishReason, SchedulerError, Timings, Usage};
+use crate::tokenizer::TokenizerError;
+
+/// The prompt: text to tokenize, or token ids used as given.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+impl From<&str> for Prompt {
+    fn from(s: &str) -> Self {
+        Prompt::Text(s.to_string())
+    }
+}
+
+impl From<String> for Prompt {
+    fn from(s: String) -> Self {
+        Prompt::Text(s)
+    }
+}
+
+/// One completion request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    pub prompt: Prompt,
+    /// Most tokens to generate; `None` means "until EOS or the context is full"
+    /// (capped by the service's `max_tokens_limit`).
+    #[serde(default)]
+    pub max_tokens: Option<usize>,
+    #[serde(default)]
+    pub sampling: SamplingOptions,
+    /// Generation stops before any of these strings; the match is not sent.
+    #[serde(default)]
+    pub stop: Vec<String>,
+}
+
+impl GenerateRequest {
+    /// A greedy request for `prompt` with at most `max_tokens` new tokens.
+    pub fn new(prompt: impl Into<Prompt>, max_tokens: usize) -> Self {
+        Self { prompt: prompt.into(), max_tokens: Some(max_tokens), sampling: SamplingOptions::default(), stop: Vec::new() }
+    }
+
+    pub fn with_sampling(mut self, sampling: SamplingOptions) -> Self {
+        self.sampling = sampling;
+        self
+    }
+
+    pub fn with_stop(mut self, stop: Vec<String>) -> Self {
+        self.stop = stop;
+        self
+    }
+}
+
+/// A generated token as the client sees it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TokenInfo {
+    /// Position in the completion (0 for the first generated token).
+    pub index: usize,
+    pub id: u32,
+    /// Log-probability under the model, when the request asked for logprobs.
+    pub logprob: Option<f32>,
+    /// The most likely alternatives, descending, when asked for.
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+/// One alternative token and its log-probability.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TopLogprob {
+    pub id: u32,
+    pub text: String,
+    pub logprob: f32,
+}
+
+/// How a request ended, with its usage and timings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    pub reason: FinishReason,
+    pub usage: Usage,
+    pub timings: Timings,
+    /// The stop string that ended generation, when one did.
+    pub stop: Option<String>,
+}
+
+/// Events of one request, in order.
+#[derive(Debug, Clone, PartialEq, actix::Message)]
+#[rtype(result = "()")]
+pub enum Event {
+    /// New text and the tokens that produced it. `text` is valid UTF-8 and
+    /// never contains a stop string or a prefix of one that may still match;
+    /// a token whose bytes complete a character later is reported with the
+    /// chunk that carries that character (so `tokens` may be empty for a
+    /// chunk that only finishes earlier text, or hold several tokens).
+    Tokens { text: String, tokens: Vec<TokenInfo> },
+    /// Terminal: generation ended.
+    Finished(Finished),
+    /// Terminal: the request failed.
+    Error(TandemError),
+}
+
+impl Event {
+    pub fn is_terminal(&self) -> bool {
+        !matches!(self, Event::Tokens { .. })
+    }
+}
+
+/// Errors of the public API. `error_type()` gives a fixed label for metrics
+/// and error bodies; `is_invalid_request()` separates client mistakes (HTTP
+/// 400) from load (429/503) and server faults (500).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TandemError {
+    /// A request field is invalid; the message names it.
+    #[error("invalid `{field}`: {reason}")]
+    InvalidRequest { field: &'static str, reason: String },
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Scheduler(#[from] SchedulerError),
+    /// The scheduler is gone (shut down or crashed).
+    #[error("the scheduler is not running")]
+    Unavailable,
+}
+
+impl TandemError {
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            TandemError::InvalidRequest { .. } => "invalid_request",
+            TandemError::Tokenizer(e) => e.error_type(),
+            TandemError::Scheduler(e) => e.error_type(),
+            TandemError::Unavailable => "unavailable",
+        }
+    }
+
+    pub fn is_invalid_request(&self) -> bool {
+        match self {
+            TandemError::InvalidRequest { .. } => true,
+            TandemError::Tokenizer(_) => true,
+            TandemError::Scheduler(e) => e.is_invalid_request(),
+            TandemError::Unavailable => false,
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! Request actors: one per text request, between the scheduler's token-level
+//! events and the client's event sink.
+//!
+//! # Ownership
+//! A [`RequestActor`] owns its request's [`TextStream`] (incremental
+//! detokenizer + stop-string matcher) and its [`EventSink`]. The scheduler
+//! sends it [`SeqEvent`]s; it turns tokens into text [`Event`]s, ends the
+//! request when a stop string matches (a `Cancel` with
+//! [`CancelReason::StopString`]), and cancels the request when its sink is
+//! gone. It stops itself after forwarding the terminal event.
+
+use std::sync::Arc;
+
+use actix::prelude::*;
+use tokio::sync::mpsc;
+
+use crate::api::{Event, Finished, TandemError, TokenInfo, TopLogprob};
+use crate::scheduler::{Cancel, CancelReason, FinishReason, RequestId, Scheduler, SeqEvent};
+use crate::tokenizer::{StreamStep, TextStream, Tokenizer};
+
+/// Where a request's events go: an actor's mailbox or an async channel.
+#[derive(Clone)]
+pub enum EventSink {
+    /// Any actor that handles [`Event`] (custom actors, host services).
+    Recipient(Recipient<Event>),
+    /// An async consumer (the [`crate::TandemHandle`] stream, HTTP handlers).
+    Channel(mpsc::UnboundedSender<Event>),
+}
+
+impl EventSink {
+    /// Delivers an event; false when the receiver is gone.
+    pub fn send(&self, event: Event) -> bool {
+        match self {
+            EventSink::Recipient(r) => r.connected() && r.try_send(event).is_ok(),
+            EventSink::Channel(tx) => tx.send(event).is_ok(),
+        }
+    }
+
+    /// Whether the receiver is still there.
+    pub fn is_connected(&self) -> bool {
+        match self {
+            EventSink::Recipient(r) => r.connected(),
+            EventSink::Channel(tx) => !tx.is_closed(),
+        }
+    }
+}
+
+impl From<Recipient<Event>> for EventSink {
+    fn from(r: Recipient<Event>) -> Self {
+        EventSink::Recipient(r)
+    }
+}
+
+/// The per-request actor. Created by the scheduler's `Generate` handler.
+pub struct RequestActor {
+    stream: TextStream<TokenInfo>,
+    sink: EventSink,
+    scheduler: Addr<Scheduler>,
+    tokenizer: Arc<Tokenizer>,
+    /// Learnt from the first event (events carry the id).
+    id: Option<RequestId>,
+    /// The stop string that matched, once one did.
+    stopped_by: Option<String>,
+    /// A `Cancel` has been sent; events until the terminal one are ignored.
+    cancelling: bool,
+}
+
+impl RequestActor {
+    pub(crate) fn new(stream: TextStream<TokenInfo>, sink: EventSink, scheduler: Addr<Scheduler>, tokenizer: Arc<Tokenizer>) -> Self {
+        Self { stream, sink, scheduler, tokenizer, id: None, stopped_by: None, cancelling: false }
+    }
+
+    fn cancel(&mut self, reason: CancelReason) {
+        if let (Some(id), false) = (self.id, self.cancelling) {
+            self.cancelling = true;
+            self.scheduler.do_send(Cancel { id, reason });
+        }
+    }
+
+    /// Sends the chunks of a stream step; notes a stop match.
+    fn forward(&mut self, step: StreamStep<TokenInfo>) {
+        for chunk in step.chunks {
+            if !self.sink.send(Event::Tokens { text: chunk.text, tokens: chunk.payloads }) {
+                self.cancel(CancelReason::Client);
+                return;
+            }
+        }
+        if let Some(m) = step.stop {
+            self.stopped_by = Some(m.stop);
+            self.cancel(CancelReason::StopString);
+        }
+    }
+
+    fn token_info(&self, index: usize, t: crate::engine::GeneratedToken) -> TokenInfo {
+        let top_logprobs = t
+            .top_logprobs
+            .into_iter()
+            .map(|(id, logprob)| TopLogprob { id, text: self.tokenizer.token_text(id).unwrap_or_default(), logprob })
+            .collect();
+        TokenInfo { index, id: t.id, logprob: t.logprob, top_logprobs }
+    }
+}
+
+impl Actor for RequestActor {
+    type Context = Context<Self>;
+}
+
+impl Handler<SeqEvent> for RequestActor {
+    type Result = ();
+
+    fn handle(&mut self, event: SeqEvent, ctx: &mut Context<Self>) {
+        self.id = Some(event.id());
+        match event {
+            SeqEvent::Started { .. } => {
+                if !self.sink.is_connected() {
+                    self.cancel(CancelReason::Client);
+                }
+            }
+            SeqEvent::Tokens { first_index, tokens, .. } => {
+                if self.cancelling {
+                    return;
+                }
+                for (i, t) in tokens.into_iter().enumerate() {
+                    let info = self.token_info(first_index + i, t);
+                    let id = info.id;
+                    match self.stream.push(id, info) {
+                        Ok(step) => self.forward(step),
+                        Err(e) => {
+                            self.sink.send(Event::Error(TandemError::Tokenizer(e)));
+                            self.cancel(CancelReason::Client);
+                        }
+                    }
+                    if self.cancelling {
+                        return;
+                    }
+                }
+            }
+            SeqEvent::Finished { mut reason, usage, timings, .. } => {
+                if self.stopped_by.is_none() && reason != FinishReason::Cancelled {
+                    let step = self.stream.finish();
+                    self.forward(step);
+                }
+                if self.stopped_by.is_some() {
+                    reason = FinishReason::Stop;
+                }
+                self.sink.send(Event::Finished(Finished { reason, usage, timings, stop: self.stopped_by.take() }));
+                ctx.stop();
+            }
+            SeqEvent::Failed { error, .. } => {
+                self.sink.send(Event::Error(TandemError::Scheduler(error)));
+                ctx.stop();
+            }
+        }
+    }
+}
