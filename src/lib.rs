@@ -4,3 +4,4 @@ pub mod engine;
 pub mod kv;
 pub mod model;
 pub mod sampler;
+pub mod tokenizer;
