@@ -45,7 +45,9 @@ fn sample_one(opts: SamplingOptions, priors: &[u32], values: &[f32]) -> u32 {
 
 #[test]
 fn single_slot_options_table() {
-    let cases: Vec<(&str, SamplingOptions, Vec<u32>, Vec<f32>, u32)> = vec![
+    // (name, options, priors, logits, expected token)
+    type Case = (&'static str, SamplingOptions, Vec<u32>, Vec<f32>, u32);
+    let cases: Vec<Case> = vec![
         (
             // token 1: 5 - 6 = -1, so the argmax moves to 2
             "presence penalty",

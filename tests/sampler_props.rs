@@ -400,7 +400,9 @@ fn greedy_rows_use_no_randomness() {
         let both = s
             .sample(&[1, 2], &tensor(&[row.clone(), row.clone()], v))
             .unwrap();
-        let one = t.sample(&[2], &tensor(&[row.clone()], v)).unwrap();
+        let one = t
+            .sample(&[2], &tensor(std::slice::from_ref(&row), v))
+            .unwrap();
         assert_eq!(both.tokens[0], 3, "first maximum");
         assert_eq!(both.tokens[1], one.tokens[0]);
     }

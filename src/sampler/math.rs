@@ -28,7 +28,10 @@ const LANES: usize = 8;
 /// `e^x` for `x ≤ 88`; exactly 0 for `x < -87` (including `-inf`).
 #[inline(always)]
 pub(crate) fn exp_approx(x: f32) -> f32 {
-    let xc = x.clamp(EXP_FLUSH, EXP_MAX);
+    // Plain comparisons (not `clamp`/`max`, whose NaN rules block it) let
+    // the loop vectorise; NaN never reaches here.
+    let lo = if x < EXP_FLUSH { EXP_FLUSH } else { x };
+    let xc = if lo > EXP_MAX { EXP_MAX } else { lo };
     let k = xc * LOG2E + ROUND_MAGIC;
     let n = k - ROUND_MAGIC;
     let r = xc - n * LN2_HI - n * LN2_LO;
@@ -37,42 +40,81 @@ pub(crate) fn exp_approx(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
     // n lies in [-126, 127], so the biased exponent stays in [1, 254].
     let n_int = (k.to_bits() as i32).wrapping_sub(ROUND_MAGIC.to_bits() as i32);
     let scale = f32::from_bits((n_int.wrapping_add(127) as u32) << 23);
-    if x < EXP_FLUSH {
-        0.0
-    } else {
-        y * scale
-    }
+    // Flush with a bit mask rather than a branch or select, which keeps
+    // the callers' loops vectorised.
+    mask_below(y * scale, x, EXP_FLUSH)
 }
 
-/// Largest value of the row and whether it holds a NaN or `+inf`, in one
-/// pass (NaN is ignored by `max`, so it is tracked separately).
-pub(crate) fn max_and_bad(row: &[f32]) -> (f32, bool) {
-    let mut m = [f32::NEG_INFINITY; LANES];
-    let mut bad = [false; LANES];
-    let chunks = row.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for j in 0..LANES {
-            m[j] = m[j].max(c[j]);
-            bad[j] |= !(c[j] < f32::INFINITY);
+/// `v` where `x >= floor`, else `+0.0`, without a branch.
+#[inline(always)]
+pub(crate) fn mask_below(v: f32, x: f32, floor: f32) -> f32 {
+    let keep = u32::from(x >= floor).wrapping_neg();
+    f32::from_bits(v.to_bits() & keep)
+}
+
+/// Defines `pub(crate) fn $name` whose body is compiled twice, for the
+/// baseline target and for AVX2, and picks the AVX2 build at run time when
+/// the CPU has it. Both builds perform the same IEEE operations in the same
+/// order (Rust never contracts `a * b + c` into an FMA, and the lane
+/// structure is explicit in the code), so they return bit-identical
+/// results; only the vector width differs.
+macro_rules! multiversion {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty $body:block) => {
+        $(#[$doc])*
+        pub(crate) fn $name($($arg: $ty),*) -> $ret {
+            #[inline(always)]
+            fn imp($($arg: $ty),*) -> $ret $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2")]
+                unsafe fn avx2($($arg: $ty),*) -> $ret {
+                    imp($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: the CPU supports AVX2 (checked just above),
+                    // which is all `avx2` requires beyond its safe body.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            imp($($arg),*)
         }
+    };
+}
+
+pub(crate) use multiversion;
+
+multiversion! {
+    /// Largest value of the row and whether it holds a NaN or `+inf`, in one
+    /// pass (a NaN never wins a `>` so it is tracked separately).
+    fn max_and_bad(row: &[f32]) -> (f32, bool) {
+        let mut m = [f32::NEG_INFINITY; LANES];
+        let mut bad = [0u32; LANES];
+        let chunks = row.chunks_exact(LANES);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for j in 0..LANES {
+                let x = c[j];
+                m[j] = if x > m[j] { x } else { m[j] };
+                bad[j] |= u32::from(x.is_nan() | (x == f32::INFINITY));
+            }
+        }
+        let mut best = f32::NEG_INFINITY;
+        let mut any_bad = false;
+        for j in 0..LANES {
+            best = best.max(m[j]);
+            any_bad |= bad[j] != 0;
+        }
+        for &x in tail {
+            best = best.max(x);
+            any_bad |= x.is_nan() | (x == f32::INFINITY);
+        }
+        (best, any_bad)
     }
-    let mut best = f32::NEG_INFINITY;
-    let mut any_bad = false;
-    for j in 0..LANES {
-        best = best.max(m[j]);
-        any_bad |= bad[j];
-    }
-    for &x in tail {
-        best = best.max(x);
-        any_bad |= !(x < f32::INFINITY);
-    }
-    (best, any_bad)
 }
 
 /// Largest value of a row known to be NaN-free.
@@ -80,103 +122,82 @@ pub(crate) fn max(row: &[f32]) -> f32 {
     max_and_bad(row).0
 }
 
-/// Index of the first largest value (the seed's argmax tie rule). The row
-/// must hold no NaN.
-pub(crate) fn argmax(row: &[f32]) -> usize {
-    let m = max(row);
-    row.iter().position(|&x| x == m).unwrap_or(0)
-}
-
-/// `Σ e^{(x - shift)·scale}` over the row, in a fixed order.
-pub(crate) fn sum_exp(row: &[f32], shift: f32, scale: f32) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    let chunks = row.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for j in 0..LANES {
-            acc[j] += exp_approx((c[j] - shift) * scale);
+multiversion! {
+    /// Index of the first entry equal to `m` (the seed's argmax tie rule
+    /// when `m` is the row maximum); 0 if there is none.
+    fn first_index_of(row: &[f32], m: f32) -> usize {
+        const BLOCK: usize = 16;
+        let mut base = 0;
+        for block in row.chunks(BLOCK) {
+            // One vectorised test per block; only a hit is searched.
+            if block.iter().fold(false, |any, &x| any | (x == m)) {
+                return base + block.iter().position(|&x| x == m).unwrap_or(0);
+            }
+            base += block.len();
         }
-    }
-    let mut total = 0.0f32;
-    for a in acc {
-        total += a;
-    }
-    for &x in tail {
-        total += exp_approx((x - shift) * scale);
-    }
-    total
-}
-
-/// Writes `out[i] = e^{(x_i - shift)·scale}` for `x_i ≥ floor`, else 0, and
-/// returns their sum in the same fixed order as [`sum_exp`].
-pub(crate) fn exp_into(row: &[f32], shift: f32, scale: f32, floor: f32, out: &mut [f32]) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    let n = row.len() - row.len() % LANES;
-    for (c, o) in row[..n]
-        .chunks_exact(LANES)
-        .zip(out[..n].chunks_exact_mut(LANES))
-    {
-        for j in 0..LANES {
-            let e = exp_approx((c[j] - shift) * scale);
-            let e = if c[j] >= floor { e } else { 0.0 };
-            o[j] = e;
-            acc[j] += e;
-        }
-    }
-    let mut total = 0.0f32;
-    for a in acc {
-        total += a;
-    }
-    for (x, o) in row[n..].iter().zip(out[n..].iter_mut()) {
-        let e = if *x >= floor {
-            exp_approx((*x - shift) * scale)
-        } else {
-            0.0
-        };
-        *o = e;
-        total += e;
-    }
-    total
-}
-
-/// Scales `v` by `1 / z` in place (the probabilities of a weight vector).
-pub(crate) fn normalise(v: &mut [f32], z: f32) {
-    let inv = 1.0 / z;
-    for x in v {
-        *x *= inv;
+        0
     }
 }
 
-/// Inverse CDF over `probs` in index order: the first index whose running
-/// sum (in f64) exceeds `u × Σprobs`, skipping zero entries. `probs` need
-/// not be normalised. Returns `None` when nothing has positive mass.
-///
-/// Zero entries leave the running sums bit-identical, which is why a
-/// sparse walk over the kept tokens (in id order) and a dense walk over V
-/// pick the same index for the same `u`.
-pub(crate) fn inverse_cdf<I>(u: f64, probs: I) -> Option<usize>
-where
-    I: Iterator<Item = (usize, f32)> + Clone,
-{
-    let total: f64 = probs.clone().map(|(_, p)| f64::from(p)).sum();
-    if !(total > 0.0) {
-        return None;
-    }
-    let target = u * total;
-    let mut cum = 0.0f64;
-    let mut last = None;
-    for (i, p) in probs {
-        if p <= 0.0 {
-            continue;
+multiversion! {
+    /// `Σ e^{(x - shift)·scale}` over the row, in a fixed order.
+    fn sum_exp(row: &[f32], shift: f32, scale: f32) -> f32 {
+        let mut acc = [0.0f32; LANES];
+        let chunks = row.chunks_exact(LANES);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for j in 0..LANES {
+                acc[j] += exp_approx((c[j] - shift) * scale);
+            }
         }
-        cum += f64::from(p);
-        last = Some(i);
-        if cum > target {
-            return Some(i);
+        let mut total = 0.0f32;
+        for a in acc {
+            total += a;
+        }
+        for &x in tail {
+            total += exp_approx((x - shift) * scale);
+        }
+        total
+    }
+}
+
+multiversion! {
+    /// Writes `out[i] = e^{(x_i - shift)·scale}` for `x_i ≥ floor`, else 0,
+    /// and returns their sum in the same fixed order as [`sum_exp`].
+    fn exp_into(row: &[f32], shift: f32, scale: f32, floor: f32, out: &mut [f32]) -> f32 {
+        let mut acc = [0.0f32; LANES];
+        let n = row.len() - row.len() % LANES;
+        for (c, o) in row[..n]
+            .chunks_exact(LANES)
+            .zip(out[..n].chunks_exact_mut(LANES))
+        {
+            for j in 0..LANES {
+                let e = mask_below(exp_approx((c[j] - shift) * scale), c[j], floor);
+                o[j] = e;
+                acc[j] += e;
+            }
+        }
+        let mut total = 0.0f32;
+        for a in acc {
+            total += a;
+        }
+        for (x, o) in row[n..].iter().zip(out[n..].iter_mut()) {
+            let e = mask_below(exp_approx((*x - shift) * scale), *x, floor);
+            *o = e;
+            total += e;
+        }
+        total
+    }
+}
+
+multiversion! {
+    /// Scales `v` by `1 / z` in place (the probabilities of a weight vector).
+    fn normalise(v: &mut [f32], z: f32) -> () {
+        let inv = 1.0 / z;
+        for x in v {
+            *x *= inv;
         }
     }
-    // Rounding can leave the target just above the final sum.
-    last
 }
 
 #[cfg(test)]
@@ -219,9 +240,13 @@ mod tests {
     }
 
     #[test]
-    fn argmax_takes_the_first_of_ties() {
-        assert_eq!(argmax(&[1.0, 3.0, 2.0, 3.0]), 1);
-        assert_eq!(argmax(&[f32::NEG_INFINITY, -1.0]), 1);
+    fn first_index_of_takes_the_first_of_ties() {
+        assert_eq!(first_index_of(&[1.0, 3.0, 2.0, 3.0], 3.0), 1);
+        assert_eq!(first_index_of(&[f32::NEG_INFINITY, -1.0], -1.0), 1);
+        let mut long = vec![0.0f32; 100];
+        long[37] = 2.0;
+        long[90] = 2.0;
+        assert_eq!(first_index_of(&long, 2.0), 37);
     }
 
     #[test]
@@ -236,19 +261,5 @@ mod tests {
         let z_floor = exp_into(&row, 1.0, 1.0, 0.0, &mut out);
         assert!(out.iter().zip(&row).all(|(e, x)| (*x >= 0.0) == (*e > 0.0)));
         assert!(z_floor < z);
-    }
-
-    #[test]
-    fn inverse_cdf_walks_in_order_and_skips_zeros() {
-        let p = [0.0f32, 0.25, 0.0, 0.5, 0.25];
-        let it = || p.iter().copied().enumerate();
-        assert_eq!(inverse_cdf(0.0, it()), Some(1));
-        assert_eq!(inverse_cdf(0.2499, it()), Some(1));
-        assert_eq!(inverse_cdf(0.25, it()), Some(3));
-        assert_eq!(inverse_cdf(0.9999, it()), Some(4));
-        assert_eq!(inverse_cdf(0.5, [(0, 0.0f32)].into_iter()), None);
-        // Unnormalised weights give the same choices.
-        let q: Vec<f32> = p.iter().map(|x| x * 8.0).collect();
-        assert_eq!(inverse_cdf(0.3, q.iter().copied().enumerate()), Some(3));
     }
 }

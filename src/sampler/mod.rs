@@ -68,10 +68,12 @@
 //! - `history.rs`: the pooled ring buffer.  `host.rs`: tensor → host.
 
 mod batched;
+mod draw;
 mod history;
 mod host;
 mod math;
 mod options;
+mod select;
 mod speculative;
 mod transform;
 

@@ -18,7 +18,7 @@ use rand::Rng;
 
 use super::batched::fault;
 use super::transform::{self, RowJob, RowScratch};
-use super::{host, math, Sampler, SamplerError};
+use super::{draw, host, Sampler, SamplerError};
 use crate::engine::SlotId;
 
 impl Sampler {
@@ -117,7 +117,7 @@ impl Sampler {
         if let Some((i, p)) = probs
             .iter()
             .enumerate()
-            .find(|(_, p)| !(**p >= 0.0) || !p.is_finite())
+            .find(|(_, p)| !p.is_finite() || **p < 0.0)
         {
             return Err(SamplerError::InvalidProbs {
                 reason: format!("entry {i} is {p}; weights must be finite and >= 0"),
@@ -134,7 +134,7 @@ impl Sampler {
             });
         }
         let u = self.slots[r].rng.random::<f64>();
-        let pick = math::inverse_cdf(u, probs.iter().copied().enumerate());
+        let pick = draw::draw_dense(u, probs, &mut Vec::new());
         pick.map(|i| i as u32)
             .ok_or_else(|| SamplerError::InvalidProbs {
                 reason: "the weights sum to zero".into(),

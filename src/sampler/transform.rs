@@ -10,23 +10,15 @@
 //! uniform path can run rows on several threads and the serial path one by
 //! one with *the same code*; a row's result depends only on its logits,
 //! its [`Plan`], its penalty window and its RNG.
-//!
-//! Candidates are ranked by a total order — score descending, then token
-//! id ascending — so top-k keeps exactly K tokens (ties at the K-th score
-//! go to the lower ids) and the result never depends on the selection
-//! algorithm's internal order.
-
-use std::cmp::Ordering;
+//! Candidate selection and its tie rule live in `select.rs`.
 
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
+use super::draw;
 use super::math;
+use super::select::{self, Cand};
 use super::SamplingOptions;
-
-/// First candidate count tried by top-p; doubled while the candidates'
-/// mass stays below `top_p`.
-const TOP_P_FIRST: usize = 64;
 
 /// The transforms of one slot, resolved from normalised options. Two slots
 /// with equal plans produce identical tokens from identical inputs (their
@@ -126,12 +118,15 @@ pub(crate) struct RowScratch {
     scores: Vec<f32>,
     /// Dense probabilities when no top-k / top-p bounds the candidates.
     dense: Vec<f32>,
-    /// Candidate buffer of the partial selection, `(score, id)`.
-    pairs: Vec<(f32, u32)>,
+    /// Candidate buffer of the partial selection.
+    pairs: Vec<Cand>,
     /// Sorted copy of the penalty window.
     hist: Vec<u32>,
     /// Surviving candidates as `(id, probability)`, ids ascending.
     kept: Vec<(u32, f32)>,
+    /// Block sums of the categorical walk.
+    dense_blocks: Vec<f64>,
+    sparse_blocks: Vec<(usize, usize, f64)>,
 }
 
 /// What the chain left to draw from.
@@ -143,58 +138,18 @@ enum Outcome {
     Dense,
 }
 
-/// Score descending, then id ascending: a total order on candidates (the
-/// rows are NaN-free by the time anything is ranked).
-#[inline]
-fn rank(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
-    b.0.partial_cmp(&a.0)
-        .unwrap_or(Ordering::Equal)
-        .then(a.1.cmp(&b.1))
-}
-
-/// Leaves the `c` best candidates of `row` (by [`rank`]) in `pairs`,
-/// unordered, in one scan: a candidate enters the buffer only if it beats
-/// the current cut-off, and the buffer is cut back to `c` by
-/// `select_nth_unstable_by` whenever it fills. Ids are scanned in
-/// ascending order, so a later score equal to the cut-off loses the tie.
-fn top_candidates(row: &[f32], c: usize, pairs: &mut Vec<(f32, u32)>) {
-    pairs.clear();
-    if c == 0 {
-        return;
-    }
-    if c >= row.len() {
-        pairs.extend(row.iter().enumerate().map(|(i, &s)| (s, i as u32)));
-        return;
-    }
-    let cap = (4 * c).max(256);
-    let mut cutoff = f32::NEG_INFINITY;
-    let mut have_cutoff = false;
-    for (i, &s) in row.iter().enumerate() {
-        if have_cutoff && !(s > cutoff) {
-            continue;
-        }
-        pairs.push((s, i as u32));
-        if pairs.len() == cap {
-            pairs.select_nth_unstable_by(c - 1, rank);
-            pairs.truncate(c);
-            cutoff = pairs[c - 1].0;
-            have_cutoff = true;
-        }
-    }
-    if pairs.len() > c {
-        pairs.select_nth_unstable_by(c - 1, rank);
-        pairs.truncate(c);
-    }
-}
-
 /// Applies repeat / presence penalties once per distinct window token and
-/// the frequency penalty once per occurrence (seed semantics).
+/// the frequency penalty once per occurrence (seed semantics). `raw_max`
+/// is the row's maximum before; returns the maximum after, rescanning the
+/// row only when a penalised token held the old maximum (otherwise some
+/// untouched token still does).
 fn apply_penalty(
     scores: &mut [f32],
     pen: &Penalty,
     window: &[u32],
     hist: &mut Vec<u32>,
-) -> Result<(), RowFault> {
+    raw_max: f32,
+) -> Result<f32, RowFault> {
     hist.clear();
     hist.extend_from_slice(window);
     hist.sort_unstable();
@@ -203,6 +158,8 @@ fn apply_penalty(
             return Err(RowFault::TokenOutOfVocab(last));
         }
     }
+    let mut touched_max = false;
+    let mut new_max = f32::NEG_INFINITY;
     let mut i = 0;
     while i < hist.len() {
         let t = hist[i];
@@ -213,6 +170,7 @@ fn apply_penalty(
         i += n;
         let slot = &mut scores[t as usize];
         let mut v = *slot;
+        touched_max |= v == raw_max;
         if pen.repeat != 1.0 {
             v = if v < 0.0 {
                 v * pen.repeat
@@ -225,8 +183,13 @@ fn apply_penalty(
         // A penalty below 1 or a negative coefficient could overflow to
         // +inf, which would poison the softmax.
         *slot = v.min(f32::MAX);
+        new_max = new_max.max(*slot);
     }
-    Ok(())
+    Ok(if touched_max {
+        math::max(scores)
+    } else {
+        raw_max.max(new_max)
+    })
 }
 
 /// Runs the chain up to the point of drawing.
@@ -237,6 +200,7 @@ fn process(job: RowJob<'_>, scratch: &mut RowScratch) -> Result<Outcome, RowFaul
         pairs,
         hist,
         kept,
+        ..
     } = scratch;
     let plan = job.plan;
     let (raw_max, bad) = math::max_and_bad(job.logits);
@@ -246,8 +210,7 @@ fn process(job: RowJob<'_>, scratch: &mut RowScratch) -> Result<Outcome, RowFaul
     let (scores, m): (&[f32], f32) = if plan.uses_history() && !job.window.is_empty() {
         buf.clear();
         buf.extend_from_slice(job.logits);
-        apply_penalty(buf, &plan.penalty, job.window, hist)?;
-        let m = math::max(buf);
+        let m = apply_penalty(buf, &plan.penalty, job.window, hist, raw_max)?;
         (buf.as_slice(), m)
     } else {
         (job.logits, raw_max)
@@ -257,7 +220,7 @@ fn process(job: RowJob<'_>, scratch: &mut RowScratch) -> Result<Outcome, RowFaul
     }
     if plan.is_greedy() {
         // Every truncation keeps the first maximum, so it is the answer.
-        return Ok(Outcome::Greedy(math::argmax(scores) as u32));
+        return Ok(Outcome::Greedy(math::first_index_of(scores, m) as u32));
     }
 
     let v = scores.len();
@@ -267,10 +230,10 @@ fn process(job: RowJob<'_>, scratch: &mut RowScratch) -> Result<Outcome, RowFaul
         v
     };
     let sparse = if plan.top_p < 1.0 {
-        top_p_candidates(scores, m, plan.top_p, top_k, pairs);
+        select::top_p_candidates(scores, m, plan.top_p, top_k, pairs);
         true
     } else if top_k < v {
-        top_candidates(scores, top_k, pairs);
+        select::top_candidates(scores, top_k, pairs);
         true
     } else {
         false
@@ -288,8 +251,8 @@ fn process(job: RowJob<'_>, scratch: &mut RowScratch) -> Result<Outcome, RowFaul
         kept.extend(
             pairs
                 .iter()
-                .filter(|(s, _)| *s >= floor)
-                .map(|&(s, id)| (id, s)),
+                .map(|&c| (select::id(c), select::score(c)))
+                .filter(|&(_, s)| s >= floor),
         );
         kept.sort_unstable_by_key(|&(id, _)| id);
         let mut z = 0.0f32;
@@ -310,35 +273,6 @@ fn process(job: RowJob<'_>, scratch: &mut RowScratch) -> Result<Outcome, RowFaul
     }
 }
 
-/// Top-p over the full softmax (at temperature 1) with positional top-k
-/// folded in: in rank order, keep position j while j < `top_k` and the
-/// exclusive cumulative probability is below `top_p`. Only a prefix is
-/// ever sorted: the best 64 candidates first, doubled while their mass
-/// does not reach `top_p`.
-fn top_p_candidates(scores: &[f32], m: f32, top_p: f32, top_k: usize, pairs: &mut Vec<(f32, u32)>) {
-    let z = math::sum_exp(scores, m, 1.0);
-    let inv_z = 1.0 / z;
-    let mut c = TOP_P_FIRST.min(top_k);
-    loop {
-        top_candidates(scores, c, pairs);
-        pairs.sort_unstable_by(rank);
-        let mut cum = 0.0f32;
-        let mut keep = pairs.len();
-        for (j, &(s, _)) in pairs.iter().enumerate() {
-            if !(cum < top_p) {
-                keep = j;
-                break;
-            }
-            cum += math::exp_approx(s - m) * inv_z;
-        }
-        if keep < pairs.len() || c >= top_k {
-            pairs.truncate(keep);
-            return;
-        }
-        c = (2 * c).min(top_k);
-    }
-}
-
 /// Draws one token for the row. Greedy rows use no randomness; any other
 /// row consumes exactly one `f64` from `rng`, turned into a token by the
 /// inverse CDF over the kept tokens in id order.
@@ -352,11 +286,11 @@ pub(crate) fn sample_row(
         Outcome::Greedy(t) => return Ok(t),
         Outcome::Sparse => {
             let u = rng.random::<f64>();
-            math::inverse_cdf(u, scratch.kept.iter().map(|&(id, p)| (id as usize, p)))
+            draw::draw_sparse(u, &scratch.kept, &mut scratch.sparse_blocks)
         }
         Outcome::Dense => {
             let u = rng.random::<f64>();
-            math::inverse_cdf(u, scratch.dense.iter().copied().enumerate())
+            draw::draw_dense(u, &scratch.dense, &mut scratch.dense_blocks)
         }
     };
     // The row maximum always keeps probability > 0, so this is a safeguard.
@@ -365,7 +299,7 @@ pub(crate) fn sample_row(
 
 /// Writes into `out` (length V) the distribution [`sample_row`] would draw
 /// from: a one-hot on the argmax for greedy rows. Drawing from `out` with
-/// [`math::inverse_cdf`] and the same uniform picks the same token.
+/// [`draw::draw_dense`] and the same uniform picks the same token.
 pub(crate) fn distribution_row(
     job: RowJob<'_>,
     scratch: &mut RowScratch,
@@ -402,10 +336,9 @@ pub(crate) fn logprobs_row(
     let lp = |x: f32| (x - m) - lse;
     if !top.is_empty() {
         let k = top.len().min(logits.len());
-        top_candidates(logits, k, &mut scratch.pairs);
-        scratch.pairs.sort_unstable_by(rank);
-        for (slot, &(s, id)) in top.iter_mut().zip(&scratch.pairs) {
-            *slot = (id, lp(s));
+        select::top_sorted(logits, k, &mut scratch.pairs);
+        for (slot, &c) in top.iter_mut().zip(&scratch.pairs) {
+            *slot = (select::id(c), lp(select::score(c)));
         }
     }
     lp(logits[token as usize])
@@ -421,35 +354,6 @@ mod tests {
     }
 
     #[test]
-    fn top_candidates_keeps_exactly_k_with_lower_ids_on_ties() {
-        let row: Vec<f32> = (0..1000).map(|i| (i % 7) as f32).collect();
-        let mut pairs = Vec::new();
-        top_candidates(&row, 5, &mut pairs);
-        let mut ids: Vec<u32> = pairs.iter().map(|p| p.1).collect();
-        ids.sort_unstable();
-        assert_eq!(ids, vec![6, 13, 20, 27, 34]);
-    }
-
-    #[test]
-    fn top_candidates_matches_a_full_sort() {
-        let row: Vec<f32> = (0..5000)
-            .map(|i| ((i * 7919) % 1013) as f32 * 0.01)
-            .collect();
-        let mut all: Vec<(f32, u32)> = row
-            .iter()
-            .enumerate()
-            .map(|(i, &s)| (s, i as u32))
-            .collect();
-        all.sort_by(rank);
-        for c in [1, 40, 64, 300, 4999, 5000] {
-            let mut pairs = Vec::new();
-            top_candidates(&row, c, &mut pairs);
-            pairs.sort_by(rank);
-            assert_eq!(pairs, all[..c], "c = {c}");
-        }
-    }
-
-    #[test]
     fn penalty_counts_distinct_tokens_once_and_occurrences_for_frequency() {
         let mut s = vec![4.0, -2.0, 1.0];
         let pen = Penalty {
@@ -458,26 +362,34 @@ mod tests {
             frequency: 0.25,
             window: 8,
         };
-        apply_penalty(&mut s, &pen, &[0, 1, 0, 0], &mut Vec::new()).unwrap();
+        let m = apply_penalty(&mut s, &pen, &[0, 1, 0, 0], &mut Vec::new(), 4.0).unwrap();
         assert_eq!(
             s,
             vec![4.0 / 2.0 - 0.5 - 0.75, -2.0 * 2.0 - 0.5 - 0.25, 1.0]
         );
-        let err = apply_penalty(&mut s, &pen, &[3], &mut Vec::new());
+        assert_eq!(m, 1.0, "the old maximum was penalised: rescanned");
+        let err = apply_penalty(&mut s, &pen, &[3], &mut Vec::new(), 1.0);
         assert_eq!(err, Err(RowFault::TokenOutOfVocab(3)));
     }
 
     #[test]
-    fn top_p_doubles_until_the_mass_is_reached() {
-        // Flat row: top-p just under 0.5 over 1000 tokens needs 500 candidates, more
-        // than the first 64 and the doublings to 128 and 256.
-        let row = vec![0.0f32; 1000];
-        let mut pairs = Vec::new();
-        top_p_candidates(&row, 0.0, 0.4995, 1000, &mut pairs);
-        assert_eq!(pairs.len(), 500);
-        assert!(pairs.iter().all(|p| p.1 < 500), "lower ids win ties");
-        top_p_candidates(&row, 0.0, 0.4995, 100, &mut pairs);
-        assert_eq!(pairs.len(), 100, "top-k bounds the doubling");
+    fn penalty_maximum_without_rescan() {
+        let pen = Penalty {
+            repeat: 1.0,
+            presence: -3.0,
+            frequency: 0.0,
+            window: 8,
+        };
+        // Untouched maximum 5 stays, unless a boosted token overtakes it.
+        let mut s = vec![5.0, 1.0, 2.5];
+        assert_eq!(
+            apply_penalty(&mut s, &pen, &[1], &mut Vec::new(), 5.0),
+            Ok(5.0)
+        );
+        assert_eq!(
+            apply_penalty(&mut s, &pen, &[2], &mut Vec::new(), 5.0),
+            Ok(5.5)
+        );
     }
 
     #[test]
@@ -521,7 +433,7 @@ mod tests {
                 let mut b = a.clone();
                 let t = sample_row(job, &mut a, &mut scratch).unwrap();
                 let u = b.random::<f64>();
-                let d = math::inverse_cdf(u, dist.iter().copied().enumerate()).unwrap();
+                let d = draw::draw_dense(u, &dist, &mut Vec::new()).unwrap();
                 assert_eq!(t as usize, d, "{o:?} seed {seed}");
             }
         }
