@@ -15,7 +15,7 @@ use crate::engine::SlotId;
 
 /// Below this many logits (rows × V) per extra thread, the uniform path
 /// stays on the calling thread: spawning costs more than it saves.
-const MIN_LOGITS_PER_THREAD: usize = 64 * 1024;
+const MIN_LOGITS_PER_THREAD: usize = 256 * 1024;
 
 /// One registered sequence.
 #[derive(Debug)]
@@ -69,7 +69,6 @@ struct CallCtx<'a> {
 }
 
 /// A batched, slot-based sampler. See the [module docs](crate::sampler).
-#[derive(Debug)]
 pub struct Sampler {
     num_ctx: usize,
     /// Registration order; index `r` owns pool row `r`.
@@ -91,6 +90,24 @@ pub struct Sampler {
     call_seen: Vec<bool>,
     call_rows: Vec<RowOut>,
     call_top: Vec<(u32, f32)>,
+}
+
+impl std::fmt::Debug for Sampler {
+    // The scratch buffers hold whole rows of V; they are not state.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sampler")
+            .field("num_ctx", &self.num_ctx)
+            .field(
+                "slots",
+                &self.slots.iter().map(|s| s.id).collect::<Vec<_>>(),
+            )
+            .field("history_width", &self.pool.width())
+            .field("all_same", &self.all_same)
+            .field("any_logprobs", &self.any_logprobs)
+            .field("max_top_logprobs", &self.max_top_logprobs)
+            .field("threads", &self.threads)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Sampler {

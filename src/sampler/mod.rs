@@ -15,7 +15,8 @@
 //! top-p use partial selection and sort only their candidates. The one
 //! exception: when every row is greedy, no row has penalties, no slot asked
 //! for logprobs and the tensor is not on the CPU, the argmax is taken on
-//! the device and only B ids cross (those rows are not checked for NaN).
+//! the device and only B ids cross (those rows are not checked for NaN,
+//! and ties follow the device kernel's rule).
 //!
 //! # Transform chain (per row, Ollama semantics)
 //! penalties (repeat and presence once per distinct token of the window,
@@ -32,12 +33,17 @@
 //!   the call names every registered slot in registration order and every
 //!   ring is full. Then row `i` of the logits is row `i` of the history
 //!   pool and all of its window is valid, so one fused pass runs over the
-//!   whole batch with the shared options, rows split across threads.
+//!   whole batch with the shared options, rows split in contiguous chunks
+//!   across `std::thread::scope` threads (up to the machine's parallelism,
+//!   at least 256 Ki logits per thread so spawning pays for itself).
 //! - **Serial**: anything else. Slot by slot on the calling thread, each
 //!   with its own options and the filled part of its own pool row.
 //!
-//! Both paths run the same per-row code with per-row RNGs, so they give the
-//! same tokens for the same inputs; [`SampleResult::path`] says which ran.
+//! Both paths run the same per-row code, and every row owns its RNG, so
+//! they give the same tokens for the same inputs whatever the thread split;
+//! [`SampleResult::path`] says which ran. Because the host work per row is
+//! the same on both paths, the uniform path's gain is its parallelism (and
+//! no per-slot dispatch): expect up to the core count, not more.
 //!
 //! # History pool invariants
 //! One `[rows, W]` ring-buffer matrix, `W` = the largest `repeat_last_n`
@@ -50,8 +56,15 @@
 //! # Randomness
 //! Each slot owns a ChaCha8 RNG seeded from `options.seed` (or from the
 //! sampler's own RNG when `None`), so a seeded request yields the same
-//! tokens whatever else shares the batch and whichever path runs. A failed
-//! call advances nothing.
+//! tokens whatever else shares the batch and whichever path runs. A greedy
+//! row draws nothing; any other row draws exactly one `f64`. A failed call
+//! advances nothing and writes no history.
+//!
+//! # Vocabulary checks
+//! The sampler learns V only from the logits. History tokens (priors and
+//! commits) are checked against each call's V (a failing call commits nothing), so
+//! a prior or committed id ≥ V surfaces as [`SamplerError::VocabMismatch`]
+//! at the next call for that slot.
 //!
 //! # Logprobs
 //! Computed for every row whenever any *registered* slot asked (compute
@@ -64,7 +77,10 @@
 //! - `options.rs`: [`SamplingOptions`] and their validation / normalisation.
 //! - `batched.rs`: [`Sampler`], registration, dispatch, the two paths.
 //! - `speculative.rs`: distributions, commit and draws for MTP verification.
-//! - `transform.rs`: the per-row chain.  `math.rs`: vectorisable kernels.
+//! - `transform.rs`: the per-row chain; `select.rs`: partial selection
+//!   (top-k, top-p, top logprobs); `draw.rs`: the categorical walk;
+//!   `math.rs`: vectorised kernels (exp, max, sums; AVX2 when available,
+//!   bit-identical to the baseline build).
 //! - `history.rs`: the pooled ring buffer.  `host.rs`: tensor → host.
 
 mod batched;
