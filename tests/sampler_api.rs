@@ -133,10 +133,11 @@ fn seeded_slots_repeat_whatever_shares_the_batch() {
 }
 
 #[test]
-fn non_f32_and_large_batches_agree_with_f32() {
-    // bf16 goes through the conversion branch; 64 rows x 4096 cross the
-    // threading threshold of the uniform path.
-    let (b, v) = (64usize, 4096usize);
+fn dtype_and_thread_split_do_not_change_tokens() {
+    // bf16 goes through the conversion branch; 64 rows x 16384 logits are
+    // enough for up to 4 threads on the uniform path, capped at 1, 2 and 3
+    // (uneven chunks) here, against the serial path.
+    let (b, v) = (64usize, 16384usize);
     let data: Vec<f32> = (0..b * v)
         .map(|i| ((i * 7919 % 1009) as f32) * 0.01)
         .collect();
@@ -147,33 +148,46 @@ fn non_f32_and_large_batches_agree_with_f32() {
         temperature: 0.9,
         top_k: 40,
         top_p: 0.9,
+        repeat_last_n: 2,
+        presence_penalty: 0.5,
+        logprobs: seed % 2 == 0,
+        top_logprobs: 3,
         seed: Some(seed),
         ..SamplingOptions::default()
     };
     let ids: Vec<u32> = (0..b as u32).collect();
-    let mut tokens = Vec::new();
-    for (t, serial) in [(&t16, false), (&back, false), (&back, true)] {
+    let mut results = Vec::new();
+    for (t, threads) in [(&t16, 2), (&back, 1), (&back, 2), (&back, 3), (&back, 0)] {
         let mut s = Sampler::with_seed(128, 1);
         for &id in &ids {
-            s.add(id, opts(u64::from(id)), &[]).unwrap();
+            s.add(id, opts(u64::from(id)), &[id % 7, id % 5]).unwrap();
         }
-        let res = if serial {
-            s.sample_serial_for_bench(&ids, t).unwrap()
-        } else {
-            s.sample(&ids, t).unwrap()
-        };
-        assert_eq!(
-            res.path,
-            if serial {
+        for _ in 0..3 {
+            let res = if threads == 0 {
+                s.sample_serial_for_bench(&ids, t).unwrap()
+            } else {
+                s.set_max_threads(threads);
+                s.sample(&ids, t).unwrap()
+            };
+            let want = if threads == 0 {
                 SamplePath::Serial
             } else {
                 SamplePath::Uniform
-            }
-        );
-        tokens.push(res.tokens);
+            };
+            assert_eq!(res.path, want);
+            results.push((threads, res.tokens, res.logprobs, res.top_logprobs));
+        }
     }
-    assert_eq!(tokens[0], tokens[1]);
-    assert_eq!(tokens[1], tokens[2]);
+    assert!(results[0].2.is_some() && results[0].3.is_some());
+    for step in 0..3 {
+        let base = &results[step];
+        for run in 1..5 {
+            let other = &results[run * 3 + step];
+            assert_eq!(other.1, base.1, "threads {} step {step}", other.0);
+            assert_eq!(other.2, base.2, "threads {} step {step}", other.0);
+            assert_eq!(other.3, base.3, "threads {} step {step}", other.0);
+        }
+    }
 }
 
 #[test]

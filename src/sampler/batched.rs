@@ -190,6 +190,12 @@ impl Sampler {
         true
     }
 
+    /// Caps the worker threads of the uniform path (default: the machine's
+    /// available parallelism; at least 1). Tokens do not depend on it.
+    pub fn set_max_threads(&mut self, threads: usize) {
+        self.threads = threads.max(1);
+    }
+
     /// Number of registered slots.
     pub fn len(&self) -> usize {
         self.slots.len()
