@@ -139,8 +139,31 @@ impl SamplingOptions {
                 || self.frequency_penalty != 0.0)
     }
 
-    /// Whether every transform is neutral and the choice is the argmax.
+    /// Whether the choice is the argmax of the (penalised) scores.
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
+    }
+
+    /// The form the sampler stores (seed semantics): a repeat penalty ≤ 0
+    /// becomes the neutral 1, `repeat_last_n == -1` becomes `num_ctx`, and
+    /// the window is zeroed when no penalty is active, so slots that differ
+    /// only in an unused window still share the uniform path and do not
+    /// widen the history pool.
+    pub fn normalized(mut self, num_ctx: usize) -> Self {
+        if self.repeat_penalty <= 0.0 {
+            self.repeat_penalty = 1.0;
+        }
+        if self.repeat_last_n < 0 {
+            self.repeat_last_n = i32::try_from(num_ctx).unwrap_or(i32::MAX);
+        }
+        if !self.uses_history() {
+            self.repeat_last_n = 0;
+        }
+        self
+    }
+
+    /// The penalty window in tokens of normalised options (0 = no history).
+    pub fn window(&self) -> usize {
+        usize::try_from(self.repeat_last_n).unwrap_or(0)
     }
 }
