@@ -28,7 +28,9 @@ const LLAMA_100M: &str = r#"{
 const PROMPT: usize = 128;
 
 fn prompt(seq: u32) -> Vec<u32> {
-    (0..PROMPT as u32).map(|i| (seq * 7919 + i * 104_729) % 32_000).collect()
+    (0..PROMPT as u32)
+        .map(|i| (seq * 7919 + i * 104_729) % 32_000)
+        .collect()
 }
 
 fn batches() -> Vec<usize> {
@@ -45,7 +47,10 @@ fn bench(c: &mut Criterion) {
     drop(weights);
 
     let mut group = c.benchmark_group("forward");
-    group.sample_size(10).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(6));
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(6));
     for b in batches() {
         let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, b * (PROMPT + 8));
         let mut step = Batch::default();
@@ -65,7 +70,9 @@ fn bench(c: &mut Criterion) {
                         kv.begin(s).unwrap();
                     }
                     let t = Instant::now();
-                    let logits = model.unembed(&model.forward(&step, &mut kv).unwrap()).unwrap();
+                    let logits = model
+                        .unembed(&model.forward(&step, &mut kv).unwrap())
+                        .unwrap();
                     std::hint::black_box(logits);
                     total += t.elapsed();
                     for s in 0..b as u32 {

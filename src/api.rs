@@ -125,8 +125,9 @@ pub enum TandemError {
     /// A request field is invalid; the message names it.
     #[error("invalid `{field}`: {reason}")]
     InvalidRequest { field: &'static str, reason: String },
-    #[error(transparent)]
-    Tokenizer(#[from] TokenizerError),
+    /// Tokenizing the prompt or decoding output failed.
+    #[error("{message}")]
+    Tokenizer { error_type: &'static str, message: String },
     #[error(transparent)]
     Scheduler(#[from] SchedulerError),
     /// The scheduler is gone (shut down or crashed).
@@ -138,7 +139,7 @@ impl TandemError {
     pub fn error_type(&self) -> &'static str {
         match self {
             TandemError::InvalidRequest { .. } => "invalid_request",
-            TandemError::Tokenizer(e) => e.error_type(),
+            TandemError::Tokenizer { error_type, .. } => error_type,
             TandemError::Scheduler(e) => e.error_type(),
             TandemError::Unavailable => "unavailable",
         }
@@ -147,9 +148,15 @@ impl TandemError {
     pub fn is_invalid_request(&self) -> bool {
         match self {
             TandemError::InvalidRequest { .. } => true,
-            TandemError::Tokenizer(_) => true,
+            TandemError::Tokenizer { .. } => true,
             TandemError::Scheduler(e) => e.is_invalid_request(),
             TandemError::Unavailable => false,
         }
+    }
+}
+
+impl From<TokenizerError> for TandemError {
+    fn from(e: TokenizerError) -> Self {
+        TandemError::Tokenizer { error_type: e.error_type(), message: e.to_string() }
     }
 }

@@ -4,4 +4,5 @@ pub mod engine;
 pub mod kv;
 pub mod model;
 pub mod sampler;
+pub mod tiny;
 pub mod tokenizer;

@@ -126,7 +126,7 @@ impl Handler<SeqEvent> for RequestActor {
                     match self.stream.push(id, info) {
                         Ok(step) => self.forward(step),
                         Err(e) => {
-                            self.sink.send(Event::Error(TandemError::Tokenizer(e)));
+                            self.sink.send(Event::Error(TandemError::from(e)));
                             self.cancel(CancelReason::Client);
                         }
                     }

@@ -45,7 +45,8 @@ impl TinyPreset {
             "max_position_embeddings": ctx, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
             "tie_word_embeddings": false, "bos_token_id": 1, "eos_token_id": 2,
         });
-        ModelConfig::from_json(&json.to_string()).expect("the embedded config is valid; this is a bug")
+        ModelConfig::from_json(&json.to_string())
+            .expect("the embedded config is valid; this is a bug")
     }
 
     /// Name reported to clients.
@@ -86,5 +87,11 @@ pub fn tiny_model(preset: TinyPreset, opts: &LoadOptions) -> Result<(Model, Toke
 
 /// `tiny_model` with f32 on the CPU.
 pub fn tiny_model_cpu(preset: TinyPreset) -> Result<(Model, Tokenizer), TinyError> {
-    tiny_model(preset, &LoadOptions { dtype: DType::F32, device: candle_core::Device::Cpu })
+    tiny_model(
+        preset,
+        &LoadOptions {
+            dtype: DType::F32,
+            device: candle_core::Device::Cpu,
+        },
+    )
 }

@@ -75,9 +75,19 @@ impl Engine {
             eos_ids,
             kv_capacity_tokens: config.kv_capacity_tokens,
         };
-        let kv = KvCache::new(model.kv_layout(), model.device().clone(), config.kv_capacity_tokens);
+        let kv = KvCache::new(
+            model.kv_layout(),
+            model.device().clone(),
+            config.kv_capacity_tokens,
+        );
         let sampler = Sampler::new(info.context_len);
-        Self { model, kv, sampler, slots: HashMap::new(), info }
+        Self {
+            model,
+            kv,
+            sampler,
+            slots: HashMap::new(),
+            info,
+        }
     }
 
     pub fn model(&self) -> &Model {
@@ -100,19 +110,38 @@ impl Engine {
             return Err(EngineError::DuplicateSlot(a.slot));
         }
         if a.prompt.is_empty() || a.max_new_tokens == 0 {
-            return Err(EngineError::InvalidWork { slot: a.slot, reason: "empty prompt or max_new_tokens 0".into() });
+            return Err(EngineError::InvalidWork {
+                slot: a.slot,
+                reason: "empty prompt or max_new_tokens 0".into(),
+            });
         }
-        self.kv.allocate(a.slot, a.kv_reserve).map_err(|e| match e {
-            crate::kv::KvError::Exhausted { requested, available, .. } => EngineError::KvExhausted { requested, available },
-            other => EngineError::Model(other.to_string()),
-        })?;
+        self.kv
+            .allocate(a.slot, a.kv_reserve)
+            .map_err(|e| match e {
+                crate::kv::KvError::Exhausted {
+                    requested,
+                    available,
+                    ..
+                } => EngineError::KvExhausted {
+                    requested,
+                    available,
+                },
+                other => EngineError::Model(other.to_string()),
+            })?;
         if let Err(e) = self.sampler.add(a.slot, a.sampling, &a.prompt) {
             self.kv.free(a.slot);
             return Err(e.into());
         }
         self.slots.insert(
             a.slot,
-            SlotState { prompt: a.prompt, prefilled: 0, last_token: None, generated: 0, max_new_tokens: a.max_new_tokens, sampling: a.sampling },
+            SlotState {
+                prompt: a.prompt,
+                prefilled: 0,
+                last_token: None,
+                generated: 0,
+                max_new_tokens: a.max_new_tokens,
+                sampling: a.sampling,
+            },
         );
         Ok(())
     }
@@ -120,7 +149,10 @@ impl Engine {
     /// Checks one work item and adds its tokens to the batch.
     fn plan_one(&mut self, work: SeqWork, batch: &mut Batch) -> Result<Planned, EngineError> {
         let slot = work.slot();
-        let state = self.slots.get(&slot).ok_or(EngineError::UnknownSlot(slot))?;
+        let state = self
+            .slots
+            .get(&slot)
+            .ok_or(EngineError::UnknownSlot(slot))?;
         let invalid = |reason: String| EngineError::InvalidWork { slot, reason };
         let (tokens, samples): (Vec<u32>, bool) = match work {
             SeqWork::Prefill { start, len, .. } => {
@@ -132,32 +164,76 @@ impl Engine {
                         state.prompt.len()
                     )));
                 }
-                (state.prompt[start..start + len].to_vec(), start + len == state.prompt.len())
+                (
+                    state.prompt[start..start + len].to_vec(),
+                    start + len == state.prompt.len(),
+                )
             }
             SeqWork::Decode { .. } => match state.last_token {
                 Some(t) if state.prefilled == state.prompt.len() => (vec![t], true),
                 _ => return Err(invalid("decode before the prompt is prefilled".into())),
             },
         };
-        let offset = self.kv.len(slot).map_err(|e| EngineError::Model(e.to_string()))?;
+        let offset = self
+            .kv
+            .len(slot)
+            .map_err(|e| EngineError::Model(e.to_string()))?;
         if offset + tokens.len() > self.info.context_len {
-            return Err(invalid(format!("position {} beyond the context of {}", offset + tokens.len(), self.info.context_len)));
+            return Err(invalid(format!(
+                "position {} beyond the context of {}",
+                offset + tokens.len(),
+                self.info.context_len
+            )));
         }
-        self.kv.ensure_room(slot, tokens.len()).map_err(|e| match e {
-            crate::kv::KvError::OverReservation { reserved, needed, .. } => EngineError::KvOverReservation { slot, reserved, needed },
-            other => EngineError::Model(other.to_string()),
-        })?;
-        batch.push(slot, offset, &tokens, if samples { OutputRows::Last } else { OutputRows::None });
-        Ok(Planned { slot, tokens_fed: tokens.len(), samples })
+        self.kv
+            .ensure_room(slot, tokens.len())
+            .map_err(|e| match e {
+                crate::kv::KvError::OverReservation {
+                    reserved, needed, ..
+                } => EngineError::KvOverReservation {
+                    slot,
+                    reserved,
+                    needed,
+                },
+                other => EngineError::Model(other.to_string()),
+            })?;
+        batch.push(
+            slot,
+            offset,
+            &tokens,
+            if samples {
+                OutputRows::Last
+            } else {
+                OutputRows::None
+            },
+        );
+        Ok(Planned {
+            slot,
+            tokens_fed: tokens.len(),
+            samples,
+        })
     }
 
     /// Runs the forward pass and the sampler over the planned sequences.
-    fn run_batch(&mut self, batch: &Batch, planned: &[Planned], stats: &mut StepStats) -> Result<Vec<(SlotId, SeqProgress)>, EngineError> {
+    fn run_batch(
+        &mut self,
+        batch: &Batch,
+        planned: &[Planned],
+        stats: &mut StepStats,
+    ) -> Result<Vec<(SlotId, SeqProgress)>, EngineError> {
         let t0 = Instant::now();
-        let sampling_slots: Vec<SlotId> = planned.iter().filter(|p| p.samples).map(|p| p.slot).collect();
+        let sampling_slots: Vec<SlotId> = planned
+            .iter()
+            .filter(|p| p.samples)
+            .map(|p| p.slot)
+            .collect();
         let model_err = |e: crate::model::ModelError| EngineError::Model(e.to_string());
         let hidden = self.model.forward(batch, &mut self.kv).map_err(model_err)?;
-        let logits = if sampling_slots.is_empty() { None } else { Some(self.model.unembed(&hidden).map_err(model_err)?) };
+        let logits = if sampling_slots.is_empty() {
+            None
+        } else {
+            Some(self.model.unembed(&hidden).map_err(model_err)?)
+        };
         stats.forward = t0.elapsed();
 
         let t1 = Instant::now();
@@ -177,20 +253,29 @@ impl Engine {
         let mut out = Vec::with_capacity(planned.len());
         let mut row = 0;
         for p in planned {
-            let state = self.slots.get_mut(&p.slot).ok_or(EngineError::UnknownSlot(p.slot))?;
+            let state = self
+                .slots
+                .get_mut(&p.slot)
+                .ok_or(EngineError::UnknownSlot(p.slot))?;
             let mut progress = SeqProgress::default();
             if state.prefilled < state.prompt.len() {
                 state.prefilled += p.tokens_fed;
                 progress.prefilled = p.tokens_fed;
             }
             if p.samples {
-                let res = sampled.as_ref().expect("sampled when any slot samples; this is a bug");
+                let res = sampled
+                    .as_ref()
+                    .expect("sampled when any slot samples; this is a bug");
                 let id = res.tokens[row];
                 let (logprob, top_logprobs) = res.for_row(row, &state.sampling);
                 row += 1;
                 state.last_token = Some(id);
                 state.generated += 1;
-                progress.tokens.push(GeneratedToken { id, logprob, top_logprobs });
+                progress.tokens.push(GeneratedToken {
+                    id,
+                    logprob,
+                    top_logprobs,
+                });
                 let kv_len = state.prompt.len() + state.generated - 1;
                 progress.finish = if self.info.eos_ids.contains(&id) {
                     Some(SeqFinish::Eos)
@@ -215,14 +300,20 @@ impl StepExecutor for Engine {
 
     fn execute(&mut self, plan: StepPlan) -> StepOutcome {
         let start = Instant::now();
-        let mut outcome = StepOutcome { step: plan.step, ..Default::default() };
+        let mut outcome = StepOutcome {
+            step: plan.step,
+            ..Default::default()
+        };
         for slot in plan.release {
             self.drop_slot(slot);
         }
         for a in plan.admit {
             let slot = a.slot;
             if let Err(error) = self.admit(a) {
-                outcome.seqs.push(SeqOutcome { slot, result: Err(error) });
+                outcome.seqs.push(SeqOutcome {
+                    slot,
+                    result: Err(error),
+                });
             }
         }
 
@@ -236,7 +327,10 @@ impl StepExecutor for Engine {
                     if !matches!(error, EngineError::UnknownSlot(_)) {
                         self.drop_slot(slot);
                     }
-                    outcome.seqs.push(SeqOutcome { slot, result: Err(error) });
+                    outcome.seqs.push(SeqOutcome {
+                        slot,
+                        result: Err(error),
+                    });
                 }
             }
         }
@@ -249,14 +343,20 @@ impl StepExecutor for Engine {
                         if progress.finish.is_some() {
                             self.drop_slot(slot);
                         }
-                        outcome.seqs.push(SeqOutcome { slot, result: Ok(progress) });
+                        outcome.seqs.push(SeqOutcome {
+                            slot,
+                            result: Ok(progress),
+                        });
                     }
                 }
                 Err(error) => {
                     tracing::warn!(%error, "step failed; failing every sequence in it");
                     for p in &planned {
                         self.drop_slot(p.slot);
-                        outcome.seqs.push(SeqOutcome { slot: p.slot, result: Err(error.clone()) });
+                        outcome.seqs.push(SeqOutcome {
+                            slot: p.slot,
+                            result: Err(error.clone()),
+                        });
                     }
                 }
             }

@@ -4,9 +4,11 @@
 //! - [`protocol`]: the plain-data `StepPlan` / `StepOutcome` boundary.
 //! - [`thread`]: the OS thread that owns an executor and runs plans.
 
+pub mod executor;
 pub mod protocol;
 pub mod thread;
 
+pub use executor::{Engine, EngineConfig};
 pub use protocol::*;
 pub use thread::{EngineCommand, EngineThread};
 

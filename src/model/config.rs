@@ -199,9 +199,11 @@ impl ModelConfig {
         let head_dim = match raw.head_dim {
             Some(d) => positive("head_dim", d)?,
             None if hidden_size % num_heads == 0 => hidden_size / num_heads,
-            None => return Err(bad(format!(
+            None => {
+                return Err(bad(format!(
                 "hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}"
-            ))),
+            )))
+            }
         };
         if head_dim % 2 != 0 {
             return Err(bad(format!("head_dim {head_dim} must be even for RoPE")));
