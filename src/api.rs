@@ -10,7 +10,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::sampler::SamplingOptions;
-use crate::scheduler::{FinishReason, SchedulerError, Timings, Usage};
+use crate::scheduler::{FinishReason, RequestId, SchedulerError, Timings, Usage};
 use crate::tokenizer::TokenizerError;
 
 /// The prompt: text to tokenize, or token ids used as given.
@@ -88,6 +88,7 @@ pub struct TopLogprob {
 /// How a request ended, with its usage and timings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Finished {
+    pub id: RequestId,
     pub reason: FinishReason,
     pub usage: Usage,
     pub timings: Timings,
@@ -104,16 +105,24 @@ pub enum Event {
     /// a token whose bytes complete a character later is reported with the
     /// chunk that carries that character (so `tokens` may be empty for a
     /// chunk that only finishes earlier text, or hold several tokens).
-    Tokens { text: String, tokens: Vec<TokenInfo> },
+    Tokens { id: RequestId, text: String, tokens: Vec<TokenInfo> },
     /// Terminal: generation ended.
     Finished(Finished),
     /// Terminal: the request failed.
-    Error(TandemError),
+    Error { id: RequestId, error: TandemError },
 }
 
 impl Event {
     pub fn is_terminal(&self) -> bool {
         !matches!(self, Event::Tokens { .. })
+    }
+
+    /// The request the event belongs to (one recipient may serve many).
+    pub fn id(&self) -> RequestId {
+        match self {
+            Event::Tokens { id, .. } | Event::Error { id, .. } => *id,
+            Event::Finished(f) => f.id,
+        }
     }
 }
 

@@ -15,7 +15,7 @@ use actix::prelude::*;
 use tokio::sync::mpsc;
 
 use crate::api::{Event, Finished, TandemError, TokenInfo, TopLogprob};
-use crate::scheduler::{Cancel, CancelReason, FinishReason, RequestId, Scheduler, SeqEvent};
+use crate::scheduler::{Cancel, CancelReason, FinishReason, RequestId, Scheduler, SeqEvent, SeqRequest};
 use crate::tokenizer::{StreamStep, TextStream, Tokenizer};
 
 /// Where a request's events go: an actor's mailbox or an async channel.
@@ -57,8 +57,9 @@ pub struct RequestActor {
     sink: EventSink,
     scheduler: Addr<Scheduler>,
     tokenizer: Arc<Tokenizer>,
-    /// Learnt from the first event (events carry the id).
-    id: Option<RequestId>,
+    /// Learnt from the first scheduler event (every event carries it),
+    /// so it is known before anything is sent to the sink.
+    id: RequestId,
     /// The stop string that matched, once one did.
     stopped_by: Option<String>,
     /// A `Cancel` has been sent; events until the terminal one are ignored.
@@ -67,20 +68,20 @@ pub struct RequestActor {
 
 impl RequestActor {
     pub(crate) fn new(stream: TextStream<TokenInfo>, sink: EventSink, scheduler: Addr<Scheduler>, tokenizer: Arc<Tokenizer>) -> Self {
-        Self { stream, sink, scheduler, tokenizer, id: None, stopped_by: None, cancelling: false }
+        Self { stream, sink, scheduler, tokenizer, id: RequestId(u64::MAX), stopped_by: None, cancelling: false }
     }
 
     fn cancel(&mut self, reason: CancelReason) {
-        if let (Some(id), false) = (self.id, self.cancelling) {
+        if !self.cancelling {
             self.cancelling = true;
-            self.scheduler.do_send(Cancel { id, reason });
+            self.scheduler.do_send(Cancel { id: self.id, reason });
         }
     }
 
     /// Sends the chunks of a stream step; notes a stop match.
     fn forward(&mut self, step: StreamStep<TokenInfo>) {
         for chunk in step.chunks {
-            if !self.sink.send(Event::Tokens { text: chunk.text, tokens: chunk.payloads }) {
+            if !self.sink.send(Event::Tokens { id: self.id, text: chunk.text, tokens: chunk.payloads }) {
                 self.cancel(CancelReason::Client);
                 return;
             }
@@ -109,7 +110,7 @@ impl Handler<SeqEvent> for RequestActor {
     type Result = ();
 
     fn handle(&mut self, event: SeqEvent, ctx: &mut Context<Self>) {
-        self.id = Some(event.id());
+        self.id = event.id();
         match event {
             SeqEvent::Started { .. } => {
                 if !self.sink.is_connected() {
@@ -126,7 +127,7 @@ impl Handler<SeqEvent> for RequestActor {
                     match self.stream.push(id, info) {
                         Ok(step) => self.forward(step),
                         Err(e) => {
-                            self.sink.send(Event::Error(TandemError::from(e)));
+                            self.sink.send(Event::Error { id: self.id, error: TandemError::from(e) });
                             self.cancel(CancelReason::Client);
                         }
                     }
@@ -143,13 +144,56 @@ impl Handler<SeqEvent> for RequestActor {
                 if self.stopped_by.is_some() {
                     reason = FinishReason::Stop;
                 }
-                self.sink.send(Event::Finished(Finished { reason, usage, timings, stop: self.stopped_by.take() }));
+                self.sink.send(Event::Finished(Finished { id: self.id, reason, usage, timings, stop: self.stopped_by.take() }));
                 ctx.stop();
             }
             SeqEvent::Failed { error, .. } => {
-                self.sink.send(Event::Error(TandemError::Scheduler(error)));
+                self.sink.send(Event::Error { id: self.id, error: TandemError::Scheduler(error) });
                 ctx.stop();
             }
         }
+    }
+}
+
+/// Submit a text request; its [`Event`]s go to `events`. Send it to the
+/// scheduler's `Addr` from any actor. Replies with the request's id, or with
+/// an error before the request takes a slot.
+#[derive(Message)]
+#[rtype(result = "Result<RequestId, TandemError>")]
+pub struct Generate {
+    pub request: crate::api::GenerateRequest,
+    pub events: EventSink,
+}
+
+impl Handler<Generate> for Scheduler {
+    type Result = Result<RequestId, TandemError>;
+
+    fn handle(&mut self, msg: Generate, ctx: &mut Context<Self>) -> Self::Result {
+        let tokenizer = self.tokenizer().cloned().ok_or(TandemError::InvalidRequest {
+            field: "prompt",
+            reason: "this scheduler was started without a tokenizer; submit token ids with `Submit`".into(),
+        })?;
+        let crate::api::GenerateRequest { prompt, max_tokens, sampling, stop } = msg.request;
+        let prompt: Vec<u32> = match prompt {
+            crate::api::Prompt::Text(text) => tokenizer.encode(&text)?,
+            crate::api::Prompt::Tokens(ids) => ids,
+        };
+        let context_len = self.engine_info().context_len;
+        let max_new_tokens = match max_tokens {
+            Some(0) => return Err(TandemError::InvalidRequest { field: "max_tokens", reason: "must be at least 1".into() }),
+            Some(n) if n >= context_len => {
+                return Err(TandemError::InvalidRequest { field: "max_tokens", reason: format!("must be below the context length of {context_len}, got {n}") })
+            }
+            Some(n) => n,
+            // Until EOS or a full context.
+            None => context_len.saturating_sub(prompt.len()).max(1),
+        };
+        if stop.iter().any(|s| s.is_empty()) {
+            return Err(TandemError::InvalidRequest { field: "stop", reason: "stop strings must not be empty".into() });
+        }
+        let stream = TextStream::with_context(tokenizer.clone(), stop, &prompt)?;
+        let actor = RequestActor::new(stream, msg.events, ctx.address(), tokenizer).start();
+        let request = SeqRequest { prompt: Arc::from(prompt), sampling, max_new_tokens, events: actor.recipient() };
+        Ok(self.submit_request(request, ctx)?)
     }
 }

@@ -1,0 +1,290 @@
+//! The main job: N concurrent clients with a mix of prompts, lengths and
+//! sampling options stream completions from one Tandem scheduler, and a
+//! closing report says how the batching went.
+//!
+//! ```text
+//! cargo run --release --example multi_client_load                  # embedded model, 32 clients
+//! cargo run --release --example multi_client_load -- --clients 64
+//! cargo run --release --example multi_client_load -- --model ../shared/models/stories260k
+//! cargo run --release --example multi_client_load -- --shape ../shared/bench/llama-100m --uniform --engine-baseline
+//! ```
+//!
+//! `--shape DIR` loads `DIR/config.json` with random weights (and
+//! `DIR/tokenizer.json` when present). `--uniform` gives every client the
+//! same greedy options, prompt length and `--max-tokens` (a clean throughput
+//! figure); `--engine-baseline` then runs the same workload directly on the
+//! engine, with no actors, and prints the ratio.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tandem::api::{Event, GenerateRequest, Prompt};
+use tandem::engine::{Admission, Engine, EngineConfig, SeqWork, StepExecutor, StepPlan};
+use tandem::model::{LoadOptions, Model, ModelConfig, Weights};
+use tandem::sampler::SamplingOptions;
+use tandem::scheduler::{SchedulerConfig, ShutdownMode};
+use tandem::tiny::{tiny_model_cpu, TinyPreset};
+use tandem::tokenizer::{word_level_tokenizer, Tokenizer};
+use tandem::TandemHandle;
+
+#[derive(Parser, Debug, Clone)]
+#[command(about = "Many concurrent clients against one Tandem scheduler")]
+struct Args {
+    /// Concurrent clients (one request each).
+    #[arg(long, default_value_t = 32)]
+    clients: usize,
+    /// Hugging Face model directory (default: the embedded model).
+    #[arg(long, conflicts_with = "shape")]
+    model: Option<PathBuf>,
+    /// Directory with a config.json to instantiate with random weights.
+    #[arg(long)]
+    shape: Option<PathBuf>,
+    /// Tokens to generate per request (the mixed workload varies around it).
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Prompt length in tokens for --uniform (mixed: 8 to 160).
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Same greedy options and lengths for every client.
+    #[arg(long)]
+    uniform: bool,
+    /// Also run the workload directly on the engine and print the ratio.
+    #[arg(long)]
+    engine_baseline: bool,
+    /// Scheduler slots (most sequences per step).
+    #[arg(long, default_value_t = 64)]
+    max_seqs: usize,
+    /// Tokens per forward pass.
+    #[arg(long, default_value_t = 512)]
+    step_tokens: usize,
+    /// Seed of the workload mix.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+fn load(args: &Args) -> anyhow_like::Result<(Model, Tokenizer, String)> {
+    if let Some(dir) = &args.model {
+        let model = Model::from_dir(dir, &LoadOptions::default())?;
+        let tok = Tokenizer::from_dir(dir)?;
+        return Ok((model, tok, dir.display().to_string()));
+    }
+    if let Some(dir) = &args.shape {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let tok = if dir.join("tokenizer.json").exists() { Tokenizer::from_dir(dir)? } else { word_level_tokenizer(cfg.vocab_size, 0)? };
+        let name = format!("{} (random weights)", dir.display());
+        let weights = Weights::random(&cfg, 0, 0.02)?;
+        let model = Model::load(cfg, &weights, &LoadOptions::default())?;
+        return Ok((model, tok, name));
+    }
+    let (model, tok) = tiny_model_cpu(TinyPreset::Default)?;
+    Ok((model, tok, TinyPreset::Default.name().to_string()))
+}
+
+/// A small error shim so `?` works on every layer's error type.
+mod anyhow_like {
+    pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
+}
+
+#[derive(Debug, Clone)]
+struct Job {
+    prompt: Vec<u32>,
+    sampling: SamplingOptions,
+    max_tokens: usize,
+    kind: &'static str,
+}
+
+fn workload(args: &Args, vocab: u32) -> Vec<Job> {
+    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
+    // Token ids from 3 up avoid BOS/EOS/UNK in the embedded vocabulary.
+    let mut prompt = |len: usize| -> Vec<u32> { std::iter::once(1).chain((1..len).map(|_| rng.random_range(3..vocab))).collect() };
+    (0..args.clients)
+        .map(|i| {
+            if args.uniform {
+                return Job { prompt: prompt(args.prompt_tokens), sampling: SamplingOptions::greedy(), max_tokens: args.max_tokens, kind: "greedy" };
+            }
+            let len = 8 + (i * 37) % 153;
+            let max_tokens = (args.max_tokens / 2 + (i * 13) % args.max_tokens.max(1)).max(1);
+            let (kind, sampling) = match i % 4 {
+                0 => ("greedy", SamplingOptions::greedy()),
+                1 => ("temperature+top-p", SamplingOptions { temperature: 0.8, top_p: 0.9, seed: Some(i as u64), ..Default::default() }),
+                2 => ("penalties", SamplingOptions { temperature: 0.7, repeat_penalty: 1.2, presence_penalty: 0.3, frequency_penalty: 0.2, seed: Some(i as u64), ..Default::default() }),
+                _ => ("logprobs", SamplingOptions { logprobs: true, top_logprobs: 3, ..Default::default() }),
+            };
+            Job { prompt: prompt(len), sampling, max_tokens, kind }
+        })
+        .collect()
+}
+
+#[derive(Debug, Default, Clone)]
+struct ClientReport {
+    tokens: usize,
+    ttft: Option<Duration>,
+    latency: Duration,
+    ok: bool,
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((sorted.len() - 1) as f64 * q).round() as usize;
+    sorted[idx]
+}
+
+fn main() -> anyhow_like::Result<()> {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_target(false).init();
+    let args = Args::parse();
+    let t_load = Instant::now();
+    let (model, tokenizer, name) = load(&args)?;
+    let vocab = model.config().vocab_size as u32;
+    let context = model.config().max_position_embeddings;
+    let params = model.config().num_parameters();
+    let jobs = workload(&args, vocab);
+    let kv_tokens = jobs.iter().map(|j| (j.prompt.len() + j.max_tokens).min(context)).sum::<usize>().max(context);
+    println!(
+        "model: {name} ({:.1} M parameters, loaded in {:.2?}); {} clients, max_seqs {}, step budget {} tokens",
+        params as f64 / 1e6,
+        t_load.elapsed(),
+        args.clients,
+        args.max_seqs,
+        args.step_tokens
+    );
+    let engine = Engine::new(model, EngineConfig { kv_capacity_tokens: kv_tokens, model_name: name, eos_ids: tokenizer.eos_ids().to_vec() });
+    let config = SchedulerConfig { max_seqs: args.max_seqs, step_token_budget: args.step_tokens.max(args.max_seqs), max_prefill_chunk: (args.step_tokens / 2).max(1), ..Default::default() };
+
+    let system = actix::System::new();
+    let actor_tps = system.block_on(run_clients(engine, tokenizer, config, jobs.clone(), args.clone()))?;
+
+    if args.engine_baseline {
+        let (model, _, _) = load(&args)?;
+        let mut engine = Engine::new(model, EngineConfig { kv_capacity_tokens: kv_tokens, model_name: "baseline".into(), eos_ids: vec![] });
+        let tps = engine_baseline(&mut engine, &jobs, args.step_tokens);
+        println!("engine baseline (no actors, same workload): {tps:.1} tokens/s; actor path / engine = {:.1} %", 100.0 * actor_tps / tps);
+    }
+    Ok(())
+}
+
+/// Streams every job concurrently through the actor system; prints the report.
+async fn run_clients(engine: Engine, tokenizer: Tokenizer, config: SchedulerConfig, jobs: Vec<Job>, args: Args) -> anyhow_like::Result<f64> {
+    let handle = TandemHandle::start(engine, tokenizer, config)?;
+    let total_tokens: usize = jobs.iter().map(|j| j.max_tokens).sum();
+    let bar = ProgressBar::new(total_tokens as u64);
+    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} tokens {per_sec} {msg}").expect("valid template"));
+    let bar = Arc::new(bar);
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for job in jobs.iter().cloned() {
+        let handle = handle.clone();
+        let bar = bar.clone();
+        tasks.push(actix::spawn(async move {
+            let t0 = Instant::now();
+            let mut report = ClientReport::default();
+            let request = GenerateRequest { prompt: Prompt::Tokens(job.prompt), max_tokens: Some(job.max_tokens), sampling: job.sampling, stop: vec![] };
+            let Ok(mut stream) = handle.generate(request).await else { return report };
+            while let Some(event) = stream.next_event().await {
+                match event {
+                    Event::Tokens { tokens, .. } => {
+                        if report.ttft.is_none() && !tokens.is_empty() {
+                            report.ttft = Some(t0.elapsed());
+                        }
+                        report.tokens += tokens.len();
+                        bar.inc(tokens.len() as u64);
+                    }
+                    Event::Finished(f) => {
+                        report.tokens = f.usage.completion_tokens;
+                        report.ok = true;
+                    }
+                    Event::Error { error, .. } => eprintln!("request failed: {error}"),
+                }
+            }
+            report.latency = t0.elapsed();
+            report
+        }));
+    }
+    let mut reports = Vec::new();
+    for t in tasks {
+        reports.push(t.await.unwrap_or_default());
+    }
+    let wall = start.elapsed();
+    bar.finish_and_clear();
+    let stats = handle.stats().await?;
+    handle.shutdown(ShutdownMode::Drain).await?;
+
+    let tokens: usize = reports.iter().map(|r| r.tokens).sum();
+    let ok = reports.iter().filter(|r| r.ok).count();
+    let mut ttft: Vec<f64> = reports.iter().filter_map(|r| r.ttft).map(|d| d.as_secs_f64() * 1e3).collect();
+    let mut lat: Vec<f64> = reports.iter().map(|r| r.latency.as_secs_f64() * 1e3).collect();
+    ttft.sort_by(f64::total_cmp);
+    lat.sort_by(f64::total_cmp);
+    let tps = tokens as f64 / wall.as_secs_f64();
+    let kinds: std::collections::BTreeMap<&str, usize> = jobs.iter().fold(Default::default(), |mut m, j| {
+        *m.entry(j.kind).or_default() += 1;
+        m
+    });
+    let steps = &stats.metrics.steps;
+    println!("clients: {ok}/{} completed; mix: {kinds:?}", args.clients);
+    println!("aggregate: {tokens} tokens in {wall:.2?} = {tps:.1} tokens/s");
+    println!("time to first token: p50 {:.1} ms, p99 {:.1} ms", percentile(&ttft, 0.5), percentile(&ttft, 0.99));
+    println!("request latency:     p50 {:.1} ms, p99 {:.1} ms", percentile(&lat, 0.5), percentile(&lat, 0.99));
+    println!("sequences per step:  mean {:.1}, max {} over {} steps", stats.mean_seqs_per_step, stats.max_seqs_per_step, stats.steps);
+    println!("sampler calls:       {} uniform, {} serial", stats.sampler_uniform_calls, stats.sampler_serial_calls);
+    println!(
+        "engine time {:.2?} (forward {:.2?}, sampling {:.2?}); scheduler overhead {:.2} % of busy wall time",
+        steps.engine_total,
+        steps.forward_total,
+        steps.sample_total,
+        100.0 * steps.overhead_fraction()
+    );
+    Ok(tps)
+}
+
+/// The same jobs straight on the engine: admit all, prefill under the same
+/// token budget, decode together. Returns generated tokens/s.
+fn engine_baseline(engine: &mut Engine, jobs: &[Job], budget: usize) -> f64 {
+    let start = Instant::now();
+    let mut plan = StepPlan::default();
+    for (i, j) in jobs.iter().enumerate() {
+        plan.admit.push(Admission { slot: i as u32, prompt: Arc::from(j.prompt.clone()), sampling: j.sampling, max_new_tokens: j.max_tokens, kv_reserve: j.prompt.len() + j.max_tokens });
+    }
+    let mut prefilled = vec![0usize; jobs.len()];
+    let mut live = vec![true; jobs.len()];
+    let mut tokens = 0usize;
+    for step in 0.. {
+        plan.step = step;
+        let mut left = budget.saturating_sub(live.iter().filter(|&&l| l).count());
+        for (i, j) in jobs.iter().enumerate() {
+            if !live[i] {
+                continue;
+            }
+            if prefilled[i] < j.prompt.len() {
+                let len = left.min(j.prompt.len() - prefilled[i]);
+                if len > 0 {
+                    plan.work.push(SeqWork::Prefill { slot: i as u32, start: prefilled[i], len });
+                    prefilled[i] += len;
+                    left -= len;
+                }
+            } else {
+                plan.work.push(SeqWork::Decode { slot: i as u32 });
+            }
+        }
+        if plan.work.is_empty() {
+            break;
+        }
+        for s in engine.execute(std::mem::take(&mut plan)).seqs {
+            if let Ok(p) = s.result {
+                tokens += p.tokens.len();
+                if p.finish.is_some() {
+                    live[s.slot as usize] = false;
+                }
+            } else {
+                live[s.slot as usize] = false;
+            }
+        }
+    }
+    tokens as f64 / start.elapsed().as_secs_f64()
+}
