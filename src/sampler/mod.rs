@@ -145,34 +145,48 @@ impl SampleResult {
 /// slot or limit.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SamplerError {
+    /// A [`SamplingOptions`] field is out of range (`add` validates).
     #[error("invalid sampling option `{field}`: {reason}")]
     InvalidOption { field: &'static str, reason: String },
+    /// `add` of a slot that is registered.
     #[error("slot {0} is already registered with the sampler")]
     DuplicateSlot(SlotId),
+    /// A call named a slot that is not registered.
     #[error("slot {0} is not registered with the sampler")]
     UnknownSlot(SlotId),
+    /// One `sample` call named the same slot for two rows.
     #[error("slot {0} is named more than once in one sampler call")]
     RepeatedSlot(SlotId),
+    /// Logits are not `[rows, V]` with one row per named slot.
     #[error("bad logits shape: {reason}")]
     LogitsShape { reason: String },
+    /// Logits of an integer dtype.
     #[error("logits must have a float dtype, got {0}")]
     LogitsDType(String),
+    /// Logits with V = 0.
     #[error("logits have an empty vocabulary (V = 0)")]
     EmptyVocab,
+    /// A history or draft token id is ≥ V: priors, commits or drafts do
+    /// not belong to the model that produced these logits.
     #[error("slot {slot}: token id {token} is outside the vocabulary of the logits (V = {vocab})")]
     VocabMismatch {
         slot: SlotId,
         token: u32,
         vocab: usize,
     },
+    /// A row holds NaN or `+inf`.
     #[error("slot {slot} (row {row}): logits contain NaN or +inf")]
     NonFiniteLogits { slot: SlotId, row: usize },
+    /// Every score of a row is `-inf` (before or after penalties).
     #[error("slot {slot} (row {row}): every logit is -inf, nothing can be sampled")]
     NoFiniteLogit { slot: SlotId, row: usize },
+    /// `speculative_distributions` got fewer than `T - 1` drafts.
     #[error("speculative_distributions: {positions} positions need at least {} draft tokens, got {drafts}", positions - 1)]
     DraftTooShort { positions: usize, drafts: usize },
+    /// `draw` got weights that are negative, non-finite or all zero.
     #[error("invalid probabilities for draw: {reason}")]
     InvalidProbs { reason: String },
+    /// Reading the logits tensor failed (candle error text).
     #[error("tensor operation failed: {0}")]
     Tensor(String),
 }
