@@ -119,13 +119,13 @@ impl Scheduler {
         };
         let _entered = span.as_ref().map(|s| s.enter());
         let t1 = Instant::now();
-        self.route_events();
+        let cancelled = self.route_events();
         if span.is_some() {
             let metrics = self.state.metrics_mut();
             metrics.steps.record_plan(t1 - t0);
             metrics.steps.record_route(t1.elapsed());
-        } else if !aborting {
-            // Routing may have found a requester gone: its release needs a plan.
+        } else if cancelled && !aborting {
+            // Idle, but routing found a requester gone: its release needs a plan.
             self.kick(ctx);
         }
         self.try_finish_shutdown(ctx);
@@ -184,9 +184,11 @@ impl Scheduler {
         }
     }
 
-    /// Sends every event in the outbox to its requester, in order.
-    fn route_events(&mut self) {
+    /// Sends every event in the outbox to its requester, in order. Returns
+    /// whether a gone requester's request was cancelled on the way.
+    fn route_events(&mut self) -> bool {
         let now = Instant::now();
+        let mut cancelled = false;
         for event in std::mem::take(&mut self.outbox) {
             let id = event.id();
             let terminal = event.is_terminal();
@@ -209,10 +211,12 @@ impl Scheduler {
             if !delivered && !terminal {
                 tracing::debug!(%id, "requester gone while routing; cancelling");
                 let mut discard = Vec::new();
-                self.state
+                cancelled |= self
+                    .state
                     .cancel(id, CancelReason::Client, now, &mut discard);
             }
         }
+        cancelled
     }
 
     /// Completes a shutdown once its conditions hold: no plan in flight, and
