@@ -287,7 +287,7 @@ async fn sixty_four_requests_with_random_cancellations_deliver_each_event_once()
 async fn cancel_frees_slot_and_kv_for_the_waiting_request() {
     let (addr, probe) = start(FakeSettings::default(), config(1, 4, 16, 16));
     let (col, mut rx) = collector();
-    probe.pause();
+    let _gate = probe.pause();
     let a = addr
         .send(submit(prompt(1, 10), 1000, &col))
         .await
@@ -378,7 +378,7 @@ async fn overload_and_invalid_requests_get_typed_errors_without_disturbing_other
     };
     let (addr, probe) = start(settings, config(1, 2, 16, 16));
     let (col, mut rx) = collector();
-    probe.pause();
+    let _gate = probe.pause();
     let valid: Vec<(Arc<[u32]>, usize)> =
         vec![(prompt(1, 10), 20), (prompt(2, 3), 4), (prompt(3, 7), 5)];
     let mut ids = Vec::new();
@@ -544,7 +544,7 @@ async fn long_prompt_prefills_in_chunks_alongside_decodes_and_short_prompts() {
     const CHUNK: usize = 256;
     let (addr, probe) = start(FakeSettings::default(), config(8, 8, BUDGET, CHUNK));
     let (col, mut rx) = collector();
-    probe.pause();
+    let _gate = probe.pause();
     // C: a stream already decoding. L: a 4 000-token prompt. S: a short one.
     let c = addr
         .send(submit(prompt(1, 8), 200, &col))
@@ -652,7 +652,7 @@ async fn a_dropped_requester_is_cancelled_and_its_slot_freed() {
     let (c1, mut rx1) = collector();
     let (c2, mut rx2) = collector();
     let (c3, mut rx3) = collector();
-    probe.pause();
+    let _gate = probe.pause();
     addr.send(submit(prompt(1, 6), 50, &c1))
         .await
         .unwrap()
@@ -739,7 +739,7 @@ async fn shutdown_drain_finishes_all_work_and_joins_the_engine() {
 async fn shutdown_abort_cancels_everything_and_joins_the_engine() {
     let (addr, probe) = start(FakeSettings::default(), config(2, 8, 32, 16));
     let (col, mut rx) = collector();
-    probe.pause();
+    let _gate = probe.pause();
     let ids: Vec<RequestId> =
         join_all((0..4u32).map(|i| addr.send(submit(prompt(i, 6), 100, &col))))
             .await

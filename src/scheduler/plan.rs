@@ -257,6 +257,26 @@ mod tests {
     }
 
     #[test]
+    fn decodes_are_never_crowded_out_by_a_prefill() {
+        // Even when one chunk could take the whole budget, decodes go first.
+        let limits = PlanLimits {
+            step_token_budget: 64,
+            max_prefill_chunk: 64,
+        };
+        let mut q = WaitingQueue::new(16);
+        let mut t = SlotTable::new(8, 10_000);
+        for i in 0..3 {
+            q.push(queued(i, 2, 10)).unwrap();
+        }
+        let p0 = plan_step(0, &mut q, &mut t, limits, Instant::now(), |_| true);
+        apply(&mut t, &p0);
+        q.push(queued(9, 1000, 10)).unwrap();
+        let p1 = plan_step(1, &mut q, &mut t, limits, Instant::now(), |_| true);
+        assert_eq!((p1.decodes, p1.prefill_tokens), (3, 61));
+        assert_eq!(budget_used(&p1), 64);
+    }
+
+    #[test]
     fn long_prefill_is_contiguous_and_shares_budget_oldest_first() {
         let mut q = WaitingQueue::new(16);
         let mut t = SlotTable::new(8, 10_000);

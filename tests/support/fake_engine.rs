@@ -151,9 +151,13 @@ impl FakeProbe {
         lock(&self.0.state).fail_rules.push((first_token, index));
     }
 
-    /// Holds the engine before each following step until allowed.
-    pub fn pause(&self) {
+    /// Holds the engine before each following step until allowed. The
+    /// guard resumes on drop, so a failing test unwinds instead of hanging
+    /// in the engine thread's join.
+    #[must_use = "dropping the guard resumes the engine at once"]
+    pub fn pause(&self) -> PauseGuard {
         lock(&self.0.gate).paused = true;
+        PauseGuard(self.clone())
     }
 
     /// Lets `n` more steps run while paused.
@@ -168,14 +172,39 @@ impl FakeProbe {
         self.0.gate_cv.notify_all();
     }
 
+    /// Blocks while paused without a permit; gives up after [`GATE_LIMIT`]
+    /// so a broken test cannot hold the engine thread forever.
     fn wait_gate(&self) {
+        let deadline = Instant::now() + GATE_LIMIT;
         let mut gate = lock(&self.0.gate);
         while gate.paused && gate.permits == 0 {
-            gate = self.0.gate_cv.wait(gate).unwrap_or_else(|e| e.into_inner());
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                eprintln!("fake engine: gate held for {GATE_LIMIT:?}; running anyway");
+                return;
+            }
+            gate = self
+                .0
+                .gate_cv
+                .wait_timeout(gate, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
         if gate.paused {
             gate.permits -= 1;
         }
+    }
+}
+
+/// The longest the gate holds a step.
+const GATE_LIMIT: Duration = Duration::from_secs(30);
+
+/// Resumes the fake engine when dropped (see [`FakeProbe::pause`]).
+pub struct PauseGuard(FakeProbe);
+
+impl Drop for PauseGuard {
+    fn drop(&mut self) {
+        self.0.resume();
     }
 }
 
@@ -231,7 +260,7 @@ impl StepExecutor for FakeExecutor {
             }
         }
         for a in &plan.admit {
-            if let Err(e) = admit(&mut st, a, &self.settings) {
+            if let Err(e) = admit(&mut st, a, &plan.release, &self.settings) {
                 seqs.push(SeqOutcome {
                     slot: a.slot,
                     result: Err(e),
@@ -276,7 +305,20 @@ impl StepExecutor for FakeExecutor {
     }
 }
 
-fn admit(st: &mut FakeState, a: &Admission, settings: &FakeSettings) -> Result<(), EngineError> {
+fn admit(
+    st: &mut FakeState,
+    a: &Admission,
+    released: &[SlotId],
+    settings: &FakeSettings,
+) -> Result<(), EngineError> {
+    // The scheduler promises never to reuse a slot in the plan that releases
+    // it (the protocol leaves the order of release and admit open).
+    if released.contains(&a.slot) {
+        return Err(EngineError::InvalidWork {
+            slot: a.slot,
+            reason: "released and admitted in one plan".into(),
+        });
+    }
     if st.seqs.contains_key(&a.slot) {
         return Err(EngineError::DuplicateSlot(a.slot));
     }
