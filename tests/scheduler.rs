@@ -211,7 +211,7 @@ async fn sixty_four_requests_with_random_cancellations_deliver_each_event_once()
     }
     cancels.sort_by_key(|c| (c.0, c.1));
     let t0 = Instant::now();
-    let mut outcome = vec![None; 64];
+    let mut outcome = [None; 64];
     for &(at_us, i, reason) in &cancels {
         let at = t0 + Duration::from_micros(at_us);
         tokio::time::sleep(at.saturating_duration_since(Instant::now())).await;
@@ -797,4 +797,40 @@ async fn dropping_every_addr_stops_the_scheduler_and_its_engine() {
         assert!(Instant::now() < deadline, "engine thread still running");
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+}
+
+/// Not a check: prints the scheduler's per-step cost against a zero-cost
+/// engine (64 streams × 256 tokens). Run with
+/// `cargo test --test scheduler -- --ignored --nocapture`.
+#[actix::test]
+#[ignore]
+async fn report_scheduler_overhead() {
+    let (addr, _probe) = start(FakeSettings::default(), SchedulerConfig::default());
+    let (col, mut rx) = collector();
+    let t0 = Instant::now();
+    join_all((0..64u32).map(|i| addr.send(submit(prompt(i, 64 + i as usize), 256, &col)))).await;
+    collect_terminals(&mut rx, 64, Duration::from_secs(120)).await;
+    let wall = t0.elapsed();
+    let s = stats(&addr).await;
+    let t = &s.metrics.steps;
+    let per = |d: Duration| d / t.steps.max(1) as u32;
+    eprintln!(
+        "steps {} in {wall:?} ({:?}/step), mean seqs/step {:.1}, max {}\n\
+         engine {:?}/step, round trip {:?}/step (max {:?}), plan {:?}/step (max {:?}), \
+         route {:?}/step (max {:?}); busy wall {:?} vs engine {:?}",
+        t.steps,
+        wall / t.steps.max(1) as u32,
+        s.mean_seqs_per_step,
+        s.max_seqs_per_step,
+        per(t.engine_total),
+        per(t.round_trip_total),
+        t.round_trip_max,
+        per(t.plan_total),
+        t.plan_max,
+        per(t.route_total),
+        t.route_max,
+        t.busy_wall_total,
+        t.busy_engine_total,
+    );
+    assert_eq!(s.tokens_generated, 64 * 256);
 }
