@@ -5,6 +5,8 @@
 
 pub mod collector;
 pub mod fake_engine;
+pub mod harness;
 
 pub use collector::*;
 pub use fake_engine::*;
+pub use harness::*;
