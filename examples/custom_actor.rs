@@ -46,10 +46,19 @@ impl BestOfN {
             let request = GenerateRequest {
                 prompt: Prompt::Text(self.prompt.clone()),
                 max_tokens: Some(24),
-                sampling: SamplingOptions { temperature: 0.9, top_p: 0.95, seed: Some(seed), logprobs: true, ..Default::default() },
+                sampling: SamplingOptions {
+                    temperature: 0.9,
+                    top_p: 0.95,
+                    seed: Some(seed),
+                    logprobs: true,
+                    ..Default::default()
+                },
                 stop: vec![],
             };
-            let msg = Generate { request, events: ctx.address().recipient().into() };
+            let msg = Generate {
+                request,
+                events: ctx.address().recipient().into(),
+            };
             // The reply (the request id) arrives before or after the events;
             // events carry the id, so either order is fine.
             self.scheduler
@@ -82,7 +91,11 @@ impl Handler<Event> for BestOfN {
                 let c = self.candidates.entry(id).or_default();
                 c.text.push_str(&text);
                 c.tokens += tokens.len();
-                c.logprob_sum += tokens.iter().filter_map(|t| t.logprob).map(f64::from).sum::<f64>();
+                c.logprob_sum += tokens
+                    .iter()
+                    .filter_map(|t| t.logprob)
+                    .map(f64::from)
+                    .sum::<f64>();
             }
             Event::Finished(_) | Event::Error { .. } => {
                 self.finished += 1;
@@ -92,9 +105,19 @@ impl Handler<Event> for BestOfN {
                 let best = self
                     .candidates
                     .values()
-                    .max_by(|a, b| (a.logprob_sum / a.tokens.max(1) as f64).total_cmp(&(b.logprob_sum / b.tokens.max(1) as f64)))
+                    .max_by(|a, b| {
+                        (a.logprob_sum / a.tokens.max(1) as f64)
+                            .total_cmp(&(b.logprob_sum / b.tokens.max(1) as f64))
+                    })
                     .expect("n > 0 candidates");
-                println!("turn {}: {} candidates; best (seed {}, mean logprob {:.3}):{}", self.turn + 1, self.n, best.seed, best.logprob_sum / best.tokens.max(1) as f64, best.text);
+                println!(
+                    "turn {}: {} candidates; best (seed {}, mean logprob {:.3}):{}",
+                    self.turn + 1,
+                    self.n,
+                    best.seed,
+                    best.logprob_sum / best.tokens.max(1) as f64,
+                    best.text
+                );
                 self.prompt = format!("{}{}", self.prompt, best.text);
                 self.turn += 1;
                 if self.turn < 2 {
@@ -114,16 +137,39 @@ fn main() {
     let system = System::new();
     system.block_on(async {
         let (model, tokenizer) = tiny_model_cpu(TinyPreset::Default).expect("embedded model");
-        let engine = Engine::new(model, EngineConfig { kv_capacity_tokens: 32 * 1024, model_name: "tandem-tiny".into(), eos_ids: tokenizer.eos_ids().to_vec() });
+        let engine = Engine::new(
+            model,
+            EngineConfig {
+                kv_capacity_tokens: 32 * 1024,
+                model_name: "tandem-tiny".into(),
+                eos_ids: tokenizer.eos_ids().to_vec(),
+            },
+        );
         // A prompt made of words the embedded vocabulary knows.
         let prompt = tokenizer.decode(&[40, 41, 42]).expect("decodable ids");
-        let handle = TandemHandle::start(engine, tokenizer, SchedulerConfig::default()).expect("scheduler");
+        let handle =
+            TandemHandle::start(engine, tokenizer, SchedulerConfig::default()).expect("scheduler");
         let (tx, rx) = tokio::sync::oneshot::channel();
-        BestOfN { scheduler: handle.scheduler().clone(), prompt, n: 8, candidates: HashMap::new(), finished: 0, turn: 0, done: Some(tx) }.start();
+        BestOfN {
+            scheduler: handle.scheduler().clone(),
+            prompt,
+            n: 8,
+            candidates: HashMap::new(),
+            finished: 0,
+            turn: 0,
+            done: Some(tx),
+        }
+        .start();
         let conversation = rx.await.expect("best-of-n finished");
         println!("final text: {conversation}");
         let stats = handle.stats().await.expect("stats");
-        println!("{} steps, mean {:.1} sequences per step", stats.steps, stats.mean_seqs_per_step);
-        handle.shutdown(ShutdownMode::Drain).await.expect("shutdown");
+        println!(
+            "{} steps, mean {:.1} sequences per step",
+            stats.steps, stats.mean_seqs_per_step
+        );
+        handle
+            .shutdown(ShutdownMode::Drain)
+            .await
+            .expect("shutdown");
     });
 }

@@ -39,12 +39,18 @@ async fn complete(handle: web::Data<TandemHandle>, body: web::Json<CompleteBody>
             let body = events.map(|event| {
                 let text = match event {
                     Event::Tokens { text, .. } => text,
-                    Event::Finished(f) => format!("\n[{} after {} tokens]\n", f.reason.as_str(), f.usage.completion_tokens),
+                    Event::Finished(f) => format!(
+                        "\n[{} after {} tokens]\n",
+                        f.reason.as_str(),
+                        f.usage.completion_tokens
+                    ),
                     Event::Error { error, .. } => format!("\n[error: {error}]\n"),
                 };
                 Ok::<_, actix_web::Error>(web::Bytes::from(text))
             });
-            HttpResponse::Ok().content_type("text/plain; charset=utf-8").streaming(body)
+            HttpResponse::Ok()
+                .content_type("text/plain; charset=utf-8")
+                .streaming(body)
         }
     }
 }
@@ -53,13 +59,25 @@ async fn complete(handle: web::Data<TandemHandle>, body: web::Json<CompleteBody>
 async fn main() -> std::io::Result<()> {
     let self_test = std::env::args().any(|a| a == "--self-test");
     let (model, tokenizer) = tiny_model_cpu(TinyPreset::Default).map_err(std::io::Error::other)?;
-    let engine = Engine::new(model, EngineConfig { kv_capacity_tokens: 64 * 1024, model_name: "tandem-tiny".into(), eos_ids: tokenizer.eos_ids().to_vec() });
-    let handle = TandemHandle::start(engine, tokenizer, SchedulerConfig::default()).map_err(std::io::Error::other)?;
+    let engine = Engine::new(
+        model,
+        EngineConfig {
+            kv_capacity_tokens: 64 * 1024,
+            model_name: "tandem-tiny".into(),
+            eos_ids: tokenizer.eos_ids().to_vec(),
+        },
+    );
+    let handle = TandemHandle::start(engine, tokenizer, SchedulerConfig::default())
+        .map_err(std::io::Error::other)?;
 
     let data = web::Data::new(handle.clone());
-    let server = HttpServer::new(move || App::new().app_data(data.clone()).route("/complete", web::post().to(complete)))
-        .workers(1)
-        .bind(("127.0.0.1", if self_test { 0 } else { 8088 }))?;
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(data.clone())
+            .route("/complete", web::post().to(complete))
+    })
+    .workers(1)
+    .bind(("127.0.0.1", if self_test { 0 } else { 8088 }))?;
     let addr = server.addrs()[0];
     println!("listening on http://{addr}");
     let server = server.run();
@@ -68,10 +86,16 @@ async fn main() -> std::io::Result<()> {
     }
     let server_handle = server.handle();
     actix_web::rt::spawn(server);
-    let text = tokio::task::spawn_blocking(move || raw_post(addr, r#"{"prompt":"hello there","max_tokens":16}"#)).await??;
+    let text = tokio::task::spawn_blocking(move || {
+        raw_post(addr, r#"{"prompt":"hello there","max_tokens":16}"#)
+    })
+    .await??;
     println!("streamed response:\n{text}");
     server_handle.stop(true).await;
-    handle.shutdown(ShutdownMode::Drain).await.map_err(std::io::Error::other)?;
+    handle
+        .shutdown(ShutdownMode::Drain)
+        .await
+        .map_err(std::io::Error::other)?;
     Ok(())
 }
 

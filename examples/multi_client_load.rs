@@ -75,7 +75,11 @@ fn load(args: &Args) -> anyhow_like::Result<(Model, Tokenizer, String)> {
     }
     if let Some(dir) = &args.shape {
         let cfg = ModelConfig::from_dir(dir)?;
-        let tok = if dir.join("tokenizer.json").exists() { Tokenizer::from_dir(dir)? } else { word_level_tokenizer(cfg.vocab_size, 0)? };
+        let tok = if dir.join("tokenizer.json").exists() {
+            Tokenizer::from_dir(dir)?
+        } else {
+            word_level_tokenizer(cfg.vocab_size, 0)?
+        };
         let name = format!("{} (random weights)", dir.display());
         let weights = Weights::random(&cfg, 0, 0.02)?;
         let model = Model::load(cfg, &weights, &LoadOptions::default())?;
@@ -101,21 +105,60 @@ struct Job {
 fn workload(args: &Args, vocab: u32) -> Vec<Job> {
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     // Token ids from 3 up avoid BOS/EOS/UNK in the embedded vocabulary.
-    let mut prompt = |len: usize| -> Vec<u32> { std::iter::once(1).chain((1..len).map(|_| rng.random_range(3..vocab))).collect() };
+    let mut prompt = |len: usize| -> Vec<u32> {
+        std::iter::once(1)
+            .chain((1..len).map(|_| rng.random_range(3..vocab)))
+            .collect()
+    };
     (0..args.clients)
         .map(|i| {
             if args.uniform {
-                return Job { prompt: prompt(args.prompt_tokens), sampling: SamplingOptions::greedy(), max_tokens: args.max_tokens, kind: "greedy" };
+                return Job {
+                    prompt: prompt(args.prompt_tokens),
+                    sampling: SamplingOptions::greedy(),
+                    max_tokens: args.max_tokens,
+                    kind: "greedy",
+                };
             }
             let len = 8 + (i * 37) % 153;
             let max_tokens = (args.max_tokens / 2 + (i * 13) % args.max_tokens.max(1)).max(1);
             let (kind, sampling) = match i % 4 {
                 0 => ("greedy", SamplingOptions::greedy()),
-                1 => ("temperature+top-p", SamplingOptions { temperature: 0.8, top_p: 0.9, seed: Some(i as u64), ..Default::default() }),
-                2 => ("penalties", SamplingOptions { temperature: 0.7, repeat_penalty: 1.2, presence_penalty: 0.3, frequency_penalty: 0.2, seed: Some(i as u64), ..Default::default() }),
-                _ => ("logprobs", SamplingOptions { logprobs: true, top_logprobs: 3, ..Default::default() }),
+                1 => (
+                    "temperature+top-p",
+                    SamplingOptions {
+                        temperature: 0.8,
+                        top_p: 0.9,
+                        seed: Some(i as u64),
+                        ..Default::default()
+                    },
+                ),
+                2 => (
+                    "penalties",
+                    SamplingOptions {
+                        temperature: 0.7,
+                        repeat_penalty: 1.2,
+                        presence_penalty: 0.3,
+                        frequency_penalty: 0.2,
+                        seed: Some(i as u64),
+                        ..Default::default()
+                    },
+                ),
+                _ => (
+                    "logprobs",
+                    SamplingOptions {
+                        logprobs: true,
+                        top_logprobs: 3,
+                        ..Default::default()
+                    },
+                ),
             };
-            Job { prompt: prompt(len), sampling, max_tokens, kind }
+            Job {
+                prompt: prompt(len),
+                sampling,
+                max_tokens,
+                kind,
+            }
         })
         .collect()
 }
@@ -137,7 +180,10 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 }
 
 fn main() -> anyhow_like::Result<()> {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_target(false).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_target(false)
+        .init();
     let args = Args::parse();
     let t_load = Instant::now();
     let (model, tokenizer, name) = load(&args)?;
@@ -145,7 +191,11 @@ fn main() -> anyhow_like::Result<()> {
     let context = model.config().max_position_embeddings;
     let params = model.config().num_parameters();
     let jobs = workload(&args, vocab);
-    let kv_tokens = jobs.iter().map(|j| (j.prompt.len() + j.max_tokens).min(context)).sum::<usize>().max(context);
+    let kv_tokens = jobs
+        .iter()
+        .map(|j| (j.prompt.len() + j.max_tokens).min(context))
+        .sum::<usize>()
+        .max(context);
     println!(
         "model: {name} ({:.1} M parameters, loaded in {:.2?}); {} clients, max_seqs {}, step budget {} tokens",
         params as f64 / 1e6,
@@ -154,15 +204,40 @@ fn main() -> anyhow_like::Result<()> {
         args.max_seqs,
         args.step_tokens
     );
-    let engine = Engine::new(model, EngineConfig { kv_capacity_tokens: kv_tokens, model_name: name, eos_ids: tokenizer.eos_ids().to_vec() });
-    let config = SchedulerConfig { max_seqs: args.max_seqs, step_token_budget: args.step_tokens.max(args.max_seqs), max_prefill_chunk: (args.step_tokens / 2).max(1), ..Default::default() };
+    let engine = Engine::new(
+        model,
+        EngineConfig {
+            kv_capacity_tokens: kv_tokens,
+            model_name: name,
+            eos_ids: tokenizer.eos_ids().to_vec(),
+        },
+    );
+    let config = SchedulerConfig {
+        max_seqs: args.max_seqs,
+        step_token_budget: args.step_tokens.max(args.max_seqs),
+        max_prefill_chunk: (args.step_tokens / 2).max(1),
+        ..Default::default()
+    };
 
     let system = actix::System::new();
-    let actor_tps = system.block_on(run_clients(engine, tokenizer, config, jobs.clone(), args.clone()))?;
+    let actor_tps = system.block_on(run_clients(
+        engine,
+        tokenizer,
+        config,
+        jobs.clone(),
+        args.clone(),
+    ))?;
 
     if args.engine_baseline {
         let (model, _, _) = load(&args)?;
-        let mut engine = Engine::new(model, EngineConfig { kv_capacity_tokens: kv_tokens, model_name: "baseline".into(), eos_ids: vec![] });
+        let mut engine = Engine::new(
+            model,
+            EngineConfig {
+                kv_capacity_tokens: kv_tokens,
+                model_name: "baseline".into(),
+                eos_ids: vec![],
+            },
+        );
         let tps = engine_baseline(&mut engine, &jobs, args.step_tokens);
         println!("engine baseline (no actors, same workload): {tps:.1} tokens/s; actor path / engine = {:.1} %", 100.0 * actor_tps / tps);
     }
@@ -170,11 +245,20 @@ fn main() -> anyhow_like::Result<()> {
 }
 
 /// Streams every job concurrently through the actor system; prints the report.
-async fn run_clients(engine: Engine, tokenizer: Tokenizer, config: SchedulerConfig, jobs: Vec<Job>, args: Args) -> anyhow_like::Result<f64> {
+async fn run_clients(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    config: SchedulerConfig,
+    jobs: Vec<Job>,
+    args: Args,
+) -> anyhow_like::Result<f64> {
     let handle = TandemHandle::start(engine, tokenizer, config)?;
     let total_tokens: usize = jobs.iter().map(|j| j.max_tokens).sum();
     let bar = ProgressBar::new(total_tokens as u64);
-    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} tokens {per_sec} {msg}").expect("valid template"));
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} tokens {per_sec} {msg}")
+            .expect("valid template"),
+    );
     let bar = Arc::new(bar);
     let start = Instant::now();
     let mut tasks = Vec::new();
@@ -184,8 +268,15 @@ async fn run_clients(engine: Engine, tokenizer: Tokenizer, config: SchedulerConf
         tasks.push(actix::spawn(async move {
             let t0 = Instant::now();
             let mut report = ClientReport::default();
-            let request = GenerateRequest { prompt: Prompt::Tokens(job.prompt), max_tokens: Some(job.max_tokens), sampling: job.sampling, stop: vec![] };
-            let Ok(mut stream) = handle.generate(request).await else { return report };
+            let request = GenerateRequest {
+                prompt: Prompt::Tokens(job.prompt),
+                max_tokens: Some(job.max_tokens),
+                sampling: job.sampling,
+                stop: vec![],
+            };
+            let Ok(mut stream) = handle.generate(request).await else {
+                return report;
+            };
             while let Some(event) = stream.next_event().await {
                 match event {
                     Event::Tokens { tokens, .. } => {
@@ -217,22 +308,44 @@ async fn run_clients(engine: Engine, tokenizer: Tokenizer, config: SchedulerConf
 
     let tokens: usize = reports.iter().map(|r| r.tokens).sum();
     let ok = reports.iter().filter(|r| r.ok).count();
-    let mut ttft: Vec<f64> = reports.iter().filter_map(|r| r.ttft).map(|d| d.as_secs_f64() * 1e3).collect();
-    let mut lat: Vec<f64> = reports.iter().map(|r| r.latency.as_secs_f64() * 1e3).collect();
+    let mut ttft: Vec<f64> = reports
+        .iter()
+        .filter_map(|r| r.ttft)
+        .map(|d| d.as_secs_f64() * 1e3)
+        .collect();
+    let mut lat: Vec<f64> = reports
+        .iter()
+        .map(|r| r.latency.as_secs_f64() * 1e3)
+        .collect();
     ttft.sort_by(f64::total_cmp);
     lat.sort_by(f64::total_cmp);
     let tps = tokens as f64 / wall.as_secs_f64();
-    let kinds: std::collections::BTreeMap<&str, usize> = jobs.iter().fold(Default::default(), |mut m, j| {
-        *m.entry(j.kind).or_default() += 1;
-        m
-    });
+    let kinds: std::collections::BTreeMap<&str, usize> =
+        jobs.iter().fold(Default::default(), |mut m, j| {
+            *m.entry(j.kind).or_default() += 1;
+            m
+        });
     let steps = &stats.metrics.steps;
     println!("clients: {ok}/{} completed; mix: {kinds:?}", args.clients);
     println!("aggregate: {tokens} tokens in {wall:.2?} = {tps:.1} tokens/s");
-    println!("time to first token: p50 {:.1} ms, p99 {:.1} ms", percentile(&ttft, 0.5), percentile(&ttft, 0.99));
-    println!("request latency:     p50 {:.1} ms, p99 {:.1} ms", percentile(&lat, 0.5), percentile(&lat, 0.99));
-    println!("sequences per step:  mean {:.1}, max {} over {} steps", stats.mean_seqs_per_step, stats.max_seqs_per_step, stats.steps);
-    println!("sampler calls:       {} uniform, {} serial", stats.sampler_uniform_calls, stats.sampler_serial_calls);
+    println!(
+        "time to first token: p50 {:.1} ms, p99 {:.1} ms",
+        percentile(&ttft, 0.5),
+        percentile(&ttft, 0.99)
+    );
+    println!(
+        "request latency:     p50 {:.1} ms, p99 {:.1} ms",
+        percentile(&lat, 0.5),
+        percentile(&lat, 0.99)
+    );
+    println!(
+        "sequences per step:  mean {:.1}, max {} over {} steps",
+        stats.mean_seqs_per_step, stats.max_seqs_per_step, stats.steps
+    );
+    println!(
+        "sampler calls:       {} uniform, {} serial",
+        stats.sampler_uniform_calls, stats.sampler_serial_calls
+    );
     println!(
         "engine time {:.2?} (forward {:.2?}, sampling {:.2?}); scheduler overhead {:.2} % of busy wall time",
         steps.engine_total,
@@ -249,7 +362,13 @@ fn engine_baseline(engine: &mut Engine, jobs: &[Job], budget: usize) -> f64 {
     let start = Instant::now();
     let mut plan = StepPlan::default();
     for (i, j) in jobs.iter().enumerate() {
-        plan.admit.push(Admission { slot: i as u32, prompt: Arc::from(j.prompt.clone()), sampling: j.sampling, max_new_tokens: j.max_tokens, kv_reserve: j.prompt.len() + j.max_tokens });
+        plan.admit.push(Admission {
+            slot: i as u32,
+            prompt: Arc::from(j.prompt.clone()),
+            sampling: j.sampling,
+            max_new_tokens: j.max_tokens,
+            kv_reserve: j.prompt.len() + j.max_tokens,
+        });
     }
     let mut prefilled = vec![0usize; jobs.len()];
     let mut live = vec![true; jobs.len()];
@@ -264,7 +383,11 @@ fn engine_baseline(engine: &mut Engine, jobs: &[Job], budget: usize) -> f64 {
             if prefilled[i] < j.prompt.len() {
                 let len = left.min(j.prompt.len() - prefilled[i]);
                 if len > 0 {
-                    plan.work.push(SeqWork::Prefill { slot: i as u32, start: prefilled[i], len });
+                    plan.work.push(SeqWork::Prefill {
+                        slot: i as u32,
+                        start: prefilled[i],
+                        len,
+                    });
                     prefilled[i] += len;
                     left -= len;
                 }

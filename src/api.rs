@@ -51,7 +51,12 @@ pub struct GenerateRequest {
 impl GenerateRequest {
     /// A greedy request for `prompt` with at most `max_tokens` new tokens.
     pub fn new(prompt: impl Into<Prompt>, max_tokens: usize) -> Self {
-        Self { prompt: prompt.into(), max_tokens: Some(max_tokens), sampling: SamplingOptions::default(), stop: Vec::new() }
+        Self {
+            prompt: prompt.into(),
+            max_tokens: Some(max_tokens),
+            sampling: SamplingOptions::default(),
+            stop: Vec::new(),
+        }
     }
 
     pub fn with_sampling(mut self, sampling: SamplingOptions) -> Self {
@@ -105,7 +110,11 @@ pub enum Event {
     /// a token whose bytes complete a character later is reported with the
     /// chunk that carries that character (so `tokens` may be empty for a
     /// chunk that only finishes earlier text, or hold several tokens).
-    Tokens { id: RequestId, text: String, tokens: Vec<TokenInfo> },
+    Tokens {
+        id: RequestId,
+        text: String,
+        tokens: Vec<TokenInfo>,
+    },
     /// Terminal: generation ended.
     Finished(Finished),
     /// Terminal: the request failed.
@@ -136,7 +145,10 @@ pub enum TandemError {
     InvalidRequest { field: &'static str, reason: String },
     /// Tokenizing the prompt or decoding output failed.
     #[error("{message}")]
-    Tokenizer { error_type: &'static str, message: String },
+    Tokenizer {
+        error_type: &'static str,
+        message: String,
+    },
     #[error(transparent)]
     Scheduler(#[from] SchedulerError),
     /// The scheduler is gone (shut down or crashed).
@@ -166,6 +178,9 @@ impl TandemError {
 
 impl From<TokenizerError> for TandemError {
     fn from(e: TokenizerError) -> Self {
-        TandemError::Tokenizer { error_type: e.error_type(), message: e.to_string() }
+        TandemError::Tokenizer {
+            error_type: e.error_type(),
+            message: e.to_string(),
+        }
     }
 }

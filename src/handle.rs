@@ -17,7 +17,10 @@ use tokio::sync::mpsc;
 use crate::api::{Event, Finished, GenerateRequest, TandemError, TokenInfo};
 use crate::engine::{EngineInfo, StepExecutor};
 use crate::request::{EventSink, Generate};
-use crate::scheduler::{Cancel, CancelReason, RequestId, Scheduler, SchedulerConfig, SchedulerStats, Shutdown, ShutdownMode, Stats};
+use crate::scheduler::{
+    Cancel, CancelReason, RequestId, Scheduler, SchedulerConfig, SchedulerStats, Shutdown,
+    ShutdownMode, Stats,
+};
 use crate::tokenizer::Tokenizer;
 
 /// A handle to a running Tandem scheduler. Clone it freely.
@@ -40,17 +43,28 @@ impl TandemHandle {
     /// Starts the scheduler (and its engine thread) on the current actix
     /// arbiter. Call it inside a running actix `System` (e.g. in
     /// `#[actix_web::main]` or `actix::System::new().block_on`).
-    pub fn start<E: StepExecutor>(executor: E, tokenizer: Tokenizer, config: SchedulerConfig) -> Result<Self, TandemError> {
+    pub fn start<E: StepExecutor>(
+        executor: E,
+        tokenizer: Tokenizer,
+        config: SchedulerConfig,
+    ) -> Result<Self, TandemError> {
         let info = executor.info();
         let tokenizer = Arc::new(tokenizer);
         let scheduler = Scheduler::start_with_tokenizer(executor, config, tokenizer.clone())?;
-        Ok(Self { scheduler, tokenizer, info })
+        Ok(Self {
+            scheduler,
+            tokenizer,
+            info,
+        })
     }
 
     /// Starts an actix System on a dedicated thread, builds the executor
     /// there with `build`, and returns a handle usable from any runtime. The
     /// thread exits after [`shutdown`](Self::shutdown).
-    pub fn spawn<E, F>(build: F, config: SchedulerConfig) -> Result<(Self, std::thread::JoinHandle<()>), TandemError>
+    pub fn spawn<E, F>(
+        build: F,
+        config: SchedulerConfig,
+    ) -> Result<(Self, std::thread::JoinHandle<()>), TandemError>
     where
         E: StepExecutor,
         F: FnOnce() -> Result<(E, Tokenizer), TandemError> + Send + 'static,
@@ -60,14 +74,18 @@ impl TandemHandle {
             .name("tandem-actors".into())
             .spawn(move || {
                 let system = System::new();
-                let started = system.block_on(async move { build().and_then(|(e, t)| Self::start(e, t, config)) });
+                let started = system
+                    .block_on(async move { build().and_then(|(e, t)| Self::start(e, t, config)) });
                 let ok = started.is_ok();
                 let _ = tx.send(started);
                 if ok {
                     system.run().ok();
                 }
             })
-            .map_err(|e| TandemError::InvalidRequest { field: "runtime", reason: format!("cannot spawn the actor thread: {e}") })?;
+            .map_err(|e| TandemError::InvalidRequest {
+                field: "runtime",
+                reason: format!("cannot spawn the actor thread: {e}"),
+            })?;
         let handle = rx.recv().map_err(|_| TandemError::Unavailable)??;
         Ok((handle, join))
     }
@@ -91,8 +109,20 @@ impl TandemHandle {
     /// request is checked first: a bad one is an `Err` and takes no slot.
     pub async fn generate(&self, request: GenerateRequest) -> Result<EventStream, TandemError> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let id = self.scheduler.send(Generate { request, events: EventSink::Channel(tx) }).await.map_err(|_| TandemError::Unavailable)??;
-        Ok(EventStream { id, rx, scheduler: self.scheduler.clone(), done: false })
+        let id = self
+            .scheduler
+            .send(Generate {
+                request,
+                events: EventSink::Channel(tx),
+            })
+            .await
+            .map_err(|_| TandemError::Unavailable)??;
+        Ok(EventStream {
+            id,
+            rx,
+            scheduler: self.scheduler.clone(),
+            done: false,
+        })
     }
 
     /// Runs a request to the end and collects its text.
@@ -101,11 +131,21 @@ impl TandemHandle {
         let (mut text, mut tokens) = (String::new(), Vec::new());
         while let Some(event) = stream.next_event().await {
             match event {
-                Event::Tokens { text: t, tokens: mut ts, .. } => {
+                Event::Tokens {
+                    text: t,
+                    tokens: mut ts,
+                    ..
+                } => {
                     text.push_str(&t);
                     tokens.append(&mut ts);
                 }
-                Event::Finished(finished) => return Ok(Completion { text, tokens, finished }),
+                Event::Finished(finished) => {
+                    return Ok(Completion {
+                        text,
+                        tokens,
+                        finished,
+                    })
+                }
                 Event::Error { error, .. } => return Err(error),
             }
         }
@@ -114,18 +154,30 @@ impl TandemHandle {
 
     /// Cancels a request; true when this call ended it.
     pub async fn cancel(&self, id: RequestId) -> Result<bool, TandemError> {
-        self.scheduler.send(Cancel { id, reason: CancelReason::Client }).await.map_err(|_| TandemError::Unavailable)
+        self.scheduler
+            .send(Cancel {
+                id,
+                reason: CancelReason::Client,
+            })
+            .await
+            .map_err(|_| TandemError::Unavailable)
     }
 
     /// A snapshot of the scheduler's counters and histograms.
     pub async fn stats(&self) -> Result<SchedulerStats, TandemError> {
-        self.scheduler.send(Stats).await.map_err(|_| TandemError::Unavailable)
+        self.scheduler
+            .send(Stats)
+            .await
+            .map_err(|_| TandemError::Unavailable)
     }
 
     /// Stops accepting requests, drains or aborts the outstanding ones, and
     /// stops the scheduler and its engine thread.
     pub async fn shutdown(&self, mode: ShutdownMode) -> Result<(), TandemError> {
-        self.scheduler.send(Shutdown { mode }).await.map_err(|_| TandemError::Unavailable)??;
+        self.scheduler
+            .send(Shutdown { mode })
+            .await
+            .map_err(|_| TandemError::Unavailable)??;
         Ok(())
     }
 }
@@ -173,7 +225,10 @@ impl Stream for EventStream {
 impl Drop for EventStream {
     fn drop(&mut self) {
         if !self.done {
-            self.scheduler.do_send(Cancel { id: self.id, reason: CancelReason::Client });
+            self.scheduler.do_send(Cancel {
+                id: self.id,
+                reason: CancelReason::Client,
+            });
         }
     }
 }

@@ -15,7 +15,9 @@ use actix::prelude::*;
 use tokio::sync::mpsc;
 
 use crate::api::{Event, Finished, TandemError, TokenInfo, TopLogprob};
-use crate::scheduler::{Cancel, CancelReason, FinishReason, RequestId, Scheduler, SeqEvent, SeqRequest};
+use crate::scheduler::{
+    Cancel, CancelReason, FinishReason, RequestId, Scheduler, SeqEvent, SeqRequest,
+};
 use crate::tokenizer::{StreamStep, TextStream, Tokenizer};
 
 /// Where a request's events go: an actor's mailbox or an async channel.
@@ -67,21 +69,41 @@ pub struct RequestActor {
 }
 
 impl RequestActor {
-    pub(crate) fn new(stream: TextStream<TokenInfo>, sink: EventSink, scheduler: Addr<Scheduler>, tokenizer: Arc<Tokenizer>) -> Self {
-        Self { stream, sink, scheduler, tokenizer, id: RequestId(u64::MAX), stopped_by: None, cancelling: false }
+    pub(crate) fn new(
+        stream: TextStream<TokenInfo>,
+        sink: EventSink,
+        scheduler: Addr<Scheduler>,
+        tokenizer: Arc<Tokenizer>,
+    ) -> Self {
+        Self {
+            stream,
+            sink,
+            scheduler,
+            tokenizer,
+            id: RequestId(u64::MAX),
+            stopped_by: None,
+            cancelling: false,
+        }
     }
 
     fn cancel(&mut self, reason: CancelReason) {
         if !self.cancelling {
             self.cancelling = true;
-            self.scheduler.do_send(Cancel { id: self.id, reason });
+            self.scheduler.do_send(Cancel {
+                id: self.id,
+                reason,
+            });
         }
     }
 
     /// Sends the chunks of a stream step; notes a stop match.
     fn forward(&mut self, step: StreamStep<TokenInfo>) {
         for chunk in step.chunks {
-            if !self.sink.send(Event::Tokens { id: self.id, text: chunk.text, tokens: chunk.payloads }) {
+            if !self.sink.send(Event::Tokens {
+                id: self.id,
+                text: chunk.text,
+                tokens: chunk.payloads,
+            }) {
                 self.cancel(CancelReason::Client);
                 return;
             }
@@ -96,9 +118,18 @@ impl RequestActor {
         let top_logprobs = t
             .top_logprobs
             .into_iter()
-            .map(|(id, logprob)| TopLogprob { id, text: self.tokenizer.token_text(id).unwrap_or_default(), logprob })
+            .map(|(id, logprob)| TopLogprob {
+                id,
+                text: self.tokenizer.token_text(id).unwrap_or_default(),
+                logprob,
+            })
             .collect();
-        TokenInfo { index, id: t.id, logprob: t.logprob, top_logprobs }
+        TokenInfo {
+            index,
+            id: t.id,
+            logprob: t.logprob,
+            top_logprobs,
+        }
     }
 }
 
@@ -117,7 +148,11 @@ impl Handler<SeqEvent> for RequestActor {
                     self.cancel(CancelReason::Client);
                 }
             }
-            SeqEvent::Tokens { first_index, tokens, .. } => {
+            SeqEvent::Tokens {
+                first_index,
+                tokens,
+                ..
+            } => {
                 if self.cancelling {
                     return;
                 }
@@ -127,7 +162,10 @@ impl Handler<SeqEvent> for RequestActor {
                     match self.stream.push(id, info) {
                         Ok(step) => self.forward(step),
                         Err(e) => {
-                            self.sink.send(Event::Error { id: self.id, error: TandemError::from(e) });
+                            self.sink.send(Event::Error {
+                                id: self.id,
+                                error: TandemError::from(e),
+                            });
                             self.cancel(CancelReason::Client);
                         }
                     }
@@ -136,7 +174,12 @@ impl Handler<SeqEvent> for RequestActor {
                     }
                 }
             }
-            SeqEvent::Finished { mut reason, usage, timings, .. } => {
+            SeqEvent::Finished {
+                mut reason,
+                usage,
+                timings,
+                ..
+            } => {
                 if self.stopped_by.is_none() && reason != FinishReason::Cancelled {
                     let step = self.stream.finish();
                     self.forward(step);
@@ -144,11 +187,20 @@ impl Handler<SeqEvent> for RequestActor {
                 if self.stopped_by.is_some() {
                     reason = FinishReason::Stop;
                 }
-                self.sink.send(Event::Finished(Finished { id: self.id, reason, usage, timings, stop: self.stopped_by.take() }));
+                self.sink.send(Event::Finished(Finished {
+                    id: self.id,
+                    reason,
+                    usage,
+                    timings,
+                    stop: self.stopped_by.take(),
+                }));
                 ctx.stop();
             }
             SeqEvent::Failed { error, .. } => {
-                self.sink.send(Event::Error { id: self.id, error: TandemError::Scheduler(error) });
+                self.sink.send(Event::Error {
+                    id: self.id,
+                    error: TandemError::Scheduler(error),
+                });
                 ctx.stop();
             }
         }
@@ -169,31 +221,57 @@ impl Handler<Generate> for Scheduler {
     type Result = Result<RequestId, TandemError>;
 
     fn handle(&mut self, msg: Generate, ctx: &mut Context<Self>) -> Self::Result {
-        let tokenizer = self.tokenizer().cloned().ok_or(TandemError::InvalidRequest {
-            field: "prompt",
-            reason: "this scheduler was started without a tokenizer; submit token ids with `Submit`".into(),
-        })?;
-        let crate::api::GenerateRequest { prompt, max_tokens, sampling, stop } = msg.request;
+        let tokenizer = self
+            .tokenizer()
+            .cloned()
+            .ok_or(TandemError::InvalidRequest {
+                field: "prompt",
+                reason:
+                    "this scheduler was started without a tokenizer; submit token ids with `Submit`"
+                        .into(),
+            })?;
+        let crate::api::GenerateRequest {
+            prompt,
+            max_tokens,
+            sampling,
+            stop,
+        } = msg.request;
         let prompt: Vec<u32> = match prompt {
             crate::api::Prompt::Text(text) => tokenizer.encode(&text)?,
             crate::api::Prompt::Tokens(ids) => ids,
         };
         let context_len = self.engine_info().context_len;
         let max_new_tokens = match max_tokens {
-            Some(0) => return Err(TandemError::InvalidRequest { field: "max_tokens", reason: "must be at least 1".into() }),
+            Some(0) => {
+                return Err(TandemError::InvalidRequest {
+                    field: "max_tokens",
+                    reason: "must be at least 1".into(),
+                })
+            }
             Some(n) if n >= context_len => {
-                return Err(TandemError::InvalidRequest { field: "max_tokens", reason: format!("must be below the context length of {context_len}, got {n}") })
+                return Err(TandemError::InvalidRequest {
+                    field: "max_tokens",
+                    reason: format!("must be below the context length of {context_len}, got {n}"),
+                })
             }
             Some(n) => n,
             // Until EOS or a full context.
             None => context_len.saturating_sub(prompt.len()).max(1),
         };
         if stop.iter().any(|s| s.is_empty()) {
-            return Err(TandemError::InvalidRequest { field: "stop", reason: "stop strings must not be empty".into() });
+            return Err(TandemError::InvalidRequest {
+                field: "stop",
+                reason: "stop strings must not be empty".into(),
+            });
         }
         let stream = TextStream::with_context(tokenizer.clone(), stop, &prompt)?;
         let actor = RequestActor::new(stream, msg.events, ctx.address(), tokenizer).start();
-        let request = SeqRequest { prompt: Arc::from(prompt), sampling, max_new_tokens, events: actor.recipient() };
+        let request = SeqRequest {
+            prompt: Arc::from(prompt),
+            sampling,
+            max_new_tokens,
+            events: actor.recipient(),
+        };
         Ok(self.submit_request(request, ctx)?)
     }
 }

@@ -281,7 +281,7 @@ impl Engine {
                     Some(SeqFinish::Eos)
                 } else if state.generated >= state.max_new_tokens {
                     Some(SeqFinish::Length)
-                } else if kv_len + 1 > self.info.context_len {
+                } else if kv_len + 1 >= self.info.context_len {
                     Some(SeqFinish::ContextFull)
                 } else {
                     None
