@@ -54,6 +54,7 @@ impl BestOfN {
                     ..Default::default()
                 },
                 stop: vec![],
+                mtp: None,
             };
             let msg = Generate {
                 request,

@@ -273,6 +273,7 @@ async fn run_clients(
                 max_tokens: Some(job.max_tokens),
                 sampling: job.sampling,
                 stop: vec![],
+                mtp: None,
             };
             let Ok(mut stream) = handle.generate(request).await else {
                 return report;

@@ -9,6 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::engine::SpecOptions;
 use crate::sampler::SamplingOptions;
 use crate::scheduler::{FinishReason, RequestId, SchedulerError, Timings, Usage};
 use crate::tokenizer::TokenizerError;
@@ -46,6 +47,9 @@ pub struct GenerateRequest {
     /// Generation stops before any of these strings; the match is not sent.
     #[serde(default)]
     pub stop: Vec<String>,
+    /// Speculative (MTP) decoding options; `None` uses the engine's default.
+    #[serde(default)]
+    pub mtp: Option<SpecOptions>,
 }
 
 impl GenerateRequest {
@@ -56,6 +60,7 @@ impl GenerateRequest {
             max_tokens: Some(max_tokens),
             sampling: SamplingOptions::default(),
             stop: Vec::new(),
+            mtp: None,
         }
     }
 
@@ -66,6 +71,11 @@ impl GenerateRequest {
 
     pub fn with_stop(mut self, stop: Vec<String>) -> Self {
         self.stop = stop;
+        self
+    }
+
+    pub fn with_mtp(mut self, mtp: SpecOptions) -> Self {
+        self.mtp = Some(mtp);
         self
     }
 }

@@ -235,6 +235,7 @@ impl Handler<Generate> for Scheduler {
             max_tokens,
             sampling,
             stop,
+            mtp,
         } = msg.request;
         let prompt: Vec<u32> = match prompt {
             crate::api::Prompt::Text(text) => tokenizer.encode(&text)?,
@@ -270,6 +271,7 @@ impl Handler<Generate> for Scheduler {
             prompt: Arc::from(prompt),
             sampling,
             max_new_tokens,
+            spec: mtp,
             events: actor.recipient(),
         };
         Ok(self.submit_request(request, ctx)?)

@@ -38,6 +38,7 @@ fn request(i: usize, sampling: SamplingOptions) -> GenerateRequest {
         max_tokens: Some(8 + i % 13),
         sampling,
         stop: vec![],
+        mtp: None,
     }
 }
 
@@ -166,6 +167,7 @@ async fn stop_strings_spanning_tokens_stop_exactly_and_never_leak() {
         max_tokens: Some(40),
         sampling: SamplingOptions::greedy(),
         stop: vec![],
+        mtp: None,
     };
     let free = handle.complete(base.clone()).await.unwrap();
     assert!(free.text.len() > 30, "need some text: {:?}", free.text);
@@ -177,6 +179,7 @@ async fn stop_strings_spanning_tokens_stop_exactly_and_never_leak() {
     let mut stream = handle
         .generate(GenerateRequest {
             stop: vec!["never-matches".into(), stop.clone()],
+            mtp: None,
             ..base
         })
         .await
@@ -222,6 +225,7 @@ async fn dropping_the_stream_cancels_and_frees_the_slot() {
             max_tokens: Some(1000),
             sampling: SamplingOptions::greedy(),
             stop: vec![],
+            mtp: None,
         })
         .await
         .unwrap();

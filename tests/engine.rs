@@ -2,71 +2,18 @@
 //! stories260k reference, batched == solo for mixed sampling options, and
 //! per-sequence failures.
 
+mod support;
+
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
+
+use support::engine_driver::{run_tokens, Req};
 
 use tandem::engine::*;
 use tandem::model::{LoadOptions, Model};
 use tandem::sampler::SamplingOptions;
 use tandem::tiny::{tiny_model_cpu, TinyPreset};
-
-struct Req {
-    prompt: Vec<u32>,
-    sampling: SamplingOptions,
-    max_new: usize,
-}
-
-/// Runs requests to completion: all admitted at step 0, prompts prefilled in
-/// chunks of `chunk`, then decoded together. Returns each request's tokens.
-fn run(engine: &mut Engine, reqs: &[Req], chunk: usize) -> Vec<Vec<GeneratedToken>> {
-    let mut out: Vec<Vec<GeneratedToken>> = vec![Vec::new(); reqs.len()];
-    let mut prefilled = vec![0usize; reqs.len()];
-    let mut live: Vec<bool> = vec![true; reqs.len()];
-    let mut plan = StepPlan::default();
-    for (i, r) in reqs.iter().enumerate() {
-        plan.admit.push(Admission {
-            slot: i as u32 + 100,
-            prompt: Arc::from(r.prompt.clone()),
-            sampling: r.sampling,
-            max_new_tokens: r.max_new,
-            kv_reserve: r.prompt.len() + r.max_new,
-        });
-    }
-    for step in 0.. {
-        plan.step = step;
-        for (i, r) in reqs.iter().enumerate() {
-            if !live[i] {
-                continue;
-            }
-            let slot = i as u32 + 100;
-            if prefilled[i] < r.prompt.len() {
-                let len = chunk.min(r.prompt.len() - prefilled[i]);
-                plan.work.push(SeqWork::Prefill {
-                    slot,
-                    start: prefilled[i],
-                    len,
-                });
-                prefilled[i] += len;
-            } else {
-                plan.work.push(SeqWork::Decode { slot });
-            }
-        }
-        if plan.work.is_empty() {
-            break;
-        }
-        let outcome = engine.execute(std::mem::take(&mut plan));
-        for s in outcome.seqs {
-            let i = (s.slot - 100) as usize;
-            let p = s.result.expect("no engine error");
-            out[i].extend(p.tokens);
-            if p.finish.is_some() {
-                live[i] = false;
-            }
-        }
-    }
-    out
-}
 
 fn ids(tokens: &[GeneratedToken]) -> Vec<u32> {
     tokens.iter().map(|t| t.id).collect()
@@ -108,6 +55,7 @@ fn stories260k_reference_through_the_engine() {
             prompt: as_ids(&p["prompt_ids"]),
             sampling: SamplingOptions::greedy(),
             max_new: 64,
+            spec: None,
         })
         .collect();
     let want: Vec<Vec<u32>> = reference["prompts"]
@@ -121,7 +69,7 @@ fn stories260k_reference_through_the_engine() {
         4096,
     );
     for chunk in [1, 3, 512] {
-        let got: Vec<Vec<u32>> = run(&mut engine, &reqs, chunk)
+        let got: Vec<Vec<u32>> = run_tokens(&mut engine, &reqs, chunk)
             .iter()
             .map(|t| ids(t))
             .collect();
@@ -177,6 +125,7 @@ fn mixed_requests() -> Vec<Req> {
                 .collect(),
             sampling: opts[i % opts.len()],
             max_new: 20 + i,
+            spec: None,
         })
         .collect()
 }
@@ -186,9 +135,9 @@ fn batched_equals_solo_with_mixed_options() {
     let (model, _) = tiny_model_cpu(TinyPreset::Test).unwrap();
     let mut engine = engine_for(model, 8192);
     let reqs = mixed_requests();
-    let batched = run(&mut engine, &reqs, 7);
+    let batched = run_tokens(&mut engine, &reqs, 7);
     for (i, r) in reqs.iter().enumerate() {
-        let solo = run(&mut engine, std::slice::from_ref(r), 64);
+        let solo = run_tokens(&mut engine, std::slice::from_ref(r), 64);
         assert_eq!(ids(&batched[i]), ids(&solo[0]), "request {i} token ids");
         for (a, b) in batched[i].iter().zip(&solo[0]) {
             assert_eq!(a.logprob.is_some(), r.sampling.logprobs);
@@ -222,6 +171,7 @@ fn one_bad_sequence_does_not_fail_the_others() {
         sampling: SamplingOptions::greedy(),
         max_new_tokens: 4,
         kv_reserve: 7,
+        spec: None,
     };
     let too_big = Admission {
         slot: 2,
@@ -323,8 +273,9 @@ fn eos_ends_a_sequence_on_the_eos_token() {
         prompt: vec![1, 40, 41, 42],
         sampling: SamplingOptions::greedy(),
         max_new: 10,
+        spec: None,
     };
-    let free_run = ids(&run(&mut engine, std::slice::from_ref(&req), 64)[0]);
+    let free_run = ids(&run_tokens(&mut engine, std::slice::from_ref(&req), 64)[0]);
     let eos = free_run[2];
     let first = free_run.iter().position(|&t| t == eos).unwrap();
     let (model, _) = tiny_model_cpu(TinyPreset::Test).unwrap();
@@ -336,7 +287,7 @@ fn eos_ends_a_sequence_on_the_eos_token() {
             eos_ids: vec![eos],
         },
     );
-    let got = ids(&run(&mut engine, std::slice::from_ref(&req), 64)[0]);
+    let got = ids(&run_tokens(&mut engine, std::slice::from_ref(&req), 64)[0]);
     assert_eq!(got, free_run[..=first].to_vec());
     assert_eq!(engine.kv_reserved_tokens(), 0);
 }

@@ -53,6 +53,7 @@ async fn sixteen_concurrent_requests_get_exactly_their_tokens() {
         let usage = Usage {
             prompt_tokens: p.len(),
             completion_tokens: tokens.len(),
+            ..Usage::default()
         };
         assert_eq!(s.end, End::Finished(reason, usage), "{id}");
         want_generated += tokens.len() as u64;
@@ -254,6 +255,7 @@ async fn cancel_frees_slot_and_kv_for_the_waiting_request() {
     let usage = Usage {
         prompt_tokens: 10,
         completion_tokens: 0,
+        ..Usage::default()
     };
     assert_eq!(sa.end, End::Finished(FinishReason::Cancelled, usage));
     let (tokens, reason) = expected(&b_prompt, 3, 8192);
@@ -266,7 +268,8 @@ async fn cancel_frees_slot_and_kv_for_the_waiting_request() {
                 reason,
                 Usage {
                     prompt_tokens: 5,
-                    completion_tokens: 3
+                    completion_tokens: 3,
+                    ..Usage::default()
                 }
             )
         )
@@ -300,6 +303,7 @@ async fn overload_and_invalid_requests_get_typed_errors_without_disturbing_other
     }
     let send = |p: Arc<[u32]>, n: usize, sampling: SamplingOptions| {
         addr.send(Submit(SeqRequest {
+            spec: None,
             prompt: p,
             sampling,
             max_new_tokens: n,
@@ -427,7 +431,8 @@ async fn an_engine_error_fails_only_its_request() {
                     reason,
                     Usage {
                         prompt_tokens: p.len(),
-                        completion_tokens: *n
+                        completion_tokens: *n,
+                        ..Usage::default()
                     }
                 )
             );

@@ -1,11 +1,12 @@
 //! [`Engine`]: the real [`StepExecutor`]. It owns the model, the KV cache,
-//! the sampler and each slot's progress, and turns one [`StepPlan`] into one
-//! ragged forward pass plus one sampler call.
+//! the sampler, the draft head and each slot's progress, and turns one
+//! [`StepPlan`] into (optional) batched draft rounds, one ragged forward
+//! pass, one sampler call and the verification of every sequence's drafts.
 //!
 //! # Invariants
 //! - A slot is registered in `slots`, the KV cache and the sampler at once
 //!   (admission) and leaves all three at once ([`Engine::drop_slot`]).
-//! - `SlotState::prefilled` equals the KV length until the prompt is done;
+//! - Until the prompt is done `SlotState::prefilled` equals the KV length;
 //!   afterwards the KV holds `prompt + generated - 1` positions (the last
 //!   sampled token is fed by the next decode).
 //! - One bad sequence (invalid work, KV over its reservation) is failed and
@@ -16,10 +17,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use candle_core::Tensor;
+
 use super::protocol::*;
+use super::spec::{self, DraftHead, DraftInput, Drafts, SeqSpec, SpecConfig};
 use super::EngineError;
-use crate::kv::KvCache;
-use crate::model::{Batch, Model, OutputRows};
+use crate::kv::{KvCache, KvError};
+use crate::model::{Batch, Model, ModelError, OutputRows};
 use crate::sampler::{SamplePath, Sampler, SamplingOptions};
 
 /// Engine settings.
@@ -40,6 +44,8 @@ struct SlotState {
     generated: usize,
     max_new_tokens: usize,
     sampling: SamplingOptions,
+    /// Speculation state; `None` when this sequence never drafts.
+    spec: Option<SeqSpec>,
 }
 
 /// The engine thread's state. Build it, then hand it to
@@ -50,13 +56,45 @@ pub struct Engine {
     sampler: Sampler,
     slots: HashMap<SlotId, SlotState>,
     info: EngineInfo,
+    draft: Option<Box<dyn DraftHead>>,
+    spec_config: SpecConfig,
 }
 
 /// A sequence that takes part in this step's forward pass.
 struct Planned {
     slot: SlotId,
-    tokens_fed: usize,
+    offset: usize,
+    tokens: Vec<u32>,
+    /// The pass ends at a position that samples (a decode or the last prompt chunk).
     samples: bool,
+    /// Drafts allowed this step (0: plain decode).
+    draft_budget: usize,
+    drafts: Drafts,
+}
+
+fn model_err(e: ModelError) -> EngineError {
+    EngineError::Model(e.to_string())
+}
+
+fn kv_err(slot: SlotId, e: KvError) -> EngineError {
+    match e {
+        KvError::Exhausted {
+            requested,
+            available,
+            ..
+        } => EngineError::KvExhausted {
+            requested,
+            available,
+        },
+        KvError::OverReservation {
+            reserved, needed, ..
+        } => EngineError::KvOverReservation {
+            slot,
+            reserved,
+            needed,
+        },
+        other => EngineError::Model(other.to_string()),
+    }
 }
 
 impl Engine {
@@ -87,7 +125,17 @@ impl Engine {
             sampler,
             slots: HashMap::new(),
             info,
+            draft: None,
+            spec_config: SpecConfig::default(),
         }
+    }
+
+    /// Enables speculative decoding with `head` (sequences draft according
+    /// to their own [`SpecOptions`], or `config.default`).
+    pub fn with_draft(mut self, head: Box<dyn DraftHead>, config: SpecConfig) -> Self {
+        self.draft = Some(head);
+        self.spec_config = config;
+        self
     }
 
     pub fn model(&self) -> &Model {
@@ -115,69 +163,79 @@ impl Engine {
                 reason: "empty prompt or max_new_tokens 0".into(),
             });
         }
+        let options = a.spec.unwrap_or(self.spec_config.default);
+        options
+            .validate()
+            .map_err(|reason| EngineError::InvalidWork {
+                slot: a.slot,
+                reason,
+            })?;
+        // NOTE: requests that want logprobs decode without drafts, so every
+        // logprob they get comes from a plain sampler call.
+        let spec = (options.enabled && self.draft.is_some() && !a.sampling.logprobs)
+            .then(|| SeqSpec::new(options));
         self.kv
             .allocate(a.slot, a.kv_reserve)
-            .map_err(|e| match e {
-                crate::kv::KvError::Exhausted {
-                    requested,
-                    available,
-                    ..
-                } => EngineError::KvExhausted {
-                    requested,
-                    available,
-                },
-                other => EngineError::Model(other.to_string()),
-            })?;
+            .map_err(|e| kv_err(a.slot, e))?;
         if let Err(e) = self.sampler.add(a.slot, a.sampling, &a.prompt) {
             self.kv.free(a.slot);
             return Err(e.into());
         }
-        self.slots.insert(
-            a.slot,
-            SlotState {
-                prompt: a.prompt,
-                prefilled: 0,
-                last_token: None,
-                generated: 0,
-                max_new_tokens: a.max_new_tokens,
-                sampling: a.sampling,
-            },
-        );
+        let state = SlotState {
+            prompt: a.prompt,
+            prefilled: 0,
+            last_token: None,
+            generated: 0,
+            max_new_tokens: a.max_new_tokens,
+            sampling: a.sampling,
+            spec,
+        };
+        self.slots.insert(a.slot, state);
         Ok(())
     }
 
-    /// Checks one work item and adds its tokens to the batch.
-    fn plan_one(&mut self, work: SeqWork, batch: &mut Batch) -> Result<Planned, EngineError> {
+    /// Checks one work item and reserves room for its tokens (and drafts).
+    fn plan_one(&mut self, work: SeqWork, may_draft: bool) -> Result<Planned, EngineError> {
         let slot = work.slot();
         let state = self
             .slots
             .get(&slot)
             .ok_or(EngineError::UnknownSlot(slot))?;
         let invalid = |reason: String| EngineError::InvalidWork { slot, reason };
-        let (tokens, samples): (Vec<u32>, bool) = match work {
+        let offset = self.kv.len(slot).map_err(|e| kv_err(slot, e))?;
+        let (tokens, samples, draft_budget) = match work {
             SeqWork::Prefill { start, len, .. } => {
                 if start != state.prefilled || len == 0 || start + len > state.prompt.len() {
+                    let (done, total) = (state.prefilled, state.prompt.len());
                     return Err(invalid(format!(
-                        "prefill {start}..{} but {} of {} prompt tokens are done",
-                        start + len,
-                        state.prefilled,
-                        state.prompt.len()
+                        "prefill {start}..{} but {done} of {total} prompt tokens are done",
+                        start + len
                     )));
                 }
                 (
                     state.prompt[start..start + len].to_vec(),
                     start + len == state.prompt.len(),
+                    0,
                 )
             }
             SeqWork::Decode { .. } => match state.last_token {
-                Some(t) if state.prefilled == state.prompt.len() => (vec![t], true),
+                Some(t) if state.prefilled == state.prompt.len() => {
+                    // Drafts never run past max_new_tokens (the bonus token
+                    // counts) nor past the context.
+                    let remaining = state.max_new_tokens.saturating_sub(state.generated);
+                    let context_room = self.info.context_len.saturating_sub(offset + 1);
+                    let budget = match (&state.spec, may_draft) {
+                        (Some(s), true) => s
+                            .draft_len
+                            .min(remaining.saturating_sub(1))
+                            .min(context_room),
+                        _ => 0,
+                    };
+                    (vec![t], true, budget)
+                }
                 _ => return Err(invalid("decode before the prompt is prefilled".into())),
             },
         };
-        let offset = self
-            .kv
-            .len(slot)
-            .map_err(|e| EngineError::Model(e.to_string()))?;
         if offset + tokens.len() > self.info.context_len {
             return Err(invalid(format!(
                 "position {} beyond the context of {}",
@@ -186,111 +244,255 @@ impl Engine {
             )));
         }
         self.kv
-            .ensure_room(slot, tokens.len())
-            .map_err(|e| match e {
-                crate::kv::KvError::OverReservation {
-                    reserved, needed, ..
-                } => EngineError::KvOverReservation {
-                    slot,
-                    reserved,
-                    needed,
-                },
-                other => EngineError::Model(other.to_string()),
-            })?;
-        batch.push(
-            slot,
-            offset,
-            &tokens,
-            if samples {
-                OutputRows::Last
-            } else {
-                OutputRows::None
-            },
-        );
+            .ensure_room(slot, tokens.len() + draft_budget)
+            .map_err(|e| kv_err(slot, e))?;
         Ok(Planned {
             slot,
-            tokens_fed: tokens.len(),
+            offset,
+            tokens,
             samples,
+            draft_budget,
+            drafts: Drafts::default(),
         })
     }
 
-    /// Runs the forward pass and the sampler over the planned sequences.
+    /// Batched draft rounds for every planned sequence with a draft budget.
+    /// Leaves each slot's KV length where it was.
+    fn run_drafts(&mut self, planned: &mut [Planned]) -> Result<(), EngineError> {
+        let Some(head) = self.draft.as_mut() else {
+            return Ok(());
+        };
+        let rounds = planned.iter().map(|p| p.draft_budget).max().unwrap_or(0);
+        let result = (|| {
+            for round in 0..rounds {
+                let members: Vec<usize> = (0..planned.len())
+                    .filter(|&i| planned[i].draft_budget > round)
+                    .collect();
+                let inputs: Vec<DraftInput> = members
+                    .iter()
+                    .map(|&i| {
+                        let p = &planned[i];
+                        DraftInput {
+                            slot: p.slot,
+                            token: *p.drafts.tokens.last().unwrap_or(&p.tokens[0]),
+                            position: p.offset + round,
+                        }
+                    })
+                    .collect();
+                let logits = head
+                    .draft(&self.model, &mut self.kv, &inputs)
+                    .map_err(model_err)?;
+                for (row, &i) in members.iter().enumerate() {
+                    let p = &mut planned[i];
+                    let greedy = self.slots[&p.slot].sampling.is_greedy();
+                    let row_logits = logits
+                        .narrow(0, row, 1)
+                        .map_err(|e| EngineError::Model(e.to_string()))?;
+                    let q = self
+                        .sampler
+                        .draft_distributions(p.slot, &row_logits, &p.drafts.tokens, round)?
+                        .remove(0);
+                    let token = spec::pick(&mut self.sampler, p.slot, greedy, &q)?;
+                    p.drafts.tokens.push(token);
+                    p.drafts.probs.push(q);
+                }
+            }
+            Ok(())
+        })();
+        for p in planned.iter().filter(|p| p.draft_budget > 0) {
+            self.kv
+                .set_len(p.slot, p.offset)
+                .map_err(|e| kv_err(p.slot, e))?;
+        }
+        result
+    }
+
+    /// Runs the forward pass, the sampler and the verification.
     fn run_batch(
         &mut self,
-        batch: &Batch,
         planned: &[Planned],
         stats: &mut StepStats,
     ) -> Result<Vec<(SlotId, SeqProgress)>, EngineError> {
         let t0 = Instant::now();
-        let sampling_slots: Vec<SlotId> = planned
-            .iter()
-            .filter(|p| p.samples)
-            .map(|p| p.slot)
-            .collect();
-        let model_err = |e: crate::model::ModelError| EngineError::Model(e.to_string());
-        let hidden = self.model.forward(batch, &mut self.kv).map_err(model_err)?;
-        let logits = if sampling_slots.is_empty() {
+        let mut batch = Batch::default();
+        for p in planned {
+            let speculative = !p.drafts.tokens.is_empty();
+            let tokens: Vec<u32> = p.tokens.iter().chain(&p.drafts.tokens).copied().collect();
+            let output = match (speculative, p.samples) {
+                (true, _) => OutputRows::All,
+                (false, true) => OutputRows::Last,
+                (false, false) => OutputRows::None,
+            };
+            if speculative {
+                self.kv.begin(p.slot).map_err(|e| kv_err(p.slot, e))?;
+            }
+            batch.push(p.slot, p.offset, &tokens, output);
+        }
+        stats.batch_tokens = batch.tokens.len();
+        let hidden = self
+            .model
+            .forward(&batch, &mut self.kv)
+            .map_err(model_err)?;
+        let logits = if batch.num_outputs() == 0 {
             None
         } else {
             Some(self.model.unembed(&hidden).map_err(model_err)?)
         };
         stats.forward = t0.elapsed();
 
+        // Rows of the logits: one per plain sampling sequence, k + 1 per speculative one.
         let t1 = Instant::now();
+        let mut plain_rows = Vec::new();
+        let mut plain_slots = Vec::new();
+        let mut spec_rows = Vec::new();
+        let mut row = 0u32;
+        for (i, p) in planned.iter().enumerate() {
+            if !p.drafts.tokens.is_empty() {
+                spec_rows.push((i, row));
+                row += p.drafts.tokens.len() as u32 + 1;
+            } else if p.samples {
+                plain_rows.push(row);
+                plain_slots.push(p.slot);
+                row += 1;
+            }
+        }
+        let tensor_err = |e: candle_core::Error| EngineError::Model(e.to_string());
         let sampled = match &logits {
-            Some(logits) => {
-                let res = self.sampler.sample(&sampling_slots, logits)?;
+            Some(logits) if !plain_slots.is_empty() => {
+                let rows = if spec_rows.is_empty() {
+                    logits.clone()
+                } else {
+                    let idx =
+                        Tensor::new(plain_rows.as_slice(), logits.device()).map_err(tensor_err)?;
+                    logits.index_select(&idx, 0).map_err(tensor_err)?
+                };
+                let res = self.sampler.sample(&plain_slots, &rows)?;
                 match res.path {
                     SamplePath::Uniform => stats.uniform_calls += 1,
                     SamplePath::Serial => stats.serial_calls += 1,
                 }
                 Some(res)
             }
-            None => None,
+            _ => None,
         };
-        stats.sample = t1.elapsed();
 
         let mut out = Vec::with_capacity(planned.len());
-        let mut row = 0;
-        for p in planned {
+        let mut plain_row = 0;
+        let mut spec_iter = spec_rows.iter().peekable();
+        for (i, p) in planned.iter().enumerate() {
+            let mut progress = SeqProgress::default();
             let state = self
                 .slots
                 .get_mut(&p.slot)
                 .ok_or(EngineError::UnknownSlot(p.slot))?;
-            let mut progress = SeqProgress::default();
             if state.prefilled < state.prompt.len() {
-                state.prefilled += p.tokens_fed;
-                progress.prefilled = p.tokens_fed;
+                state.prefilled += p.tokens.len();
+                progress.prefilled = p.tokens.len();
             }
-            if p.samples {
+            let mut emitted: Vec<GeneratedToken> = Vec::new();
+            if let Some(&&(_, first_row)) = spec_iter.peek().filter(|(j, _)| *j == i) {
+                spec_iter.next();
+                let k = p.drafts.tokens.len();
+                let rows = logits
+                    .as_ref()
+                    .expect("speculative rows exist; this is a bug")
+                    .narrow(0, first_row as usize, k + 1)
+                    .map_err(tensor_err)?;
+                let greedy = state.sampling.is_greedy();
+                let (accepted, next) =
+                    spec::verify(&mut self.sampler, p.slot, greedy, &rows, &p.drafts)?;
+                if self.spec_config.compare_serial && greedy {
+                    compare_serial(&self.model, &mut self.kv, p, &rows).map_err(model_err)?;
+                }
+                self.kv
+                    .commit(p.slot, 1 + accepted)
+                    .map_err(|e| kv_err(p.slot, e))?;
+                let mut kept: Vec<u32> = p.drafts.tokens[..accepted].to_vec();
+                kept.push(next);
+                self.sampler.commit(p.slot, &kept)?;
+                if let Some(s) = state.spec.as_mut() {
+                    s.update(k, accepted);
+                }
+                progress.drafted = k;
+                progress.accepted = accepted;
+                stats.drafted += k;
+                stats.accepted += accepted;
+                emitted.extend(kept.into_iter().map(|id| GeneratedToken {
+                    id,
+                    logprob: None,
+                    top_logprobs: Vec::new(),
+                }));
+            } else if p.samples {
                 let res = sampled
                     .as_ref()
-                    .expect("sampled when any slot samples; this is a bug");
-                let id = res.tokens[row];
-                let (logprob, top_logprobs) = res.for_row(row, &state.sampling);
-                row += 1;
-                state.last_token = Some(id);
-                state.generated += 1;
-                progress.tokens.push(GeneratedToken {
-                    id,
+                    .expect("a plain sampling row was sampled; this is a bug");
+                let (logprob, top_logprobs) = res.for_row(plain_row, &state.sampling);
+                emitted.push(GeneratedToken {
+                    id: res.tokens[plain_row],
                     logprob,
                     top_logprobs,
                 });
-                let kv_len = state.prompt.len() + state.generated - 1;
-                progress.finish = if self.info.eos_ids.contains(&id) {
-                    Some(SeqFinish::Eos)
-                } else if state.generated >= state.max_new_tokens {
-                    Some(SeqFinish::Length)
-                } else if kv_len + 1 >= self.info.context_len {
-                    Some(SeqFinish::ContextFull)
-                } else {
-                    None
-                };
+                plain_row += 1;
+            }
+            // EOS or max_new_tokens inside an accepted run stop exactly there.
+            for token in emitted {
+                let id = token.id;
+                state.last_token = Some(id);
+                state.generated += 1;
+                progress.tokens.push(token);
+                if self.info.eos_ids.contains(&id) {
+                    progress.finish = Some(SeqFinish::Eos);
+                    break;
+                }
+                if state.generated >= state.max_new_tokens {
+                    progress.finish = Some(SeqFinish::Length);
+                    break;
+                }
+            }
+            if progress.finish.is_none()
+                && !progress.tokens.is_empty()
+                && state.prompt.len() + state.generated >= self.info.context_len
+            {
+                progress.finish = Some(SeqFinish::ContextFull);
             }
             out.push((p.slot, progress));
         }
+        stats.sample = t1.elapsed();
         Ok(out)
     }
+}
+
+/// The seed's compare mode: feeds the verified tokens again one at a time
+/// and logs the first position whose argmax differs from the batched pass.
+/// Leaves the cache as the batched pass did (same tokens, same positions).
+fn compare_serial(
+    model: &Model,
+    kv: &mut KvCache,
+    p: &Planned,
+    batched: &Tensor,
+) -> Result<(), ModelError> {
+    let batched: Vec<u32> = batched.argmax(1)?.to_vec1()?;
+    kv.set_len(p.slot, p.offset)?;
+    for (i, &token) in p.tokens.iter().chain(&p.drafts.tokens).enumerate() {
+        let mut b = Batch::default();
+        b.push(p.slot, p.offset + i, &[token], OutputRows::Last);
+        let serial: Vec<u32> = model
+            .unembed(&model.forward(&b, kv)?)?
+            .argmax(1)?
+            .to_vec1()?;
+        if serial[0] != batched[i] {
+            tracing::warn!(
+                slot = p.slot,
+                position = p.offset + i,
+                batched = batched[i],
+                serial = serial[0],
+                "MTP: batched and serial verification disagree"
+            );
+            break;
+        }
+    }
+    kv.set_len(p.slot, p.offset + p.tokens.len() + p.drafts.tokens.len())?;
+    Ok(())
 }
 
 impl StepExecutor for Engine {
@@ -317,10 +519,17 @@ impl StepExecutor for Engine {
             }
         }
 
-        let mut batch = Batch::default();
+        // NOTE: the batch-size policy: a big batch is compute-bound, drafts
+        // would only add work, so nobody drafts.
+        let decodes = plan
+            .work
+            .iter()
+            .filter(|w| matches!(w, SeqWork::Decode { .. }))
+            .count();
+        let may_draft = self.draft.is_some() && decodes <= self.spec_config.max_batch;
         let mut planned = Vec::with_capacity(plan.work.len());
         for work in plan.work {
-            match self.plan_one(work, &mut batch) {
+            match self.plan_one(work, may_draft) {
                 Ok(p) => planned.push(p),
                 Err(error) => {
                     let slot = work.slot();
@@ -334,10 +543,20 @@ impl StepExecutor for Engine {
                 }
             }
         }
+        if planned.iter().any(|p| p.draft_budget > 0) {
+            let t = Instant::now();
+            if let Err(error) = self.run_drafts(&mut planned) {
+                // Drafting is an optimisation: on failure decode plainly.
+                tracing::warn!(%error, "drafting failed; decoding without drafts this step");
+                for p in &mut planned {
+                    p.drafts = Drafts::default();
+                }
+            }
+            outcome.stats.draft = t.elapsed();
+        }
         if !planned.is_empty() {
             outcome.stats.batch_seqs = planned.len();
-            outcome.stats.batch_tokens = batch.tokens.len();
-            match self.run_batch(&batch, &planned, &mut outcome.stats) {
+            match self.run_batch(&planned, &mut outcome.stats) {
                 Ok(results) => {
                     for (slot, progress) in results {
                         if progress.finish.is_some() {

@@ -6,10 +6,12 @@
 
 pub mod executor;
 pub mod protocol;
+pub mod spec;
 pub mod thread;
 
 pub use executor::{Engine, EngineConfig};
 pub use protocol::*;
+pub use spec::{DraftHead, DraftInput, EarlyExitDraft, SpecConfig};
 pub use thread::{EngineCommand, EngineThread};
 
 /// Why the engine could not serve a sequence. Cloneable so that one failed

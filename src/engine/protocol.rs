@@ -64,6 +64,77 @@ pub struct Admission {
     /// KV tokens to reserve up front (prompt + max_new_tokens, capped at the
     /// context length); admission control makes sure they are available.
     pub kv_reserve: usize,
+    /// Speculative decoding for this sequence; `None` uses the engine's
+    /// default (see [`crate::engine::SpecConfig`]).
+    pub spec: Option<SpecOptions>,
+}
+
+/// How a sequence drafts tokens for speculative (MTP) decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct SpecOptions {
+    /// Draft at all (needs an engine with a draft head).
+    pub enabled: bool,
+    /// Draft length of the first speculative step.
+    pub initial_draft: usize,
+    /// Longest draft.
+    pub max_draft: usize,
+    pub schedule: DraftSchedule,
+}
+
+impl Default for SpecOptions {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            initial_draft: 4,
+            max_draft: 8,
+            schedule: DraftSchedule::Heuristic,
+        }
+    }
+}
+
+impl SpecOptions {
+    /// Speculation off.
+    pub fn off() -> Self {
+        Self {
+            enabled: false,
+            ..Self::default()
+        }
+    }
+
+    /// Checks the lengths; the message names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.enabled && (self.initial_draft == 0 || self.max_draft == 0) {
+            return Err("`initial_draft` and `max_draft` must be at least 1".into());
+        }
+        if self.initial_draft > self.max_draft {
+            return Err(format!(
+                "`initial_draft` {} exceeds `max_draft` {}",
+                self.initial_draft, self.max_draft
+            ));
+        }
+        if self.max_draft > MAX_DRAFT_TOKENS {
+            return Err(format!(
+                "`max_draft` must be at most {MAX_DRAFT_TOKENS}, got {}",
+                self.max_draft
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The longest draft any sequence may ask for.
+pub const MAX_DRAFT_TOKENS: usize = 32;
+
+/// How a sequence's draft length evolves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DraftSchedule {
+    /// Always `initial_draft`.
+    Constant,
+    /// +2 after a step whose drafts were all accepted (up to `max_draft`),
+    /// −1 after a mismatch (never below 1).
+    Heuristic,
 }
 
 /// What one sequence contributes to a step.
@@ -113,6 +184,10 @@ pub struct SeqProgress {
     pub tokens: Vec<GeneratedToken>,
     /// Set when the engine ended the sequence; its slot is already freed.
     pub finish: Option<SeqFinish>,
+    /// Draft tokens proposed for this sequence this step.
+    pub drafted: usize,
+    /// Draft tokens the target accepted (they are among `tokens`).
+    pub accepted: usize,
 }
 
 /// A generated token and, when the request asked, its log-probabilities.
@@ -153,6 +228,11 @@ pub struct StepStats {
     /// Sampler calls that took the fused uniform path / the serial path.
     pub uniform_calls: u32,
     pub serial_calls: u32,
+    /// Wall time spent drafting (speculative decoding).
+    pub draft: Duration,
+    /// Draft tokens proposed / accepted this step, over all sequences.
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 /// Executes steps. The engine thread drives any implementation; the real

@@ -34,6 +34,29 @@ impl Sampler {
         logits: &Tensor,
         draft_prefix: &[u32],
     ) -> Result<Vec<Vec<f32>>, SamplerError> {
+        self.distributions_after(slot, logits, draft_prefix, 0)
+    }
+
+    /// Like [`speculative_distributions`](Self::speculative_distributions)
+    /// but row i sees `draft_prefix[..seen + i]`: the drafter's view, where
+    /// one row of logits arrives after `seen` drafts were already chosen.
+    pub fn draft_distributions(
+        &self,
+        slot: SlotId,
+        logits: &Tensor,
+        draft_prefix: &[u32],
+        seen: usize,
+    ) -> Result<Vec<Vec<f32>>, SamplerError> {
+        self.distributions_after(slot, logits, draft_prefix, seen)
+    }
+
+    fn distributions_after(
+        &self,
+        slot: SlotId,
+        logits: &Tensor,
+        draft_prefix: &[u32],
+        seen: usize,
+    ) -> Result<Vec<Vec<f32>>, SamplerError> {
         let &r = self
             .index
             .get(&slot)
@@ -41,26 +64,27 @@ impl Sampler {
         let state = &self.slots[r];
         let positions = logits.dims().first().copied().unwrap_or(0);
         let (t, vocab) = host::check_shape(logits, positions)?;
-        if draft_prefix.len() + 1 < t {
+        if draft_prefix.len() + 1 < t + seen {
             return Err(SamplerError::DraftTooShort {
-                positions: t,
+                positions: t + seen,
                 drafts: draft_prefix.len(),
             });
         }
-        let prefix = &draft_prefix[..t.saturating_sub(1)];
+        let prefix = &draft_prefix[..(t + seen).saturating_sub(1)];
         if let Some(&token) = prefix.iter().find(|&&x| x as usize >= vocab) {
             return Err(SamplerError::VocabMismatch { slot, token, vocab });
         }
         // History oldest first, then the drafts: position i sees the last
         // `window` tokens of `seen[..base + i]`, the multiset the ring
         // would hold after committing i drafts.
+        let skip = seen;
         let mut seen = Vec::new();
         let mut base = 0;
         let window = state.plan.penalty.window;
         let penalised = state.plan.uses_history();
         if penalised {
             self.pool.chronological(r, window, state.len, &mut seen);
-            base = seen.len();
+            base = seen.len() + skip;
             seen.extend_from_slice(prefix);
         }
 

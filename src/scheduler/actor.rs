@@ -319,6 +319,7 @@ impl Scheduler {
             prompt,
             sampling,
             max_new_tokens,
+            spec,
             events,
         } = request;
         if self.state.queue_full() {
@@ -328,7 +329,9 @@ impl Scheduler {
                 .drop_dead_queued(|id| Self::is_live(routes, id), now, &mut self.outbox);
             self.route_events();
         }
-        let id = self.state.submit(prompt, sampling, max_new_tokens, now)?;
+        let id = self
+            .state
+            .submit(prompt, sampling, max_new_tokens, spec, now)?;
         self.routes.insert(id, events);
         self.kick(ctx);
         Ok(id)

@@ -37,6 +37,9 @@ pub enum SchedulerError {
         token: u32,
         vocab_size: usize,
     },
+    /// A speculative-decoding option is out of range.
+    #[error("invalid `mtp` options: {0}")]
+    InvalidSpec(String),
     /// A sampling option is out of range.
     #[error("invalid `sampling`: {0}")]
     Sampling(#[from] SamplerError),
@@ -79,6 +82,7 @@ impl SchedulerError {
             SchedulerError::ZeroMaxNewTokens => "invalid_max_new_tokens",
             SchedulerError::TokenOutOfVocab { .. } => "token_out_of_vocab",
             SchedulerError::Sampling(_) => "invalid_sampling",
+            SchedulerError::InvalidSpec(_) => "invalid_mtp",
             SchedulerError::ExceedsKvCapacity { .. } => "exceeds_kv_capacity",
             SchedulerError::Overloaded { .. } => "overloaded",
             SchedulerError::ShuttingDown => "shutting_down",
@@ -99,6 +103,7 @@ impl SchedulerError {
                 | SchedulerError::ZeroMaxNewTokens
                 | SchedulerError::TokenOutOfVocab { .. }
                 | SchedulerError::Sampling(_)
+                | SchedulerError::InvalidSpec(_)
                 | SchedulerError::ExceedsKvCapacity { .. }
         )
     }

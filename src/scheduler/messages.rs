@@ -32,6 +32,8 @@ pub struct SeqRequest {
     /// The most tokens to generate (at least 1). Generation also ends at an
     /// end-of-sequence token or when the context is full.
     pub max_new_tokens: usize,
+    /// Speculative decoding options; `None` uses the engine's default.
+    pub spec: Option<crate::engine::SpecOptions>,
     /// Where this request's [`SeqEvent`]s go. When it disconnects (its actor
     /// stopped) the request is cancelled at the next step boundary.
     pub events: Recipient<SeqEvent>,
@@ -144,6 +146,10 @@ pub struct Usage {
     pub prompt_tokens: usize,
     /// Tokens delivered in `Tokens` events.
     pub completion_tokens: usize,
+    /// Draft tokens proposed for this request (speculative decoding).
+    pub draft_tokens: usize,
+    /// Draft tokens the target accepted.
+    pub accepted_draft_tokens: usize,
 }
 
 /// Latencies of one request.

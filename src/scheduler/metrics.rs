@@ -309,6 +309,10 @@ pub struct SchedulerStats {
     /// Tokens the engine has generated (including ones discarded because
     /// their request had just been cancelled).
     pub tokens_generated: u64,
+    /// Draft tokens proposed by speculative decoding.
+    pub mtp_drafted: u64,
+    /// Draft tokens the target accepted.
+    pub mtp_accepted: u64,
     /// Sampler calls on the fused uniform path.
     pub sampler_uniform_calls: u64,
     /// Sampler calls on the serial path.

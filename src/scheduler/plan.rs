@@ -122,6 +122,8 @@ fn admit(
             prompt_len: q.spec.prompt.len(),
             num_prefilled: 0,
             generated: 0,
+            drafted: 0,
+            accepted_drafts: 0,
             max_new_tokens: q.spec.max_new_tokens,
             kv_reserve: q.spec.kv_reserve,
             submitted_at: q.submitted_at,
@@ -139,6 +141,7 @@ fn admit(
             sampling: q.spec.sampling,
             max_new_tokens: q.spec.max_new_tokens,
             kv_reserve: q.spec.kv_reserve,
+            spec: q.spec.spec,
         });
         out.admitted.push(Admitted {
             id: q.id,

@@ -33,6 +33,9 @@ pub(crate) struct RunningSeq {
     pub num_prefilled: usize,
     /// Tokens the engine has generated and the scheduler has accepted.
     pub generated: usize,
+    /// Draft tokens proposed / accepted for this sequence (speculation).
+    pub drafted: usize,
+    pub accepted_drafts: usize,
     pub max_new_tokens: usize,
     pub kv_reserve: usize,
     pub submitted_at: Instant,
@@ -239,6 +242,8 @@ mod tests {
             prompt_len,
             num_prefilled: 0,
             generated: 0,
+            drafted: 0,
+            accepted_drafts: 0,
             max_new_tokens: kv - prompt_len,
             kv_reserve: kv,
             submitted_at: Instant::now(),

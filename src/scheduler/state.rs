@@ -59,6 +59,8 @@ struct Counters {
     max_seqs_per_step: usize,
     prompt_tokens: u64,
     tokens_generated: u64,
+    drafted: u64,
+    accepted_drafts: u64,
     uniform_calls: u64,
     serial_calls: u64,
     submitted: u64,
@@ -110,9 +112,10 @@ impl SchedulerState {
         prompt: std::sync::Arc<[u32]>,
         sampling: SamplingOptions,
         max_new_tokens: usize,
+        spec: Option<crate::engine::SpecOptions>,
         now: Instant,
     ) -> Result<RequestId, SchedulerError> {
-        let result = self.try_submit(prompt, sampling, max_new_tokens, now);
+        let result = self.try_submit(prompt, sampling, max_new_tokens, spec, now);
         match &result {
             Ok(_) => self.counters.submitted += 1,
             Err(_) => self.counters.rejected += 1,
@@ -125,12 +128,13 @@ impl SchedulerState {
         prompt: std::sync::Arc<[u32]>,
         sampling: SamplingOptions,
         max_new_tokens: usize,
+        spec_options: Option<crate::engine::SpecOptions>,
         now: Instant,
     ) -> Result<RequestId, SchedulerError> {
         if let Some(error) = &self.closed {
             return Err(error.clone());
         }
-        let spec = validate_seq(prompt, sampling, max_new_tokens, &self.info)?;
+        let spec = validate_seq(prompt, sampling, max_new_tokens, spec_options, &self.info)?;
         let id = RequestId(self.next_id);
         let span = tracing::debug_span!(
             "request",
@@ -385,6 +389,8 @@ impl SchedulerState {
         if let Ok(p) = &so.result {
             self.counters.prompt_tokens += p.prefilled as u64;
             self.counters.tokens_generated += p.tokens.len() as u64;
+            self.counters.drafted += p.drafted as u64;
+            self.counters.accepted_drafts += p.accepted as u64;
         }
         if self.slots.get(slot).is_none() {
             // Releasing (cancelled while this step ran): drop its tokens, but
@@ -434,6 +440,8 @@ impl SchedulerState {
             return self.fail_and_release(slot, reason, out);
         }
         seq.num_prefilled += p.prefilled;
+        seq.drafted += p.drafted;
+        seq.accepted_drafts += p.accepted;
         if !p.tokens.is_empty() {
             if !seq.prompt_done() {
                 let reason = "generated tokens before the prompt was fed".to_string();
@@ -516,6 +524,8 @@ impl SchedulerState {
             steps: c.steps,
             prompt_tokens_processed: c.prompt_tokens,
             tokens_generated: c.tokens_generated,
+            mtp_drafted: c.drafted,
+            mtp_accepted: c.accepted_drafts,
             sampler_uniform_calls: c.uniform_calls,
             sampler_serial_calls: c.serial_calls,
             mean_seqs_per_step: if c.work_steps == 0 {
@@ -554,6 +564,8 @@ fn finished(seq: &RunningSeq, reason: FinishReason) -> SeqEvent {
         usage: Usage {
             prompt_tokens: seq.prompt_len,
             completion_tokens: seq.generated,
+            draft_tokens: seq.drafted,
+            accepted_draft_tokens: seq.accepted_drafts,
         },
         timings: Timings {
             queue_wait: seq.admitted_at.saturating_duration_since(seq.submitted_at),
@@ -573,6 +585,7 @@ fn queued_finished(q: &QueuedSeq, reason: FinishReason, now: Instant) -> SeqEven
         usage: Usage {
             prompt_tokens: q.spec.prompt.len(),
             completion_tokens: 0,
+            ..Usage::default()
         },
         timings: Timings {
             queue_wait: now.saturating_duration_since(q.submitted_at),

@@ -30,6 +30,7 @@ fn submit(s: &mut SchedulerState, prompt_len: usize, max_new: usize) -> RequestI
         vec![5u32; prompt_len].into(),
         SamplingOptions::greedy(),
         max_new,
+        None,
         Instant::now(),
     )
     .expect("valid request")
@@ -274,6 +275,7 @@ fn fail_all_and_stop_accepting() {
         vec![1u32].into(),
         SamplingOptions::greedy(),
         1,
+        None,
         Instant::now(),
     );
     assert_eq!(err, Err(SchedulerError::EngineGone));

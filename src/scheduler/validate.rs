@@ -21,6 +21,8 @@ pub(crate) struct ValidSeq {
     pub prompt: Arc<[u32]>,
     pub sampling: SamplingOptions,
     pub max_new_tokens: usize,
+    /// Speculative decoding options (validated).
+    pub spec: Option<crate::engine::SpecOptions>,
     /// `min(prompt + max_new_tokens, context_len)`: the most KV tokens the
     /// sequence can ever occupy, reserved up front at admission.
     pub kv_reserve: usize,
@@ -33,6 +35,7 @@ pub(crate) fn validate_seq(
     prompt: Arc<[u32]>,
     sampling: SamplingOptions,
     max_new_tokens: usize,
+    spec: Option<crate::engine::SpecOptions>,
     info: &EngineInfo,
 ) -> Result<ValidSeq, SchedulerError> {
     if prompt.is_empty() {
@@ -48,6 +51,9 @@ pub(crate) fn validate_seq(
         return Err(SchedulerError::ZeroMaxNewTokens);
     }
     sampling.validate()?;
+    if let Some(reason) = spec.as_ref().and_then(|s| s.validate().err()) {
+        return Err(SchedulerError::InvalidSpec(reason));
+    }
     if let Some((index, &token)) = prompt
         .iter()
         .enumerate()
@@ -73,6 +79,7 @@ pub(crate) fn validate_seq(
         prompt,
         sampling,
         max_new_tokens,
+        spec,
         kv_reserve,
     })
 }
@@ -92,7 +99,13 @@ mod tests {
     }
 
     fn check(prompt: &[u32], max_new: usize) -> Result<ValidSeq, SchedulerError> {
-        validate_seq(prompt.into(), SamplingOptions::greedy(), max_new, &info())
+        validate_seq(
+            prompt.into(),
+            SamplingOptions::greedy(),
+            max_new,
+            None,
+            &info(),
+        )
     }
 
     #[test]
@@ -131,7 +144,7 @@ mod tests {
             top_p: 2.0,
             ..SamplingOptions::greedy()
         };
-        let err = validate_seq([1u32].into(), bad, 5, &info()).err();
+        let err = validate_seq([1u32].into(), bad, 5, None, &info()).err();
         assert!(
             matches!(err, Some(SchedulerError::Sampling(_))),
             "got {err:?}"

@@ -300,6 +300,7 @@ impl StepExecutor for FakeExecutor {
                 total,
                 uniform_calls: u32::from(sampled),
                 serial_calls: 0,
+                ..Default::default()
             },
         }
     }

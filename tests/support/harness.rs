@@ -40,6 +40,7 @@ pub fn prompt(seed: u32, len: usize) -> Arc<[u32]> {
 /// A greedy `Submit` whose events go to `to`.
 pub fn submit(prompt: Arc<[u32]>, max_new_tokens: usize, to: &Addr<Collector>) -> Submit {
     Submit(SeqRequest {
+        spec: None,
         prompt,
         sampling: SamplingOptions::greedy(),
         max_new_tokens,

@@ -4,9 +4,13 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 pub mod collector;
+pub mod engine_driver;
 pub mod fake_engine;
 pub mod harness;
 
+#[allow(unused_imports)]
 pub use collector::*;
+#[allow(unused_imports)]
 pub use fake_engine::*;
+#[allow(unused_imports)]
 pub use harness::*;

@@ -1,0 +1,200 @@
+//! Speculative (MTP) decoding inside the batched step.
+//!
+//! Every step, sequences with speculation on draft `k_i` tokens with a
+//! [`DraftHead`] (the draft rounds themselves batched across those
+//! sequences), then the step's single forward pass carries, for each of
+//! them, its current token plus its drafts next to the plain decodes and
+//! prefill chunks. Verification uses one rule for greedy and sampled
+//! requests: with `p` the target's sampling distribution (after penalties
+//! and truncation, from [`Sampler::speculative_distributions`]) and `q` the
+//! draft's, draft `d` is accepted with probability `min(1, p(d) / q(d))`; on
+//! rejection the token is drawn from the normalised residual `max(0, p − q)`;
+//! when every draft is accepted a bonus token is drawn from the last `p`.
+//! For greedy requests `p` and `q` are one-hot, so this reduces to "accept
+//! the longest argmax-matching prefix, then the target's token", with no
+//! randomness at all: greedy output is exactly plain greedy output.
+//!
+//! Draft heads may write into the target's KV cache at the positions they
+//! draft (the early-exit head does, for its layers); the engine rolls each
+//! slot back before the verifying pass rewrites those positions.
+
+use candle_core::Tensor;
+
+use crate::engine::{DraftSchedule, SlotId, SpecOptions};
+use crate::kv::KvCache;
+use crate::model::{Batch, Model, ModelError, OutputRows};
+use crate::sampler::{Sampler, SamplerError};
+
+/// One sequence's input to a draft round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DraftInput {
+    pub slot: SlotId,
+    /// The token whose successor is drafted.
+    pub token: u32,
+    /// Its position (equals the slot's KV length when the round runs).
+    pub position: usize,
+}
+
+/// A draft model: proposes the next token for many sequences at once.
+pub trait DraftHead: Send {
+    /// A short description for logs and reports.
+    fn name(&self) -> String;
+
+    /// One draft round: for each input, logits `[inputs.len(), vocab]` (f32)
+    /// of the token that follows `token`. May write the target's KV cache at
+    /// `position` (the engine restores each slot's length afterwards).
+    fn draft(
+        &mut self,
+        model: &Model,
+        kv: &mut KvCache,
+        inputs: &[DraftInput],
+    ) -> Result<Tensor, ModelError>;
+}
+
+/// Self-speculative early exit: the target's first `layers` layers, then
+/// its final norm and unembedding. Needs no extra weights, works for any
+/// model; with `layers` equal to the model's depth it is a perfect draft.
+#[derive(Debug, Clone, Copy)]
+pub struct EarlyExitDraft {
+    pub layers: usize,
+}
+
+impl DraftHead for EarlyExitDraft {
+    fn name(&self) -> String {
+        format!("early-exit:{}", self.layers)
+    }
+
+    fn draft(
+        &mut self,
+        model: &Model,
+        kv: &mut KvCache,
+        inputs: &[DraftInput],
+    ) -> Result<Tensor, ModelError> {
+        let mut batch = Batch::default();
+        for i in inputs {
+            batch.push(i.slot, i.position, &[i.token], OutputRows::Last);
+        }
+        let hidden = model.forward_layers(&batch, kv, self.layers)?;
+        model.unembed(&hidden)
+    }
+}
+
+/// Engine-wide speculation settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecConfig {
+    /// What a request that does not say gets.
+    pub default: SpecOptions,
+    /// When more sequences than this decode in one step, nobody drafts: a
+    /// large batch is compute-bound, and drafts would cost more than they
+    /// save.
+    pub max_batch: usize,
+    /// Debug: re-verify greedy drafts one token at a time and log the first
+    /// disagreement with the batched verification (the seed's compare mode).
+    pub compare_serial: bool,
+}
+
+impl Default for SpecConfig {
+    fn default() -> Self {
+        Self {
+            default: SpecOptions::default(),
+            max_batch: 8,
+            compare_serial: false,
+        }
+    }
+}
+
+/// A sequence's speculation state (engine side).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SeqSpec {
+    pub options: SpecOptions,
+    /// Draft length of the next speculative step.
+    pub draft_len: usize,
+}
+
+impl SeqSpec {
+    pub fn new(options: SpecOptions) -> Self {
+        Self {
+            options,
+            draft_len: options.initial_draft.max(1),
+        }
+    }
+
+    /// The draft-length schedule after a step that accepted `accepted` of `drafted`.
+    pub fn update(&mut self, drafted: usize, accepted: usize) {
+        if self.options.schedule == DraftSchedule::Heuristic {
+            self.draft_len = if accepted == drafted {
+                (self.draft_len + 2).min(self.options.max_draft)
+            } else {
+                self.draft_len.saturating_sub(1).max(1)
+            };
+        }
+    }
+}
+
+/// Drafts chosen for one sequence and the draft distributions they came from.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Drafts {
+    pub tokens: Vec<u32>,
+    /// `q_i`: what draft i was drawn from (one-hot for greedy requests).
+    pub probs: Vec<Vec<f32>>,
+}
+
+fn argmax(p: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in p.iter().enumerate() {
+        if v > p[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Picks a token from a distribution the way the request samples: greedy
+/// requests take the argmax (no randomness), others draw with their RNG.
+pub(crate) fn pick(
+    sampler: &mut Sampler,
+    slot: SlotId,
+    greedy: bool,
+    dist: &[f32],
+) -> Result<u32, SamplerError> {
+    if greedy {
+        Ok(argmax(dist))
+    } else {
+        sampler.draw(slot, dist)
+    }
+}
+
+/// Verifies `drafts` against the target's logits `[k + 1, vocab]` (row i
+/// predicts the token after draft i, row 0 after the current token).
+/// Returns how many drafts were accepted and the token that follows them.
+/// Commits nothing.
+pub(crate) fn verify(
+    sampler: &mut Sampler,
+    slot: SlotId,
+    greedy: bool,
+    logits: &Tensor,
+    drafts: &Drafts,
+) -> Result<(usize, u32), SamplerError> {
+    let p = sampler.speculative_distributions(slot, logits, &drafts.tokens)?;
+    for (i, (&d, q)) in drafts.tokens.iter().zip(&drafts.probs).enumerate() {
+        let (pd, qd) = (p[i][d as usize], q[d as usize]);
+        let accept = if pd >= qd {
+            true
+        } else if pd <= 0.0 {
+            false
+        } else {
+            sampler.uniform(slot)? < pd / qd
+        };
+        if !accept {
+            let residual: Vec<f32> = p[i].iter().zip(q).map(|(a, b)| (a - b).max(0.0)).collect();
+            let dist = if residual.iter().any(|&r| r > 0.0) {
+                &residual
+            } else {
+                &p[i]
+            };
+            return Ok((i, pick(sampler, slot, greedy, dist)?));
+        }
+    }
+    let k = drafts.tokens.len();
+    Ok((k, pick(sampler, slot, greedy, &p[k])?))
+}
