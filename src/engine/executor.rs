@@ -399,8 +399,14 @@ impl Engine {
                     .narrow(0, first_row as usize, k + 1)
                     .map_err(tensor_err)?;
                 let greedy = state.sampling.is_greedy();
-                let (accepted, next) =
-                    spec::verify(&mut self.sampler, p.slot, greedy, &rows, &p.drafts)?;
+                let (accepted, next) = spec::verify(
+                    &mut self.sampler,
+                    p.slot,
+                    greedy,
+                    &rows,
+                    &p.drafts,
+                    self.spec_config.unchecked_accept,
+                )?;
                 if self.spec_config.compare_serial && greedy {
                     compare_serial(&self.model, &mut self.kv, p, &rows).map_err(model_err)?;
                 }

@@ -91,6 +91,10 @@ pub struct SpecConfig {
     /// Debug: re-verify greedy drafts one token at a time and log the first
     /// disagreement with the batched verification (the seed's compare mode).
     pub compare_serial: bool,
+    /// Test-only: accept every draft unchecked. This is a deliberately wrong
+    /// rule; the distribution test uses it to show that it can fail.
+    #[doc(hidden)]
+    pub unchecked_accept: bool,
 }
 
 impl Default for SpecConfig {
@@ -99,6 +103,7 @@ impl Default for SpecConfig {
             default: SpecOptions::default(),
             max_batch: 8,
             compare_serial: false,
+            unchecked_accept: false,
         }
     }
 }
@@ -174,8 +179,13 @@ pub(crate) fn verify(
     greedy: bool,
     logits: &Tensor,
     drafts: &Drafts,
+    unchecked: bool,
 ) -> Result<(usize, u32), SamplerError> {
     let p = sampler.speculative_distributions(slot, logits, &drafts.tokens)?;
+    if unchecked {
+        let k = drafts.tokens.len();
+        return Ok((k, pick(sampler, slot, greedy, &p[k])?));
+    }
     for (i, (&d, q)) in drafts.tokens.iter().zip(&drafts.probs).enumerate() {
         let (pd, qd) = (p[i][d as usize], q[d as usize]);
         let accept = if pd >= qd {
