@@ -24,7 +24,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tandem::api::{Event, GenerateRequest, Prompt};
-use tandem::engine::{Admission, Engine, EngineConfig, SeqWork, StepExecutor, StepPlan};
+use tandem::engine::{
+    Admission, DraftSchedule, EarlyExitDraft, Engine, EngineConfig, SeqWork, SpecConfig,
+    SpecOptions, StepExecutor, StepPlan,
+};
 use tandem::model::{LoadOptions, Model, ModelConfig, Weights};
 use tandem::sampler::SamplingOptions;
 use tandem::scheduler::{SchedulerConfig, ShutdownMode};
@@ -65,6 +68,75 @@ struct Args {
     /// Seed of the workload mix.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Speculative decoding: `off` or `early-exit:L` (draft with the first L layers).
+    #[arg(long, default_value = "off")]
+    mtp: String,
+    /// Longest draft (the heuristic schedule starts at min(4, this)).
+    #[arg(long, default_value_t = 8)]
+    draft_max: usize,
+    /// Most decoding sequences per step that still draft.
+    #[arg(long, default_value_t = 8)]
+    mtp_max_batch: usize,
+    /// Run the workload twice, MTP off then with `--mtp`, and print the ratio.
+    #[arg(long)]
+    mtp_compare: bool,
+}
+
+/// Parses `--mtp`.
+fn draft_layers(spec: &str) -> anyhow_like::Result<Option<usize>> {
+    match spec {
+        "off" => Ok(None),
+        s => match s.strip_prefix("early-exit:").and_then(|l| l.parse().ok()) {
+            Some(l) => Ok(Some(l)),
+            None => Err(format!("--mtp must be `off` or `early-exit:L`, got `{s}`").into()),
+        },
+    }
+}
+
+/// Builds the engine, with an early-exit draft head when `layers` is set.
+fn build_engine(
+    args: &Args,
+    layers: Option<usize>,
+    kv_tokens: usize,
+) -> anyhow_like::Result<(Engine, Tokenizer)> {
+    let (model, tokenizer, name) = load(args)?;
+    if let Some(l) = layers {
+        if l == 0 || l > model.config().num_layers {
+            return Err(format!(
+                "early-exit:{l}: the model has {} layers",
+                model.config().num_layers
+            )
+            .into());
+        }
+    }
+    let engine = Engine::new(
+        model,
+        EngineConfig {
+            kv_capacity_tokens: kv_tokens,
+            model_name: name,
+            eos_ids: tokenizer.eos_ids().to_vec(),
+        },
+    );
+    let engine = match layers {
+        Some(layers) => {
+            let default = SpecOptions {
+                enabled: true,
+                initial_draft: args.draft_max.min(4),
+                max_draft: args.draft_max,
+                schedule: DraftSchedule::Heuristic,
+            };
+            engine.with_draft(
+                Box::new(EarlyExitDraft { layers }),
+                SpecConfig {
+                    default,
+                    max_batch: args.mtp_max_batch,
+                    ..Default::default()
+                },
+            )
+        }
+        None => engine,
+    };
+    Ok((engine, tokenizer))
 }
 
 fn load(args: &Args) -> anyhow_like::Result<(Model, Tokenizer, String)> {
@@ -186,7 +258,7 @@ fn main() -> anyhow_like::Result<()> {
         .init();
     let args = Args::parse();
     let t_load = Instant::now();
-    let (model, tokenizer, name) = load(&args)?;
+    let (model, _, name) = load(&args)?;
     let vocab = model.config().vocab_size as u32;
     let context = model.config().max_position_embeddings;
     let params = model.config().num_parameters();
@@ -204,14 +276,8 @@ fn main() -> anyhow_like::Result<()> {
         args.max_seqs,
         args.step_tokens
     );
-    let engine = Engine::new(
-        model,
-        EngineConfig {
-            kv_capacity_tokens: kv_tokens,
-            model_name: name,
-            eos_ids: tokenizer.eos_ids().to_vec(),
-        },
-    );
+    drop(model);
+    let layers = draft_layers(&args.mtp)?;
     let config = SchedulerConfig {
         max_seqs: args.max_seqs,
         step_token_budget: args.step_tokens.max(args.max_seqs),
@@ -220,13 +286,32 @@ fn main() -> anyhow_like::Result<()> {
     };
 
     let system = actix::System::new();
-    let actor_tps = system.block_on(run_clients(
-        engine,
-        tokenizer,
-        config,
-        jobs.clone(),
-        args.clone(),
-    ))?;
+    let mut runs = vec![layers];
+    if args.mtp_compare {
+        runs.insert(0, None);
+    }
+    let mut figures = Vec::new();
+    for layers in runs {
+        let (engine, tokenizer) = build_engine(&args, layers, kv_tokens)?;
+        println!(
+            "--- MTP {}",
+            layers.map_or("off".to_string(), |l| format!(
+                "early-exit:{l} (draft max {})",
+                args.draft_max
+            ))
+        );
+        figures.push(system.block_on(run_clients(
+            engine,
+            tokenizer,
+            config.clone(),
+            jobs.clone(),
+            args.clone(),
+        ))?);
+    }
+    if let [off, on] = figures[..] {
+        println!("MTP on / off: {:.2}x aggregate tokens/s", on / off);
+    }
+    let actor_tps = *figures.last().expect("one run at least");
 
     if args.engine_baseline {
         let (model, _, _) = load(&args)?;
@@ -347,6 +432,14 @@ async fn run_clients(
         "sampler calls:       {} uniform, {} serial",
         stats.sampler_uniform_calls, stats.sampler_serial_calls
     );
+    if stats.mtp_drafted > 0 {
+        println!(
+            "MTP: {} drafted, {} accepted (acceptance {:.3})",
+            stats.mtp_drafted,
+            stats.mtp_accepted,
+            stats.mtp_accepted as f64 / stats.mtp_drafted as f64
+        );
+    }
     println!(
         "engine time {:.2?} (forward {:.2?}, sampling {:.2?}); scheduler overhead {:.2} % of busy wall time",
         steps.engine_total,
@@ -369,6 +462,7 @@ fn engine_baseline(engine: &mut Engine, jobs: &[Job], budget: usize) -> f64 {
             sampling: j.sampling,
             max_new_tokens: j.max_tokens,
             kv_reserve: j.prompt.len() + j.max_tokens,
+            spec: None,
         });
     }
     let mut prefilled = vec![0usize; jobs.len()];
