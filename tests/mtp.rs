@@ -424,3 +424,90 @@ fn stories260k_early_exit_reproduces_the_reference() {
         assert!(d > 0);
     }
 }
+
+#[test]
+fn seeded_sampled_mtp_is_reproducible_whatever_shares_the_batch() {
+    let layers = 1;
+    let spec = Some(SpecOptions {
+        initial_draft: 3,
+        max_draft: 5,
+        schedule: DraftSchedule::Heuristic,
+        enabled: true,
+    });
+    let sampled = |seed| SamplingOptions {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: Some(seed),
+        ..Default::default()
+    };
+    let target = Req {
+        prompt: vec![1, 50, 51, 52],
+        sampling: sampled(77),
+        max_new: 30,
+        spec,
+    };
+    let config = SpecConfig {
+        max_batch: 4,
+        ..Default::default()
+    };
+    let new_engine = || {
+        Engine::new(
+            test_model(),
+            EngineConfig {
+                kv_capacity_tokens: 1 << 16,
+                model_name: "t".into(),
+                eos_ids: vec![],
+            },
+        )
+        .with_draft(Box::new(EarlyExitDraft { layers }), config)
+    };
+    let alone = run(&mut new_engine(), std::slice::from_ref(&target), 64);
+    // In a batch of 12 decoding sequences the batch policy stops everyone
+    // else from drafting; the pinned seeded request still drafts as alone.
+    let mut batch: Vec<Req> = prompts(11)
+        .into_iter()
+        .map(|p| Req {
+            prompt: p,
+            sampling: sampled(1),
+            max_new: 30,
+            spec: Some(SpecOptions::default()),
+        })
+        .collect();
+    batch.insert(5, target.clone());
+    let shared = run(&mut new_engine(), &batch, 64);
+    assert_eq!(shared.ids(5), alone.ids(0));
+    assert_eq!(shared.drafted[5], alone.drafted[0]);
+    assert!(alone.drafted[0] > 0);
+}
+
+#[test]
+fn drafting_backs_off_when_it_does_not_pay() {
+    let spec = Some(SpecOptions {
+        initial_draft: 2,
+        max_draft: 2,
+        schedule: DraftSchedule::Constant,
+        enabled: true,
+    });
+    let req = Req {
+        prompt: vec![1, 60, 61],
+        sampling: SamplingOptions::greedy(),
+        max_new: 200,
+        spec,
+    };
+    let head = Box::new(RandomDraft(rand_chacha::ChaCha8Rng::seed_from_u64(1)));
+    let got = run(
+        &mut engine(test_model(), Some(head), vec![]),
+        std::slice::from_ref(&req),
+        64,
+    );
+    let speculative_steps = got.steps.iter().filter(|s| s.drafted > 0).count();
+    eprintln!(
+        "random draft: {speculative_steps} speculative steps of {}",
+        got.steps.len()
+    );
+    assert!(speculative_steps >= 8, "it tried");
+    assert!(
+        speculative_steps * 3 < got.steps.len(),
+        "a useless draft is paused most of the time"
+    );
+}

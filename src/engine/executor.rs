@@ -58,6 +58,9 @@ pub struct Engine {
     info: EngineInfo,
     draft: Option<Box<dyn DraftHead>>,
     spec_config: SpecConfig,
+    /// Moving average of (draft + forward time) / forward time over steps
+    /// that drafted: what a speculative step costs relative to a plain one.
+    draft_cost: f64,
 }
 
 /// A sequence that takes part in this step's forward pass.
@@ -127,6 +130,7 @@ impl Engine {
             info,
             draft: None,
             spec_config: SpecConfig::default(),
+            draft_cost: 1.0,
         }
     }
 
@@ -172,8 +176,12 @@ impl Engine {
             })?;
         // NOTE: requests that want logprobs decode without drafts, so every
         // logprob they get comes from a plain sampler call.
-        let spec = (options.enabled && self.draft.is_some() && !a.sampling.logprobs)
-            .then(|| SeqSpec::new(options));
+        let spec = (options.enabled && self.draft.is_some() && !a.sampling.logprobs).then(|| {
+            SeqSpec::new(
+                options,
+                !a.sampling.is_greedy() && a.sampling.seed.is_some(),
+            )
+        });
         self.kv
             .allocate(a.slot, a.kv_reserve)
             .map_err(|e| kv_err(a.slot, e))?;
@@ -224,17 +232,17 @@ impl Engine {
                     // counts) nor past the context.
                     let remaining = state.max_new_tokens.saturating_sub(state.generated);
                     let context_room = self.info.context_len.saturating_sub(offset + 1);
-                    let budget = match (&state.spec, may_draft) {
-                        (Some(s), true) => s
-                            .draft_len
-                            .min(remaining.saturating_sub(1))
-                            .min(context_room),
-                        _ => 0,
-                    };
-                    (vec![t], true, budget)
+                    let cap = remaining.saturating_sub(1).min(context_room);
+                    (vec![t], true, cap)
                 }
                 _ => return Err(invalid("decode before the prompt is prefilled".into())),
             },
+        };
+        // `cap` is the most drafts this decode could take; the sequence's
+        // schedule and the step's policy decide how many it does take.
+        let draft_budget = match self.slots.get_mut(&slot).and_then(|s| s.spec.as_mut()) {
+            Some(spec) if draft_budget > 0 => spec.next_draft(may_draft).min(draft_budget),
+            _ => 0,
         };
         if offset + tokens.len() > self.info.context_len {
             return Err(invalid(format!(
@@ -417,7 +425,7 @@ impl Engine {
                 kept.push(next);
                 self.sampler.commit(p.slot, &kept)?;
                 if let Some(s) = state.spec.as_mut() {
-                    s.update(k, accepted);
+                    s.update(k, accepted, self.draft_cost);
                 }
                 progress.drafted = k;
                 progress.accepted = accepted;
@@ -562,7 +570,13 @@ impl StepExecutor for Engine {
         }
         if !planned.is_empty() {
             outcome.stats.batch_seqs = planned.len();
-            match self.run_batch(&planned, &mut outcome.stats) {
+            let result = self.run_batch(&planned, &mut outcome.stats);
+            if outcome.stats.drafted > 0 {
+                let forward = outcome.stats.forward.as_secs_f64().max(1e-9);
+                let ratio = (outcome.stats.draft.as_secs_f64() + forward) / forward;
+                self.draft_cost = 0.8 * self.draft_cost + 0.2 * ratio;
+            }
+            match result {
                 Ok(results) => {
                     for (slot, progress) in results {
                         if progress.finish.is_some() {

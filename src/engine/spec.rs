@@ -109,29 +109,88 @@ impl Default for SpecConfig {
 }
 
 /// A sequence's speculation state (engine side).
+///
+/// NOTE: two policies decide when a sequence drafts: the step's batch-size
+/// policy and a per-sequence back-off that pauses drafting while it does not
+/// pay (fewer tokens per speculative step than the step's measured cost
+/// ratio). Both depend on the rest of the batch or on timings. That is
+/// harmless for greedy requests (drafts never change their output) but a
+/// seeded sampled request must not depend on them, since drafts consume its
+/// RNG: such a sequence is *pinned* and drafts on its own schedule only.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct SeqSpec {
     pub options: SpecOptions,
     /// Draft length of the next speculative step.
     pub draft_len: usize,
+    /// Seeded sampled request: drafting ignores batch and timing policies.
+    pinned: bool,
+    /// Speculative steps and tokens they produced, in the current window.
+    window_steps: usize,
+    window_tokens: usize,
+    /// Decode steps left without drafting, and the next pause's length.
+    paused: usize,
+    backoff: usize,
 }
 
+/// Speculative steps per back-off decision.
+const WINDOW_STEPS: usize = 8;
+const MIN_BACKOFF: usize = 8;
+const MAX_BACKOFF: usize = 256;
+
 impl SeqSpec {
-    pub fn new(options: SpecOptions) -> Self {
+    pub fn new(options: SpecOptions, pinned: bool) -> Self {
         Self {
             options,
             draft_len: options.initial_draft.max(1),
+            pinned,
+            window_steps: 0,
+            window_tokens: 0,
+            paused: 0,
+            backoff: MIN_BACKOFF,
         }
     }
 
-    /// The draft-length schedule after a step that accepted `accepted` of `drafted`.
-    pub fn update(&mut self, drafted: usize, accepted: usize) {
+    /// Drafts this sequence wants in the coming decode step.
+    pub fn next_draft(&mut self, step_allows: bool) -> usize {
+        if self.pinned {
+            return self.draft_len;
+        }
+        if !step_allows {
+            return 0;
+        }
+        if self.paused > 0 {
+            self.paused -= 1;
+            return 0;
+        }
+        self.draft_len
+    }
+
+    /// After a speculative step that accepted `accepted` of `drafted`:
+    /// the draft-length schedule, then the back-off against `cost` (what a
+    /// speculative step costs relative to a plain one).
+    pub fn update(&mut self, drafted: usize, accepted: usize, cost: f64) {
         if self.options.schedule == DraftSchedule::Heuristic {
             self.draft_len = if accepted == drafted {
                 (self.draft_len + 2).min(self.options.max_draft)
             } else {
                 self.draft_len.saturating_sub(1).max(1)
             };
+        }
+        if self.pinned {
+            return;
+        }
+        self.window_steps += 1;
+        self.window_tokens += 1 + accepted;
+        if self.window_steps >= WINDOW_STEPS {
+            let tokens_per_step = self.window_tokens as f64 / self.window_steps as f64;
+            if tokens_per_step < cost {
+                self.paused = self.backoff;
+                self.backoff = (2 * self.backoff).min(MAX_BACKOFF);
+            } else {
+                self.backoff = MIN_BACKOFF;
+            }
+            self.window_steps = 0;
+            self.window_tokens = 0;
         }
     }
 }
