@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use support::engine_driver::{run, Req};
 use tandem::engine::*;
 use tandem::kv::KvCache;
-use tandem::model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
+use tandem::model::{LoadOptions, Model, ModelConfig, ModelError, MtpHead, Weights};
 use tandem::sampler::SamplingOptions;
 use tandem::tiny::{tiny_model_cpu, TinyPreset};
 
@@ -129,6 +129,9 @@ fn greedy_mtp_equals_plain_greedy_with_every_draft_kind() {
         Box::new(EarlyExitDraft { layers: 1 }),
         Box::new(EarlyExitDraft { layers }),
         Box::new(RandomDraft(rand_chacha::ChaCha8Rng::seed_from_u64(9))),
+        Box::new(MtpDraft {
+            head: MtpHead::random(&test_model(), 5).unwrap(),
+        }),
     ];
     for head in heads {
         let name = head.name();

@@ -4,11 +4,15 @@
 //! pass, one sampler call and the verification of every sequence's drafts.
 //!
 //! # Invariants
-//! - A slot is registered in `slots`, the KV cache and the sampler at once
-//!   (admission) and leaves all three at once ([`Engine::drop_slot`]).
+//! - A slot is registered in `slots`, the KV cache, the sampler and the
+//!   draft head at once (admission) and leaves all of them at once
+//!   ([`Engine::drop_slot`]).
 //! - Until the prompt is done `SlotState::prefilled` equals the KV length;
 //!   afterwards the KV holds `prompt + generated - 1` positions (the last
 //!   sampled token is fed by the next decode).
+//! - For a draft head that needs hidden states, `pending_hidden` holds the
+//!   target's hidden states of the fed positions the head has not consumed
+//!   (its own KV length up to the target's).
 //! - One bad sequence (invalid work, KV over its reservation) is failed and
 //!   dropped before the forward pass; the others still run. Only a failure
 //!   of the pass itself fails every sequence in it.
@@ -20,7 +24,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 
 use super::protocol::*;
-use super::spec::{self, DraftHead, DraftInput, Drafts, SeqSpec, SpecConfig};
+use super::spec::{self, DraftHead, DraftInput, Drafts, HiddenContext, SeqSpec, SpecConfig};
 use super::EngineError;
 use crate::kv::{KvCache, KvError};
 use crate::model::{Batch, Model, ModelError, OutputRows};
@@ -46,6 +50,21 @@ struct SlotState {
     sampling: SamplingOptions,
     /// Speculation state; `None` when this sequence never drafts.
     spec: Option<SeqSpec>,
+    /// Generated token ids (MTP heads pair hidden states with them).
+    generated_ids: Vec<u32>,
+    /// Target hidden states `[m, hidden]` of the last `m` fed positions not
+    /// yet consumed by the draft head (heads that need hidden only).
+    pending_hidden: Option<Tensor>,
+}
+
+impl SlotState {
+    /// Token at `position` of the whole sequence (prompt, then generated).
+    fn token_at(&self, position: usize) -> Option<u32> {
+        match position.checked_sub(self.prompt.len()) {
+            None => self.prompt.get(position).copied(),
+            Some(i) => self.generated_ids.get(i).copied(),
+        }
+    }
 }
 
 /// The engine thread's state. Build it, then hand it to
@@ -73,9 +92,28 @@ struct Planned {
     /// Drafts allowed this step (0: plain decode).
     draft_budget: usize,
     drafts: Drafts,
+    /// The draft head needs this sequence's hidden state at every position.
+    keep_hidden: bool,
+}
+
+impl Planned {
+    /// Rows of hidden state this sequence gets from the forward pass.
+    fn output(&self) -> OutputRows {
+        if !self.drafts.tokens.is_empty() || self.keep_hidden {
+            OutputRows::All
+        } else if self.samples {
+            OutputRows::Last
+        } else {
+            OutputRows::None
+        }
+    }
 }
 
 fn model_err(e: ModelError) -> EngineError {
+    EngineError::Model(e.to_string())
+}
+
+fn tensor_err(e: candle_core::Error) -> EngineError {
     EngineError::Model(e.to_string())
 }
 
@@ -155,6 +193,9 @@ impl Engine {
         self.slots.remove(&slot);
         self.kv.free(slot);
         self.sampler.remove(slot);
+        if let Some(head) = self.draft.as_mut() {
+            head.release(slot);
+        }
     }
 
     fn admit(&mut self, a: Admission) -> Result<(), EngineError> {
@@ -189,6 +230,13 @@ impl Engine {
             self.kv.free(a.slot);
             return Err(e.into());
         }
+        if let (Some(head), Some(_)) = (self.draft.as_mut(), &spec) {
+            if let Err(e) = head.admit(a.slot, a.kv_reserve + MAX_DRAFT_TOKENS) {
+                self.kv.free(a.slot);
+                self.sampler.remove(a.slot);
+                return Err(model_err(e));
+            }
+        }
         let state = SlotState {
             prompt: a.prompt,
             prefilled: 0,
@@ -197,6 +245,8 @@ impl Engine {
             max_new_tokens: a.max_new_tokens,
             sampling: a.sampling,
             spec,
+            generated_ids: Vec::new(),
+            pending_hidden: None,
         };
         self.slots.insert(a.slot, state);
         Ok(())
@@ -205,13 +255,18 @@ impl Engine {
     /// Checks one work item and reserves room for its tokens (and drafts).
     fn plan_one(&mut self, work: SeqWork, may_draft: bool) -> Result<Planned, EngineError> {
         let slot = work.slot();
+        if !self.slots.contains_key(&slot) {
+            return Err(EngineError::UnknownSlot(slot));
+        }
+        let offset = self.kv.len(slot).map_err(|e| kv_err(slot, e))?;
+        let needs_hidden = self.draft.as_ref().is_some_and(|h| h.needs_hidden());
+        let context_len = self.info.context_len;
         let state = self
             .slots
-            .get(&slot)
+            .get_mut(&slot)
             .ok_or(EngineError::UnknownSlot(slot))?;
         let invalid = |reason: String| EngineError::InvalidWork { slot, reason };
-        let offset = self.kv.len(slot).map_err(|e| kv_err(slot, e))?;
-        let (tokens, samples, draft_budget) = match work {
+        let (tokens, samples, draft_cap) = match work {
             SeqWork::Prefill { start, len, .. } => {
                 if start != state.prefilled || len == 0 || start + len > state.prompt.len() {
                     let (done, total) = (state.prefilled, state.prompt.len());
@@ -227,30 +282,34 @@ impl Engine {
                 )
             }
             SeqWork::Decode { .. } => match state.last_token {
+                // Drafts never run past max_new_tokens (the bonus token
+                // counts) nor past the context.
                 Some(t) if state.prefilled == state.prompt.len() => {
-                    // Drafts never run past max_new_tokens (the bonus token
-                    // counts) nor past the context.
                     let remaining = state.max_new_tokens.saturating_sub(state.generated);
-                    let context_room = self.info.context_len.saturating_sub(offset + 1);
-                    let cap = remaining.saturating_sub(1).min(context_room);
-                    (vec![t], true, cap)
+                    (
+                        vec![t],
+                        true,
+                        remaining
+                            .saturating_sub(1)
+                            .min(context_len.saturating_sub(offset + 1)),
+                    )
                 }
                 _ => return Err(invalid("decode before the prompt is prefilled".into())),
             },
         };
-        // `cap` is the most drafts this decode could take; the sequence's
-        // schedule and the step's policy decide how many it does take.
-        let draft_budget = match self.slots.get_mut(&slot).and_then(|s| s.spec.as_mut()) {
-            Some(spec) if draft_budget > 0 => spec.next_draft(may_draft).min(draft_budget),
-            _ => 0,
-        };
-        if offset + tokens.len() > self.info.context_len {
+        if offset + tokens.len() > context_len {
             return Err(invalid(format!(
-                "position {} beyond the context of {}",
-                offset + tokens.len(),
-                self.info.context_len
+                "position {} beyond the context of {context_len}",
+                offset + tokens.len()
             )));
         }
+        // The sequence's schedule and the step's policy decide how many of
+        // the `draft_cap` possible drafts it takes.
+        let draft_budget = match state.spec.as_mut() {
+            Some(spec) if draft_cap > 0 => spec.next_draft(may_draft).min(draft_cap),
+            _ => 0,
+        };
+        let keep_hidden = needs_hidden && state.spec.is_some();
         self.kv
             .ensure_room(slot, tokens.len() + draft_budget)
             .map_err(|e| kv_err(slot, e))?;
@@ -261,56 +320,103 @@ impl Engine {
             samples,
             draft_budget,
             drafts: Drafts::default(),
+            keep_hidden,
         })
+    }
+
+    /// Round 0's hidden context of a sequence (heads that need hidden).
+    fn hidden_context(&self, p: &Planned) -> Result<Option<HiddenContext>, EngineError> {
+        if !p.keep_hidden {
+            return Ok(None);
+        }
+        let state = &self.slots[&p.slot];
+        let hidden = state.pending_hidden.clone().ok_or_else(|| {
+            EngineError::Model(format!("slot {}: no hidden state to draft from", p.slot))
+        })?;
+        let m = hidden.dim(0).map_err(tensor_err)?;
+        if m == 0 || m > p.offset {
+            return Err(EngineError::Model(format!(
+                "slot {}: {m} pending hidden states at position {}",
+                p.slot, p.offset
+            )));
+        }
+        let tokens = (p.offset + 1 - m..p.offset)
+            .map(|pos| state.token_at(pos))
+            .collect::<Option<Vec<u32>>>();
+        let tokens = tokens.ok_or_else(|| {
+            EngineError::Model(format!(
+                "slot {}: token history shorter than its hidden states",
+                p.slot
+            ))
+        })?;
+        Ok(Some(HiddenContext { hidden, tokens }))
     }
 
     /// Batched draft rounds for every planned sequence with a draft budget.
     /// Leaves each slot's KV length where it was.
     fn run_drafts(&mut self, planned: &mut [Planned]) -> Result<(), EngineError> {
-        let Some(head) = self.draft.as_mut() else {
-            return Ok(());
-        };
         let rounds = planned.iter().map(|p| p.draft_budget).max().unwrap_or(0);
-        let result = (|| {
-            for round in 0..rounds {
-                let members: Vec<usize> = (0..planned.len())
-                    .filter(|&i| planned[i].draft_budget > round)
-                    .collect();
-                let inputs: Vec<DraftInput> = members
-                    .iter()
-                    .map(|&i| {
-                        let p = &planned[i];
-                        DraftInput {
-                            slot: p.slot,
-                            token: *p.drafts.tokens.last().unwrap_or(&p.tokens[0]),
-                            position: p.offset + round,
-                        }
-                    })
-                    .collect();
-                let logits = head
-                    .draft(&self.model, &mut self.kv, &inputs)
-                    .map_err(model_err)?;
-                for (row, &i) in members.iter().enumerate() {
-                    let p = &mut planned[i];
-                    let greedy = self.slots[&p.slot].sampling.is_greedy();
-                    let row_logits = logits
-                        .narrow(0, row, 1)
-                        .map_err(|e| EngineError::Model(e.to_string()))?;
-                    let q = self
-                        .sampler
-                        .draft_distributions(p.slot, &row_logits, &p.drafts.tokens, round)?
-                        .remove(0);
-                    let token = spec::pick(&mut self.sampler, p.slot, greedy, &q)?;
-                    p.drafts.tokens.push(token);
-                    p.drafts.probs.push(q);
+        let mut result = Ok(());
+        for round in 0..rounds {
+            let members: Vec<usize> = (0..planned.len())
+                .filter(|&i| planned[i].draft_budget > round)
+                .collect();
+            let mut inputs = Vec::with_capacity(members.len());
+            for &i in &members {
+                let p = &planned[i];
+                let context = if round == 0 {
+                    self.hidden_context(p)?
+                } else {
+                    None
+                };
+                let token = *p.drafts.tokens.last().unwrap_or(&p.tokens[0]);
+                inputs.push(DraftInput {
+                    slot: p.slot,
+                    token,
+                    position: p.offset + round,
+                    round,
+                    context,
+                });
+            }
+            let head = self
+                .draft
+                .as_mut()
+                .expect("drafting needs a head; this is a bug");
+            let logits = match head.draft(&self.model, &mut self.kv, &inputs) {
+                Ok(l) => l,
+                Err(e) => {
+                    result = Err(model_err(e));
+                    break;
+                }
+            };
+            for (row, &i) in members.iter().enumerate() {
+                let p = &mut planned[i];
+                let greedy = self.slots[&p.slot].sampling.is_greedy();
+                let row_logits = logits.narrow(0, row, 1).map_err(tensor_err)?;
+                let q = self
+                    .sampler
+                    .draft_distributions(p.slot, &row_logits, &p.drafts.tokens, round)?
+                    .remove(0);
+                let token = spec::pick(&mut self.sampler, p.slot, greedy, &q)?;
+                p.drafts.tokens.push(token);
+                p.drafts.probs.push(q);
+                if round == 0 && p.keep_hidden {
+                    // The head consumed these pairs into its own KV.
+                    if let Some(state) = self.slots.get_mut(&p.slot) {
+                        state.pending_hidden = None;
+                    }
                 }
             }
-            Ok(())
-        })();
+        }
+        let head = self
+            .draft
+            .as_mut()
+            .expect("drafting needs a head; this is a bug");
         for p in planned.iter().filter(|p| p.draft_budget > 0) {
             self.kv
                 .set_len(p.slot, p.offset)
                 .map_err(|e| kv_err(p.slot, e))?;
+            head.end_rounds(p.slot, p.offset).map_err(model_err)?;
         }
         result
     }
@@ -323,17 +429,30 @@ impl Engine {
     ) -> Result<Vec<(SlotId, SeqProgress)>, EngineError> {
         let t0 = Instant::now();
         let mut batch = Batch::default();
+        // Per sequence: where its hidden rows and its logit rows start.
+        let mut hidden_start = Vec::with_capacity(planned.len());
+        let mut logit_start = Vec::with_capacity(planned.len());
+        let mut logit_rows: Vec<u32> = Vec::new();
+        let mut hidden_rows = 0u32;
         for p in planned {
-            let speculative = !p.drafts.tokens.is_empty();
             let tokens: Vec<u32> = p.tokens.iter().chain(&p.drafts.tokens).copied().collect();
-            let output = match (speculative, p.samples) {
-                (true, _) => OutputRows::All,
-                (false, true) => OutputRows::Last,
-                (false, false) => OutputRows::None,
-            };
-            if speculative {
+            if !p.drafts.tokens.is_empty() {
                 self.kv.begin(p.slot).map_err(|e| kv_err(p.slot, e))?;
             }
+            let output = p.output();
+            let n_out = match output {
+                OutputRows::None => 0,
+                OutputRows::Last => 1,
+                OutputRows::All => tokens.len() as u32,
+            };
+            hidden_start.push(hidden_rows);
+            logit_start.push(logit_rows.len());
+            if !p.drafts.tokens.is_empty() {
+                logit_rows.extend(hidden_rows..hidden_rows + n_out);
+            } else if p.samples {
+                logit_rows.push(hidden_rows + n_out - 1);
+            }
+            hidden_rows += n_out;
             batch.push(p.slot, p.offset, &tokens, output);
         }
         stats.batch_tokens = batch.tokens.len();
@@ -341,40 +460,40 @@ impl Engine {
             .model
             .forward(&batch, &mut self.kv)
             .map_err(model_err)?;
-        let logits = if batch.num_outputs() == 0 {
+        let logits = if logit_rows.is_empty() {
             None
-        } else {
+        } else if logit_rows.len() as u32 == hidden_rows {
             Some(self.model.unembed(&hidden).map_err(model_err)?)
+        } else {
+            let idx = Tensor::new(logit_rows.as_slice(), hidden.device()).map_err(tensor_err)?;
+            Some(
+                self.model
+                    .unembed(&hidden.index_select(&idx, 0).map_err(tensor_err)?)
+                    .map_err(model_err)?,
+            )
         };
         stats.forward = t0.elapsed();
 
-        // Rows of the logits: one per plain sampling sequence, k + 1 per speculative one.
+        // One sampler call over the plain sampling rows.
         let t1 = Instant::now();
-        let mut plain_rows = Vec::new();
-        let mut plain_slots = Vec::new();
-        let mut spec_rows = Vec::new();
-        let mut row = 0u32;
-        for (i, p) in planned.iter().enumerate() {
-            if !p.drafts.tokens.is_empty() {
-                spec_rows.push((i, row));
-                row += p.drafts.tokens.len() as u32 + 1;
-            } else if p.samples {
-                plain_rows.push(row);
-                plain_slots.push(p.slot);
-                row += 1;
-            }
-        }
-        let tensor_err = |e: candle_core::Error| EngineError::Model(e.to_string());
+        let plain: Vec<usize> = (0..planned.len())
+            .filter(|&i| planned[i].drafts.tokens.is_empty() && planned[i].samples)
+            .collect();
         let sampled = match &logits {
-            Some(logits) if !plain_slots.is_empty() => {
-                let rows = if spec_rows.is_empty() {
+            Some(logits) if !plain.is_empty() => {
+                let slots: Vec<SlotId> = plain.iter().map(|&i| planned[i].slot).collect();
+                let rows = if plain.len() == logit_rows.len() {
                     logits.clone()
                 } else {
-                    let idx =
-                        Tensor::new(plain_rows.as_slice(), logits.device()).map_err(tensor_err)?;
-                    logits.index_select(&idx, 0).map_err(tensor_err)?
+                    let idx: Vec<u32> = plain.iter().map(|&i| logit_start[i] as u32).collect();
+                    logits
+                        .index_select(
+                            &Tensor::new(idx.as_slice(), logits.device()).map_err(tensor_err)?,
+                            0,
+                        )
+                        .map_err(tensor_err)?
                 };
-                let res = self.sampler.sample(&plain_slots, &rows)?;
+                let res = self.sampler.sample(&slots, &rows)?;
                 match res.path {
                     SamplePath::Uniform => stats.uniform_calls += 1,
                     SamplePath::Serial => stats.serial_calls += 1,
@@ -386,7 +505,6 @@ impl Engine {
 
         let mut out = Vec::with_capacity(planned.len());
         let mut plain_row = 0;
-        let mut spec_iter = spec_rows.iter().peekable();
         for (i, p) in planned.iter().enumerate() {
             let mut progress = SeqProgress::default();
             let state = self
@@ -398,13 +516,15 @@ impl Engine {
                 progress.prefilled = p.tokens.len();
             }
             let mut emitted: Vec<GeneratedToken> = Vec::new();
-            if let Some(&&(_, first_row)) = spec_iter.peek().filter(|(j, _)| *j == i) {
-                spec_iter.next();
+            // Hidden rows the draft head will pair with known next tokens.
+            let mut kept_hidden_rows = p.tokens.len();
+            if !p.drafts.tokens.is_empty() {
                 let k = p.drafts.tokens.len();
-                let rows = logits
+                let logits = logits
                     .as_ref()
-                    .expect("speculative rows exist; this is a bug")
-                    .narrow(0, first_row as usize, k + 1)
+                    .expect("speculative rows exist; this is a bug");
+                let rows = logits
+                    .narrow(0, logit_start[i], k + 1)
                     .map_err(tensor_err)?;
                 let greedy = state.sampling.is_greedy();
                 let (accepted, next) = spec::verify(
@@ -431,6 +551,7 @@ impl Engine {
                 progress.accepted = accepted;
                 stats.drafted += k;
                 stats.accepted += accepted;
+                kept_hidden_rows = 1 + accepted;
                 emitted.extend(kept.into_iter().map(|id| GeneratedToken {
                     id,
                     logprob: None,
@@ -448,11 +569,21 @@ impl Engine {
                 });
                 plain_row += 1;
             }
+            if p.keep_hidden {
+                let rows = hidden
+                    .narrow(0, hidden_start[i] as usize, kept_hidden_rows)
+                    .map_err(tensor_err)?;
+                state.pending_hidden = Some(match state.pending_hidden.take() {
+                    Some(prev) => Tensor::cat(&[prev, rows], 0).map_err(tensor_err)?,
+                    None => rows,
+                });
+            }
             // EOS or max_new_tokens inside an accepted run stop exactly there.
             for token in emitted {
                 let id = token.id;
                 state.last_token = Some(id);
                 state.generated += 1;
+                state.generated_ids.push(id);
                 progress.tokens.push(token);
                 if self.info.eos_ids.contains(&id) {
                     progress.finish = Some(SeqFinish::Eos);
@@ -534,7 +665,7 @@ impl StepExecutor for Engine {
         }
 
         // NOTE: the batch-size policy: a big batch is compute-bound, drafts
-        // would only add work, so nobody drafts.
+        // would only add work, so nobody (but pinned sequences) drafts.
         let decodes = plan
             .work
             .iter()
@@ -560,10 +691,20 @@ impl StepExecutor for Engine {
         if planned.iter().any(|p| p.draft_budget > 0) {
             let t = Instant::now();
             if let Err(error) = self.run_drafts(&mut planned) {
-                // Drafting is an optimisation: on failure decode plainly.
-                tracing::warn!(%error, "drafting failed; decoding without drafts this step");
-                for p in &mut planned {
+                // Drafting is an optimisation: on failure decode plainly, and
+                // stop drafting for these sequences (the head's state for
+                // them can no longer be trusted).
+                tracing::warn!(%error, "drafting failed; decoding without drafts");
+                for p in planned.iter_mut().filter(|p| p.draft_budget > 0) {
                     p.drafts = Drafts::default();
+                    p.keep_hidden = false;
+                    if let Some(state) = self.slots.get_mut(&p.slot) {
+                        state.spec = None;
+                        state.pending_hidden = None;
+                    }
+                    if let Some(head) = self.draft.as_mut() {
+                        head.release(p.slot);
+                    }
                 }
             }
             outcome.stats.draft = t.elapsed();

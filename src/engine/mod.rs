@@ -11,7 +11,7 @@ pub mod thread;
 
 pub use executor::{Engine, EngineConfig};
 pub use protocol::*;
-pub use spec::{DraftHead, DraftInput, EarlyExitDraft, SpecConfig};
+pub use spec::{DraftHead, DraftInput, EarlyExitDraft, HiddenContext, MtpDraft, SpecConfig};
 pub use thread::{EngineCommand, EngineThread};
 
 /// Why the engine could not serve a sequence. Cloneable so that one failed

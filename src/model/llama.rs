@@ -179,6 +179,13 @@ impl Model {
         &self.device
     }
 
+    /// The tensors a draft head shares with its target (no copy): token
+    /// embeddings `[vocab, hidden]`, final norm `[hidden]`, unembedding
+    /// `[vocab, hidden]`, in the compute dtype.
+    pub fn shared_tensors(&self) -> (Tensor, Tensor, Tensor) {
+        (self.embed.clone(), self.norm.clone(), self.lm_head.clone())
+    }
+
     /// The KV entry shape this model needs.
     pub fn kv_layout(&self) -> KvLayout {
         KvLayout {
@@ -227,6 +234,43 @@ impl Model {
         num_layers: usize,
     ) -> Result<Tensor, ModelError> {
         self.check_batch(batch, kv, num_layers)?;
+        let x = self.token_embeddings(&batch.tokens)?;
+        self.run_layers(batch, x, kv, num_layers)
+    }
+
+    /// Runs every layer over input embeddings `[batch.tokens.len(), hidden]`
+    /// given by the caller instead of the token embeddings (`batch.tokens`
+    /// then only sets the span lengths). MTP heads feed their projected
+    /// inputs through their decoder block this way.
+    pub fn forward_embeddings(
+        &self,
+        batch: &Batch,
+        embeddings: Tensor,
+        kv: &mut KvCache,
+    ) -> Result<Tensor, ModelError> {
+        self.check_batch(batch, kv, self.cfg.num_layers)?;
+        let expected = (batch.tokens.len(), self.cfg.hidden_size);
+        if embeddings.dims2()? != expected {
+            return Err(ModelError::InvalidBatch(format!(
+                "embeddings of shape {:?}, expected {expected:?}",
+                embeddings.dims()
+            )));
+        }
+        self.run_layers(
+            batch,
+            embeddings.to_dtype(self.dtype)?,
+            kv,
+            self.cfg.num_layers,
+        )
+    }
+
+    fn run_layers(
+        &self,
+        batch: &Batch,
+        mut x: Tensor,
+        kv: &mut KvCache,
+        num_layers: usize,
+    ) -> Result<Tensor, ModelError> {
         let n = batch.tokens.len();
         let cfg = &self.cfg;
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
@@ -243,7 +287,6 @@ impl Model {
         let cos = self.cos.index_select(&positions, 0)?;
         let sin = self.sin.index_select(&positions, 0)?;
 
-        let mut x = self.token_embeddings(&batch.tokens)?;
         let scale = 1.0 / (hd as f64).sqrt();
         for (l, layer) in self.layers.iter().take(num_layers).enumerate() {
             let residual = &x;

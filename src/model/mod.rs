@@ -13,6 +13,7 @@
 pub mod batch;
 pub mod config;
 pub mod llama;
+pub mod mtp;
 pub mod weights;
 
 use std::path::PathBuf;
@@ -20,6 +21,7 @@ use std::path::PathBuf;
 pub use batch::{Batch, OutputRows, SeqSpan};
 pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use llama::{LoadOptions, Model};
+pub use mtp::MtpHead;
 pub use weights::Weights;
 
 /// Errors loading or running a model. Messages name the file and tensor.

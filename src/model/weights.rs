@@ -197,6 +197,16 @@ impl Weights {
     }
 }
 
+/// A deterministic tensor, uniform with standard deviation `std`.
+pub fn uniform_tensor(shape: &[usize], std: f32, seed: u64) -> Result<Tensor, ModelError> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let a = std * 3f32.sqrt();
+    let data: Vec<f32> = (0..shape.iter().product())
+        .map(|_| rng.random_range(-a..a))
+        .collect();
+    Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
+}
+
 /// Every tensor a Llama-family checkpoint of `cfg` holds, with its shape.
 pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);

@@ -1,0 +1,272 @@
+//! A DeepSeek-V3-style multi-token-prediction (MTP) head for a Llama-family
+//! target ("DeepSeek-V3 Technical Report", 2024, §2.2).
+//!
+//! Given the target's last hidden state `h_t` (before its final norm) and
+//! the embedding of token `x_{t+1}`, the head predicts `x_{t+2}`:
+//!
+//! ```text
+//! u_t = eh_proj([enorm(emb(x_{t+1})) ; hnorm(h_t)])      // [2H] → [H]
+//! o_t = block(u_t)                                      // one Llama decoder layer, own KV, position t
+//! logits = lm_head(norm(o_t))                           // the target's final norm and unembedding
+//! ```
+//!
+//! `o_t` (pre-norm) is the "projected hidden" fed back for the next draft.
+//!
+//! # Checkpoint format (`mtp.safetensors` in the model or a draft directory)
+//!
+//! | tensor | shape |
+//! | --- | --- |
+//! | `mtp.enorm.weight`, `mtp.hnorm.weight` | `[H]` |
+//! | `mtp.eh_proj.weight` | `[H, 2H]` (input: embedding half first) |
+//! | `mtp.layers.0.input_layernorm.weight`, `mtp.layers.0.post_attention_layernorm.weight` | `[H]` |
+//! | `mtp.layers.0.self_attn.{q,k,v,o}_proj.weight` (+ `.bias` for q/k/v when the target has them) | as the target's layers |
+//! | `mtp.layers.0.mlp.{gate,up,down}_proj.weight` | as the target's layers |
+//!
+//! The embedding, final norm and unembedding are the target's own (frozen,
+//! shared, not stored). The block uses the target's head counts, RoPE and
+//! norm epsilon.
+//!
+//! # KV
+//! The block keeps its own one-layer KV cache per slot: entry `t` holds the
+//! block's keys/values for the pair `(h_t, x_{t+1})`, so it can be written only
+//! once `x_{t+1}` is known. The engine feeds the head every pair as soon as it
+//! is (prompt, accepted drafts, sampled tokens) and rolls the speculative
+//! entries of later draft rounds back.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::{Batch, LoadOptions, Model, ModelConfig, ModelError, Weights};
+use crate::engine::SlotId;
+use crate::kv::KvCache;
+
+/// File name of a head's weights.
+pub const MTP_FILE: &str = "mtp.safetensors";
+
+/// The head's tensors and shapes for a target config (the documented format).
+pub fn mtp_tensor_shapes(target: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let h = target.hidden_size;
+    let mut out = vec![
+        ("mtp.enorm.weight".to_string(), vec![h]),
+        ("mtp.hnorm.weight".to_string(), vec![h]),
+        ("mtp.eh_proj.weight".to_string(), vec![h, 2 * h]),
+    ];
+    for (name, shape) in super::weights::tensor_shapes(&block_config(target)) {
+        if let Some(rest) = name.strip_prefix("model.layers.0.") {
+            out.push((format!("mtp.layers.0.{rest}"), shape));
+        }
+    }
+    out
+}
+
+/// The block as a one-layer model of the target's shape.
+fn block_config(target: &ModelConfig) -> ModelConfig {
+    ModelConfig {
+        num_layers: 1,
+        ..target.clone()
+    }
+}
+
+/// A loaded MTP head (see the module docs).
+pub struct MtpHead {
+    enorm: Tensor,
+    hnorm: Tensor,
+    eh_proj: Tensor,
+    eps: f32,
+    /// The decoder block, as a one-layer model sharing the target's
+    /// embedding, final norm and unembedding.
+    block: Model,
+    kv: KvCache,
+    /// Last projected hidden state per slot (input of the next draft round).
+    projected: HashMap<SlotId, Tensor>,
+}
+
+impl MtpHead {
+    /// Loads `dir/mtp.safetensors` for `target`.
+    pub fn from_dir(target: &Model, dir: &Path) -> Result<Self, ModelError> {
+        let path = dir.join(MTP_FILE);
+        if !path.exists() {
+            return Err(ModelError::Weights {
+                path,
+                reason: "no MTP head here (expected mtp.safetensors)".into(),
+            });
+        }
+        let tensors = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| {
+            ModelError::Weights {
+                path: path.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+        Self::from_tensors(target, tensors, &path)
+    }
+
+    /// Builds a head from named tensors (as in the checkpoint format).
+    pub fn from_tensors(
+        target: &Model,
+        mut tensors: HashMap<String, Tensor>,
+        origin: &Path,
+    ) -> Result<Self, ModelError> {
+        let cfg = target.config();
+        let (dtype, device) = (target.dtype(), target.device().clone());
+        let mut take = |name: &str, shape: &[usize]| -> Result<Tensor, ModelError> {
+            let t = tensors
+                .remove(name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    path: origin.to_path_buf(),
+                    name: name.into(),
+                })?;
+            if t.dims() != shape {
+                return Err(ModelError::ShapeMismatch {
+                    path: origin.to_path_buf(),
+                    name: name.into(),
+                    expected: shape.to_vec(),
+                    found: t.dims().to_vec(),
+                });
+            }
+            Ok(t.to_device(&device)?.to_dtype(dtype)?)
+        };
+        let h = cfg.hidden_size;
+        let enorm = take("mtp.enorm.weight", &[h])?;
+        let hnorm = take("mtp.hnorm.weight", &[h])?;
+        let eh_proj = take("mtp.eh_proj.weight", &[h, 2 * h])?;
+        let (embed, norm, lm_head) = target.shared_tensors();
+        let mut block_weights = HashMap::new();
+        for (name, shape) in mtp_tensor_shapes(cfg).into_iter().skip(3) {
+            let t = take(&name, &shape)?;
+            block_weights.insert(name.replacen("mtp.", "model.", 1), t);
+        }
+        block_weights.insert("model.embed_tokens.weight".into(), embed);
+        block_weights.insert("model.norm.weight".into(), norm);
+        if !cfg.tie_word_embeddings {
+            block_weights.insert("lm_head.weight".into(), lm_head);
+        }
+        let block = Model::load(
+            block_config(cfg),
+            &Weights::Memory(block_weights),
+            &LoadOptions {
+                dtype,
+                device: device.clone(),
+            },
+        )?;
+        // One layer of KV per slot; the capacity bound is generous because the
+        // engine's own pool already limits how many tokens slots can hold.
+        let kv = KvCache::new(block.kv_layout(), device, usize::MAX / 2);
+        Ok(Self {
+            enorm,
+            hnorm,
+            eh_proj,
+            eps: cfg.rms_norm_eps as f32,
+            block,
+            kv,
+            projected: HashMap::new(),
+        })
+    }
+
+    /// An untrained head with deterministic random weights (tests, and the
+    /// starting point of training).
+    pub fn random(target: &Model, seed: u64) -> Result<Self, ModelError> {
+        Self::from_tensors(
+            target,
+            random_tensors(target.config(), seed)?,
+            Path::new("<random>"),
+        )
+    }
+
+    /// Registers a slot with room for `reserve` positions.
+    pub fn admit(&mut self, slot: SlotId, reserve: usize) -> Result<(), ModelError> {
+        self.kv.allocate(slot, reserve)?;
+        Ok(())
+    }
+
+    pub fn release(&mut self, slot: SlotId) {
+        self.kv.free(slot);
+        self.projected.remove(&slot);
+    }
+
+    /// Positions of the slot whose block KV is written.
+    pub fn len(&self, slot: SlotId) -> Result<usize, ModelError> {
+        Ok(self.kv.len(slot)?)
+    }
+
+    /// Forgets KV entries at positions `len..` (speculative draft rounds).
+    pub fn truncate(&mut self, slot: SlotId, len: usize) -> Result<(), ModelError> {
+        Ok(self.kv.set_len(slot, len)?)
+    }
+
+    /// Runs pairs through the head. `batch` spans give, per slot, the tokens
+    /// `x_{t+1}` of consecutive pairs starting at position `offset` (= the
+    /// slot's head KV length); `hidden` holds the matching `h_t` rows, or
+    /// `None` to use each slot's last projected hidden (one pair per slot).
+    /// Returns logits `[slots, vocab]` of each span's last pair and stores
+    /// its projected hidden for the next round.
+    pub fn step(
+        &mut self,
+        target: &Model,
+        batch: &Batch,
+        hidden: Option<&Tensor>,
+    ) -> Result<Tensor, ModelError> {
+        let hidden = match hidden {
+            Some(h) => h.clone(),
+            None => {
+                let rows = batch
+                    .seqs
+                    .iter()
+                    .map(|s| {
+                        self.projected.get(&s.slot).cloned().ok_or_else(|| {
+                            ModelError::InvalidBatch(format!(
+                                "slot {} has no projected hidden state",
+                                s.slot
+                            ))
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                Tensor::cat(&rows, 0)?
+            }
+        };
+        let emb = target.token_embeddings(&batch.tokens)?;
+        let x = Tensor::cat(
+            &[
+                candle_nn::ops::rms_norm(&emb.contiguous()?, &self.enorm, self.eps)?,
+                candle_nn::ops::rms_norm(
+                    &hidden.to_dtype(emb.dtype())?.contiguous()?,
+                    &self.hnorm,
+                    self.eps,
+                )?,
+            ],
+            1,
+        )?;
+        let u = x.matmul(&self.eh_proj.t()?)?;
+        let out = self.block.forward_embeddings(batch, u, &mut self.kv)?; // [slots, H] (Last rows)
+        for (i, s) in batch.seqs.iter().enumerate() {
+            self.projected.insert(s.slot, out.narrow(0, i, 1)?);
+        }
+        target.unembed(&out)
+    }
+}
+
+/// Deterministic random head tensors for `cfg` (uniform, std 0.02; norms 1).
+pub fn random_tensors(cfg: &ModelConfig, seed: u64) -> Result<HashMap<String, Tensor>, ModelError> {
+    let Weights::Memory(block) = Weights::random(&block_config(cfg), seed, 0.02)? else {
+        unreachable!("Weights::random is in memory")
+    };
+    let mut out = HashMap::new();
+    for (name, shape) in mtp_tensor_shapes(cfg) {
+        let t = match name.strip_prefix("mtp.layers.0.") {
+            Some(rest) => block
+                .get(&format!("model.layers.0.{rest}"))
+                .cloned()
+                .ok_or_else(|| ModelError::MissingTensor {
+                    path: "<random>".into(),
+                    name: name.clone(),
+                })?,
+            None if name.ends_with("norm.weight") => {
+                Tensor::ones(shape.as_slice(), DType::F32, &Device::Cpu)?
+            }
+            None => super::weights::uniform_tensor(&shape, 0.02, seed ^ 0x5eed)?,
+        };
+        out.insert(name, t);
+    }
+    Ok(out)
+}
