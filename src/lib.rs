@@ -46,5 +46,6 @@ pub mod sampler;
 pub mod scheduler;
 pub mod tiny;
 pub mod tokenizer;
+pub mod train;
 
 pub use handle::TandemHandle;
