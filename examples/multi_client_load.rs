@@ -25,10 +25,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tandem::api::{Event, GenerateRequest, Prompt};
 use tandem::engine::{
-    Admission, DraftSchedule, EarlyExitDraft, Engine, EngineConfig, SeqWork, SpecConfig,
-    SpecOptions, StepExecutor, StepPlan,
+    Admission, DraftHead, DraftSchedule, EarlyExitDraft, Engine, EngineConfig, MtpDraft, SeqWork,
+    SpecConfig, SpecOptions, StepExecutor, StepPlan,
 };
-use tandem::model::{LoadOptions, Model, ModelConfig, Weights};
+use tandem::model::{LoadOptions, Model, ModelConfig, MtpHead, Weights};
 use tandem::sampler::SamplingOptions;
 use tandem::scheduler::{SchedulerConfig, ShutdownMode};
 use tandem::tiny::{tiny_model_cpu, TinyPreset};
@@ -68,7 +68,7 @@ struct Args {
     /// Seed of the workload mix.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Speculative decoding: `off` or `early-exit:L` (draft with the first L layers).
+    /// Speculative decoding: `off`, `early-exit:L` (draft with the first L layers) or `head:DIR` (a trained MTP head).
     #[arg(long, default_value = "off")]
     mtp: String,
     /// Longest draft (the heuristic schedule starts at min(4, this)).
@@ -82,33 +82,62 @@ struct Args {
     mtp_compare: bool,
 }
 
-/// Parses `--mtp`.
-fn draft_layers(spec: &str) -> anyhow_like::Result<Option<usize>> {
-    match spec {
-        "off" => Ok(None),
-        s => match s.strip_prefix("early-exit:").and_then(|l| l.parse().ok()) {
-            Some(l) => Ok(Some(l)),
-            None => Err(format!("--mtp must be `off` or `early-exit:L`, got `{s}`").into()),
-        },
+/// A draft head choice (`--mtp`).
+#[derive(Debug, Clone)]
+enum Draft {
+    EarlyExit(usize),
+    Head(PathBuf),
+}
+
+impl std::fmt::Display for Draft {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Draft::EarlyExit(l) => write!(f, "early-exit:{l}"),
+            Draft::Head(d) => write!(f, "head:{}", d.display()),
+        }
     }
 }
 
-/// Builds the engine, with an early-exit draft head when `layers` is set.
+/// Parses `--mtp`.
+fn parse_draft(spec: &str) -> anyhow_like::Result<Option<Draft>> {
+    if spec == "off" {
+        return Ok(None);
+    }
+    if let Some(dir) = spec.strip_prefix("head:") {
+        return Ok(Some(Draft::Head(PathBuf::from(dir))));
+    }
+    match spec
+        .strip_prefix("early-exit:")
+        .and_then(|l| l.parse().ok())
+    {
+        Some(l) => Ok(Some(Draft::EarlyExit(l))),
+        None => {
+            Err(format!("--mtp must be `off`, `early-exit:L` or `head:DIR`, got `{spec}`").into())
+        }
+    }
+}
+
+/// Builds the engine, with the chosen draft head.
 fn build_engine(
     args: &Args,
-    layers: Option<usize>,
+    draft: Option<&Draft>,
     kv_tokens: usize,
 ) -> anyhow_like::Result<(Engine, Tokenizer)> {
     let (model, tokenizer, name) = load(args)?;
-    if let Some(l) = layers {
-        if l == 0 || l > model.config().num_layers {
+    let head: Option<Box<dyn DraftHead>> = match draft {
+        None => None,
+        Some(Draft::EarlyExit(l)) if *l == 0 || *l > model.config().num_layers => {
             return Err(format!(
                 "early-exit:{l}: the model has {} layers",
                 model.config().num_layers
             )
             .into());
         }
-    }
+        Some(Draft::EarlyExit(l)) => Some(Box::new(EarlyExitDraft { layers: *l })),
+        Some(Draft::Head(dir)) => Some(Box::new(MtpDraft {
+            head: MtpHead::from_dir(&model, dir)?,
+        })),
+    };
     let engine = Engine::new(
         model,
         EngineConfig {
@@ -117,8 +146,8 @@ fn build_engine(
             eos_ids: tokenizer.eos_ids().to_vec(),
         },
     );
-    let engine = match layers {
-        Some(layers) => {
+    let engine = match head {
+        Some(head) => {
             let default = SpecOptions {
                 enabled: true,
                 initial_draft: args.draft_max.min(4),
@@ -126,7 +155,7 @@ fn build_engine(
                 schedule: DraftSchedule::Heuristic,
             };
             engine.with_draft(
-                Box::new(EarlyExitDraft { layers }),
+                head,
                 SpecConfig {
                     default,
                     max_batch: args.mtp_max_batch,
@@ -277,7 +306,7 @@ fn main() -> anyhow_like::Result<()> {
         args.step_tokens
     );
     drop(model);
-    let layers = draft_layers(&args.mtp)?;
+    let draft = parse_draft(&args.mtp)?;
     let config = SchedulerConfig {
         max_seqs: args.max_seqs,
         step_token_budget: args.step_tokens.max(args.max_seqs),
@@ -286,17 +315,17 @@ fn main() -> anyhow_like::Result<()> {
     };
 
     let system = actix::System::new();
-    let mut runs = vec![layers];
+    let mut runs = vec![draft.clone()];
     if args.mtp_compare {
         runs.insert(0, None);
     }
     let mut figures = Vec::new();
-    for layers in runs {
-        let (engine, tokenizer) = build_engine(&args, layers, kv_tokens)?;
+    for draft in &runs {
+        let (engine, tokenizer) = build_engine(&args, draft.as_ref(), kv_tokens)?;
         println!(
             "--- MTP {}",
-            layers.map_or("off".to_string(), |l| format!(
-                "early-exit:{l} (draft max {})",
+            draft.as_ref().map_or("off".to_string(), |d| format!(
+                "{d} (draft max {})",
                 args.draft_max
             ))
         );
