@@ -83,28 +83,104 @@ impl TrainableHead {
         })
     }
 
-    /// Logits `[N·(T-1), vocab]` for every pair of the batch.
+    /// Logits `[N·(T-1), vocab]` for every pair of the batch (one draft
+    /// step from the target's hidden states).
     pub fn logits(&self, f: &Features) -> Result<Tensor, TrainError> {
+        Ok(self.forward(f, false)?.0)
+    }
+
+    /// Step one over every pair and, with `second`, step two: the head's own
+    /// output fed back with the next token, as the second draft round runs at
+    /// inference (its query sees the real pairs up to its base position and
+    /// itself). Returns logits of step one `[N·(T-1), V]` and of step two
+    /// `[N·(T-2), V]`.
+    fn forward(&self, f: &Features, second: bool) -> Result<(Tensor, Option<Tensor>), TrainError> {
         let cfg = &self.cfg;
         let (n, t, h) = f.hidden.dims3()?;
-        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let eps = cfg.rms_norm_eps;
+        let v = cfg.vocab_size;
         let emb = self
             .embed
             .index_select(&f.next_tokens.flatten_all()?, 0)?
             .reshape((n, t, h))?;
+        let (cos, sin) = rope_tables(cfg, t)?;
+
+        let s1 = self.project(&emb, &f.hidden)?;
+        let (q1, k1, v1) = self.qkv(&s1, &cos, &sin)?;
+        let mask1: Vec<f32> = (0..t * t)
+            .map(|i| {
+                if i % t > i / t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let attn1 = attend(
+            &q1,
+            &k1,
+            &v1,
+            Tensor::from_vec(mask1, (t, t), &Device::Cpu)?,
+        )?;
+        let out1 = self.finish_block(&s1, &attn1)?;
+        let logits1 = self.unembed(&out1)?.reshape((n * t, v))?;
+        if !second || t < 2 {
+            return Ok((logits1, None));
+        }
+
+        // Step two for base pairs 0..t-1: (out1_i, x_{i+2}) at position i + 1.
+        let m = t - 1;
+        let emb2 = emb.narrow(1, 1, m)?;
+        let s2 = self.project(&emb2, &out1.narrow(1, 0, m)?)?;
+        let (q2, k2, v2) = self.qkv(&s2, &cos.narrow(0, 1, m)?, &sin.narrow(0, 1, m)?)?;
+        let keys = Tensor::cat(&[&k1, &k2], 2)?;
+        let values = Tensor::cat(&[&v1, &v2], 2)?;
+        let mut mask2 = vec![f32::NEG_INFINITY; m * (t + m)];
+        for i in 0..m {
+            for j in 0..=i {
+                mask2[i * (t + m) + j] = 0.0;
+            }
+            mask2[i * (t + m) + t + i] = 0.0;
+        }
+        let attn2 = attend(
+            &q2,
+            &keys,
+            &values,
+            Tensor::from_vec(mask2, (m, t + m), &Device::Cpu)?,
+        )?;
+        let out2 = self.finish_block(&s2, &attn2)?;
+        Ok((logits1, Some(self.unembed(&out2)?.reshape((n * m, v))?)))
+    }
+
+    /// `eh_proj([enorm(emb); hnorm(hidden)])`.
+    fn project(&self, emb: &Tensor, hidden: &Tensor) -> Result<Tensor, TrainError> {
+        let eps = self.cfg.rms_norm_eps;
         let x = Tensor::cat(
             &[
-                rms_norm(&emb, self.w("enorm.weight")?, eps)?,
-                rms_norm(&f.hidden, self.w("hnorm.weight")?, eps)?,
+                rms_norm(emb, self.w("enorm.weight")?, eps)?,
+                rms_norm(hidden, self.w("hnorm.weight")?, eps)?,
             ],
             D::Minus1,
         )?;
-        let u = self.linear(&x, "eh_proj", false)?; // [n, t, h]
+        self.linear(&x, "eh_proj", false)
+    }
 
-        // One Llama decoder layer, causal over the t pairs (positions 0..t).
+    /// Roped queries `[n, heads, t, d]` and keys / values repeated to every
+    /// query head, for block input `x` `[n, t, hidden]`.
+    fn qkv(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor), TrainError> {
+        let cfg = &self.cfg;
+        let (n, t, _) = x.dims3()?;
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let p = "layers.0";
-        let a = rms_norm(&u, self.w(&format!("{p}.input_layernorm.weight"))?, eps)?;
+        let a = rms_norm(
+            x,
+            self.w(&format!("{p}.input_layernorm.weight"))?,
+            cfg.rms_norm_eps,
+        )?;
         let bias = cfg.attention_bias;
         let q = self
             .linear(&a, &format!("{p}.self_attn.q_proj"), bias)?
@@ -118,9 +194,8 @@ impl TrainableHead {
             .linear(&a, &format!("{p}.self_attn.v_proj"), bias)?
             .reshape((n, t, nkv, hd))?
             .transpose(1, 2)?;
-        let (cos, sin) = rope_tables(cfg, t)?;
         let rope = |x: &Tensor| -> candle_core::Result<Tensor> {
-            x.broadcast_mul(&cos)? + rotate_half(x)?.broadcast_mul(&sin)?
+            x.broadcast_mul(cos)? + rotate_half(x)?.broadcast_mul(sin)?
         };
         let (q, k) = (rope(&q.contiguous()?)?, rope(&k.contiguous()?)?);
         let g = nh / nkv;
@@ -132,49 +207,49 @@ impl TrainableHead {
                 .expand((n, nkv, g, t, hd))?
                 .reshape((n, nh, t, hd))
         };
-        let (k, v) = (repeat(k)?, repeat(v.contiguous()?)?);
-        let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
-        let mask: Vec<f32> = (0..t * t)
-            .map(|i| {
-                if i % t > i / t {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-            .collect();
-        let scores = scores.broadcast_add(&Tensor::from_vec(mask, (t, t), &Device::Cpu)?)?;
-        let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
-        let attn = probs
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .reshape((n, t, nh * hd))?;
-        let x = (u + self.linear(&attn, &format!("{p}.self_attn.o_proj"), false)?)?;
+        Ok((q, repeat(k)?, repeat(v.contiguous()?)?))
+    }
+
+    /// Output projection, residual and MLP of the block.
+    fn finish_block(&self, x: &Tensor, attn: &Tensor) -> Result<Tensor, TrainError> {
+        let p = "layers.0";
+        let x = (x + self.linear(attn, &format!("{p}.self_attn.o_proj"), false)?)?;
         let m = rms_norm(
             &x,
             self.w(&format!("{p}.post_attention_layernorm.weight"))?,
-            eps,
+            self.cfg.rms_norm_eps,
         )?;
         let act = (self
             .linear(&m, &format!("{p}.mlp.gate_proj"), false)?
             .silu()?
             * self.linear(&m, &format!("{p}.mlp.up_proj"), false)?)?;
-        let out = (x + self.linear(&act, &format!("{p}.mlp.down_proj"), false)?)?;
-
-        let logits = rms_norm(&out, &self.norm, eps)?.broadcast_matmul(&self.lm_head.t()?)?;
-        Ok(logits.reshape((n * t, cfg.vocab_size))?)
+        Ok((x + self.linear(&act, &format!("{p}.mlp.down_proj"), false)?)?)
     }
 
-    /// Cross-entropy against the target's greedy labels.
-    pub fn loss(&self, _target: &Model, f: &Features) -> Result<Tensor, TrainError> {
-        Ok(candle_nn::loss::cross_entropy(
-            &self.logits(f)?,
-            &f.labels.flatten_all()?,
-        )?)
+    /// The target's frozen final norm and unembedding.
+    fn unembed(&self, x: &Tensor) -> Result<Tensor, TrainError> {
+        Ok(rms_norm(x, &self.norm, self.cfg.rms_norm_eps)?.broadcast_matmul(&self.lm_head.t()?)?)
+    }
+
+    /// Training loss: cross-entropy of step one, plus step two's when
+    /// `second` (so recursive drafts stay accurate).
+    pub fn train_loss(&self, f: &Features, second: bool) -> Result<Tensor, TrainError> {
+        let (l1, l2) = self.forward(f, second)?;
+        let labels = &f.labels;
+        let mut loss = candle_nn::loss::cross_entropy(&l1, &labels.flatten_all()?)?;
+        if let Some(l2) = l2 {
+            let t = labels.dim(1)?;
+            loss = (loss
+                + candle_nn::loss::cross_entropy(
+                    &l2,
+                    &labels.narrow(1, 1, t - 1)?.flatten_all()?,
+                )?)?;
+        }
+        Ok(loss)
     }
 
     /// Held-out loss and top-1 agreement, in chunks.
-    pub fn eval(&self, _target: &Model, f: &Features) -> Result<(f64, f64), TrainError> {
+    pub fn eval(&self, f: &Features) -> Result<(f64, f64), TrainError> {
         let n = f.hidden.dim(0)?;
         let (mut loss, mut hits, mut count) = (0.0, 0usize, 0usize);
         for start in (0..n).step_by(16) {
@@ -195,6 +270,15 @@ impl TrainableHead {
             hits as f64 / count.max(1) as f64,
         ))
     }
+}
+
+/// Softmax attention of `q` `[n, h, tq, d]` over `k`, `v` `[n, h, tk, d]`
+/// with an additive `mask` `[tq, tk]`; returns `[n, tq, h·d]`.
+fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Tensor) -> Result<Tensor, TrainError> {
+    let (n, h, tq, d) = q.dims4()?;
+    let scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_add(&mask)?;
+    let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
+    Ok(probs.matmul(v)?.transpose(1, 2)?.reshape((n, tq, h * d))?)
 }
 
 /// `[t, head_dim]` cos / sin (rotate-half layout) for positions `0..t`.

@@ -73,6 +73,9 @@ pub struct TrainConfig {
     pub temperature: f32,
     /// Draft positions whose acceptance is measured.
     pub draft_positions: usize,
+    /// Also train the second draft step (the head's own output fed back),
+    /// which is what makes drafts beyond the first one land.
+    pub second_step: bool,
     /// Evaluate every this many steps (and at the end).
     pub eval_every: usize,
     /// Write a resumable checkpoint every this many steps (0: only at the end).
@@ -91,6 +94,7 @@ impl Default for TrainConfig {
             heldout_seqs: 32,
             temperature: 1.0,
             draft_positions: 4,
+            second_step: true,
             eval_every: 50,
             checkpoint_every: 100,
             seed: 0,
@@ -348,7 +352,7 @@ impl<'a> Trainer<'a> {
             .map(|_| rng.random_range(0..self.train.len() as u32))
             .collect();
         let batch = self.train.select(&idx)?;
-        let loss = self.head.loss(self.target, &batch)?;
+        let loss = self.head.train_loss(&batch, self.config.second_step)?;
         let grads = loss.backward()?;
         let warmup = (self.config.steps / 20).max(1);
         let lr = self.config.lr * ((self.step + 1) as f64 / warmup as f64).min(1.0);
@@ -361,7 +365,7 @@ impl<'a> Trainer<'a> {
 
     /// Held-out loss and top-1 agreement.
     pub fn evaluate(&mut self) -> Result<EvalPoint, TrainError> {
-        let (loss, top1) = self.head.eval(self.target, &self.heldout)?;
+        let (loss, top1) = self.head.eval(&self.heldout)?;
         let point = EvalPoint {
             step: self.step,
             loss,
