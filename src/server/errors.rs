@@ -158,7 +158,10 @@ impl ApiError {
         };
         match e {
             TandemError::InvalidRequest { field, .. } => bad(field),
-            TandemError::Tokenizer { .. } => bad(prompt_field),
+            TandemError::Tokenizer { .. } => Self {
+                message: format!("invalid `{prompt_field}`: {message}"),
+                ..bad(prompt_field)
+            },
             TandemError::Unavailable => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 code,
