@@ -258,3 +258,104 @@ pub async fn post_stream(client: &reqwest::Client, url: &str, body: &Value) -> S
     assert!(ct.starts_with("text/event-stream"), "{ct}");
     r.text().await.expect("SSE body")
 }
+
+/// The real `tandem serve` binary on an ephemeral port, serving the
+/// embedded Test model. Killed on drop if still running.
+pub struct BinaryServer {
+    pub child: std::process::Child,
+    pub addr: SocketAddr,
+}
+
+impl BinaryServer {
+    /// Starts `tandem serve --embedded test --port 0 EXTRA…` and waits for
+    /// its `ready` line.
+    pub fn spawn(extra: &[&str]) -> Self {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["serve", "--embedded", "test", "--port", "0"])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn tandem");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut addr = None;
+        loop {
+            let line = rx
+                .recv_timeout(Duration::from_secs(60))
+                .expect("tandem serve printed `ready` in time");
+            if let Some(a) = line.strip_prefix("listening on http://") {
+                addr = Some(a.parse().expect("address"));
+            }
+            if line == "ready" {
+                break;
+            }
+        }
+        Self {
+            child,
+            addr: addr.expect("a `listening on` line before `ready`"),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// Sends a signal (`TERM`, `INT`) with `kill`.
+    pub fn signal(&self, name: &str) {
+        let ok = std::process::Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("run kill")
+            .success();
+        assert!(ok, "kill -{name}");
+    }
+
+    /// Waits for the process to exit; `None` after `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let t0 = Instant::now();
+        while t0.elapsed() < timeout {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for BinaryServer {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Runs `tandem ARGS…` to completion: (exit code, stderr).
+pub fn run_binary(args: &[&str]) -> (Option<i32>, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run tandem");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
