@@ -924,3 +924,82 @@ fn official_openai_client_end_to_end() {
     );
     assert!(stdout.contains("checks passed"), "{stdout}");
 }
+
+/// A model with a chat template: the prompt is the rendered template
+/// (with `bos_token`, Python string methods and `raise_exception`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_renders_the_models_template() {
+    let template = "{{ bos_token }}{% for m in messages %}\
+        {% if m['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}{% endif %}\
+        {{ m['role'] | upper }}: {{ m['content'].strip() }}{{ eos_token }}\n{% endfor %}\
+        {% if add_generation_prompt %}ASSISTANT:{% endif %}";
+    let s = TestServer::start(Options {
+        chat_template: Some(template.into()),
+        ..Options::default()
+    });
+    let c = client();
+    let (expected, prompt_tokens) =
+        library_text(&s, "<s>USER: bright morning</s>\nASSISTANT:", 8).await;
+    let body = json!({"messages": [{"role": "user", "content": "  bright morning "}],
+                      "max_tokens": 8, "temperature": 0});
+    let (status, v) = post_json(&c, &s.url("/v1/chat/completions"), &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], expected.as_str());
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+    let body = json!({"messages": [{"role": "tool", "content": "x"}]});
+    let (status, v) = post_json(&c, &s.url("/v1/chat/completions"), &body).await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "messages");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("tool messages are not supported"));
+}
+
+/// `tandem serve --model DIR` with a real trained checkpoint reproduces the
+/// reference greedy text over HTTP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_serves_a_model_folder_with_reference_output() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/models/stories260k");
+    let Ok(reference) = std::fs::read_to_string(format!("{dir}/reference.json")) else {
+        eprintln!("SKIP: {dir} is absent");
+        return;
+    };
+    let reference: Value = serde_json::from_str(&reference).unwrap();
+    let case = &reference["prompts"][0];
+    let server = BinaryServer::spawn(&["--model", dir]);
+    let c = client();
+    let models: Value = c
+        .get(server.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "stories260k");
+    let n = case["generated_ids"].as_array().unwrap().len();
+    for stream in [false, true] {
+        let body =
+            json!({"prompt": case["text"], "max_tokens": n, "temperature": 0, "stream": stream});
+        let text = if stream {
+            sse_chunks(&post_stream(&c, &server.url("/v1/completions"), &body).await)
+                .iter()
+                .map(|c| c["choices"][0]["text"].as_str().unwrap_or("").to_string())
+                .collect::<String>()
+        } else {
+            let (status, v) = post_json(&c, &server.url("/v1/completions"), &body).await;
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(
+                v["usage"]["prompt_tokens"],
+                case["prompt_ids"].as_array().unwrap().len()
+            );
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        };
+        assert_eq!(
+            text,
+            case["generated_text"].as_str().unwrap(),
+            "stream={stream}"
+        );
+    }
+}

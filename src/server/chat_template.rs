@@ -184,7 +184,7 @@ fn python_methods(
             "endswith" => Value::from(arg_str(0).is_some_and(|p| s.ends_with(p))),
             "upper" => Value::from(s.to_uppercase()),
             "lower" => Value::from(s.to_lowercase()),
-            "title" => state.apply_filter("title", &[value.clone()])?,
+            "title" => state.apply_filter("title", std::slice::from_ref(value))?,
             "replace" => match (arg_str(0), arg_str(1)) {
                 (Some(from), Some(to)) => Value::from(s.replace(from, to)),
                 _ => return Err(Error::new(ErrorKind::MissingArgument, "replace(old, new)")),
@@ -198,7 +198,7 @@ fn python_methods(
     }
     if value.kind() == ValueKind::Map {
         return match method {
-            "items" => state.apply_filter("items", &[value.clone()]),
+            "items" => state.apply_filter("items", std::slice::from_ref(value)),
             "keys" => Ok(Value::from(value.try_iter()?.collect::<Vec<_>>())),
             "values" => Ok(Value::from(
                 value

@@ -30,6 +30,8 @@ pub struct Options {
     pub http: HttpConfig,
     /// Load the model and mark the server ready (false: stays `loading`).
     pub ready: bool,
+    /// A chat template to give the (template-less) embedded tokenizer.
+    pub chat_template: Option<String>,
 }
 
 impl Default for Options {
@@ -38,6 +40,7 @@ impl Default for Options {
             sched: SchedulerConfig::default(),
             http: HttpConfig::default(),
             ready: true,
+            chat_template: None,
         }
     }
 }
@@ -64,6 +67,10 @@ impl TestServer {
                 let mut handle = None;
                 if opts.ready {
                     let (model, tokenizer) = tiny_model_cpu(TinyPreset::Test).expect("tiny model");
+                    let tokenizer = match opts.chat_template.clone() {
+                        Some(t) => tokenizer.with_chat_template(Some(t)),
+                        None => tokenizer,
+                    };
                     let template = ChatTemplate::from_tokenizer(&tokenizer).expect("template");
                     let engine = Engine::new(
                         model,
