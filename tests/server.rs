@@ -864,6 +864,10 @@ fn the_binary_refuses_bad_flags_at_startup() {
         (&["serve", "--device", "cuda"][..], "--device cuda"),
         (&["serve", "--dtype", "f64"][..], "--dtype f64"),
         (
+            &["serve", "--model", "/no/such/model"][..],
+            "--model /no/such/model: not a directory",
+        ),
+        (
             &["serve", "--max-seqs", "128", "--step-tokens", "64"][..],
             "--step-tokens",
         ),

@@ -161,6 +161,9 @@ fn main() -> ExitCode {
 /// Checks the model flags and opens the device (before any weight is read).
 fn load_spec(args: &ModelArgs) -> Result<LoadSpec, BoxError> {
     let source = match &args.model {
+        Some(dir) if !dir.is_dir() => {
+            return Err(format!("--model {}: not a directory", dir.display()).into())
+        }
         Some(dir) => ModelSource::Dir(dir.clone()),
         None if args.embedded == "test" => ModelSource::Embedded(TinyPreset::Test),
         None => ModelSource::Embedded(TinyPreset::Default),

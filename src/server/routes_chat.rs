@@ -70,7 +70,7 @@ async fn handle(
         .handle
         .generate(request)
         .await
-        .map_err(|e| ApiError::from_tandem(&e, "messages"))?;
+        .map_err(|e| limit_field_as_sent(ApiError::from_tandem(&e, "messages"), &f))?;
     let format = ChatFormat {
         id: format!("chatcmpl-{}", events.id().0),
         created: unix_now(),
@@ -115,6 +115,16 @@ async fn handle(
         }
     }
     Err(ApiError::internal("the request ended without a result"))
+}
+
+/// The library names the token limit `max_tokens`; a client that sent
+/// `max_completion_tokens` should see that name instead.
+fn limit_field_as_sent(mut e: ApiError, f: &Fields) -> ApiError {
+    if e.param.as_deref() == Some("max_tokens") && f.raw("max_completion_tokens").is_some() {
+        e.param = Some("max_completion_tokens".into());
+        e.message = e.message.replace("`max_tokens`", "`max_completion_tokens`");
+    }
+    e
 }
 
 /// `messages`: a non-empty list of `{role, content}`.
