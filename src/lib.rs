@@ -35,6 +35,8 @@
 //! - [`model`], [`kv`], [`sampler`]: the tensor code (candle).
 //! - [`tokenizer`]: HF tokenizers, incremental detokenizer, stop matching.
 //! - [`tiny`]: the embedded default model.
+//! - [`server`]: the OpenAI-compatible HTTP API (actix-web) of the `tandem`
+//!   binary.
 
 pub mod api;
 pub mod engine;
@@ -44,6 +46,7 @@ pub mod model;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;
+pub mod server;
 pub mod tiny;
 pub mod tokenizer;
 pub mod train;

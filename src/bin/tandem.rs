@@ -1,1 +1,336 @@
-fn main() {}
+//! The `tandem` command: `tandem serve` runs the OpenAI-compatible HTTP
+//! server, `tandem generate` streams one completion to the terminal.
+//!
+//! Logs go to stderr through `tracing` (filter with `RUST_LOG`, default
+//! `info`). `serve` prints `listening on http://ADDR` and then `ready` on
+//! stdout, so scripts can wait for them. It exits 0 after a SIGINT / SIGTERM
+//! once in-flight requests have drained (or were cancelled after
+//! `--drain-timeout`), and 1 with a message on any startup error.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::{Args, Parser, Subcommand};
+use futures_util::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use tandem::api::{Event, GenerateRequest};
+use tandem::engine::EngineInfo;
+use tandem::sampler::SamplingOptions;
+use tandem::scheduler::{SchedulerConfig, SchedulerError, ShutdownMode};
+use tandem::server::load::{load, parse_dtype, DeviceKind, LoadSpec, Loaded, ModelSource};
+use tandem::server::mtp::{check_draft_max, MtpMode};
+use tandem::server::{self, AppState, HttpConfig, ListenConfig, ShutdownSignal};
+use tandem::tiny::TinyPreset;
+use tandem::TandemHandle;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tandem",
+    version,
+    about = "Serve an LLM to many clients at once: one forward pass and one sampler call per step for every active sequence."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+    Serve(ServeArgs),
+    /// Generate one completion and stream it to the terminal.
+    Generate(GenerateArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+struct ModelArgs {
+    /// Hugging Face model folder (config.json, *.safetensors, tokenizer.json). Without it, the embedded random-weight model is served.
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// Which embedded model to use without --model: `default` (≈32 M parameters) or `test` (≈0.14 M, for smoke tests).
+    #[arg(long, default_value = "default", value_parser = ["default", "test"])]
+    embedded: String,
+    /// Compute dtype: f32, f16 or bf16 (bf16 needs a GPU).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Compute device: cpu, cuda or metal (GPU backends need a build with `--features cuda` / `metal`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// KV cache pool in tokens, over all sequences. A request reserves prompt + max_tokens (capped at the context length) when it starts.
+    #[arg(long, default_value_t = 131_072)]
+    kv_tokens: usize,
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Interface to listen on (0.0.0.0 exposes the server to the network).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// TCP port (0 picks a free one).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Most sequences generated together (one forward pass per step).
+    #[arg(long, default_value_t = 64)]
+    max_seqs: usize,
+    /// Most requests waiting for a slot; beyond it requests get HTTP 429.
+    #[arg(long, default_value_t = 1024)]
+    max_queue: usize,
+    /// Tokens fed to the model per step (decodes plus prefill chunks); at least --max-seqs.
+    #[arg(long, default_value_t = 512)]
+    step_tokens: usize,
+    /// Speculative decoding: off, early-exit:L or head:DIR. Only `off` is available yet.
+    #[arg(long, default_value = "off")]
+    mtp: String,
+    /// Most tokens drafted per step per sequence with --mtp (1-16).
+    #[arg(long, default_value_t = 4)]
+    draft_max: usize,
+    /// Require `Authorization: Bearer KEY` on /v1 routes (or set TANDEM_API_KEY).
+    #[arg(long, value_name = "KEY")]
+    api_key: Option<String>,
+    /// HTTP worker threads.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Largest request body in bytes (HTTP 413 above).
+    #[arg(long, default_value_t = 4 * 1024 * 1024)]
+    body_limit: usize,
+    /// Seconds to let in-flight requests finish after SIGINT/SIGTERM before cancelling them.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout: u64,
+}
+
+#[derive(Args, Debug)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt.
+    prompt: String,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Keep the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: i32,
+    /// Nucleus sampling threshold (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Drop tokens below this fraction of the top probability (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Repeat penalty (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// RNG seed, for reproducible sampling.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop before this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let system = actix_web::rt::System::new();
+    let result = match cli.command {
+        Command::Serve(args) => system.block_on(serve(args)),
+        Command::Generate(args) => system.block_on(generate(args)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Checks the model flags and opens the device (before any weight is read).
+fn load_spec(args: &ModelArgs) -> Result<LoadSpec, BoxError> {
+    let source = match &args.model {
+        Some(dir) if !dir.is_dir() => {
+            return Err(format!("--model {}: not a directory", dir.display()).into())
+        }
+        Some(dir) => ModelSource::Dir(dir.clone()),
+        None if args.embedded == "test" => ModelSource::Embedded(TinyPreset::Test),
+        None => ModelSource::Embedded(TinyPreset::Default),
+    };
+    Ok(LoadSpec {
+        source,
+        dtype: parse_dtype(&args.dtype)?,
+        device: args.device.parse::<DeviceKind>()?.open()?,
+        kv_tokens: args.kv_tokens,
+    })
+}
+
+/// Loads the model on a blocking thread, with a spinner on stderr.
+async fn load_with_spinner(spec: LoadSpec) -> Result<Loaded, BoxError> {
+    let what = match &spec.source {
+        ModelSource::Dir(d) => d.display().to_string(),
+        ModelSource::Embedded(p) => format!("embedded model {}", p.name()),
+    };
+    actix_web::rt::task::spawn_blocking(move || {
+        let spinner = ProgressBar::new_spinner().with_message(format!("loading {what}"));
+        if let Ok(style) = ProgressStyle::with_template("{spinner} {msg} ({elapsed})") {
+            spinner.set_style(style);
+        }
+        spinner.enable_steady_tick(Duration::from_millis(100));
+        let t0 = Instant::now();
+        let loaded = load(&spec);
+        spinner.finish_and_clear();
+        let loaded = loaded?;
+        tracing::info!(model = %loaded.model_name, elapsed = ?t0.elapsed(), chat_template = loaded.template.has_template(), "model loaded");
+        Ok(loaded)
+    })
+    .await
+    .map_err(|e| -> BoxError { format!("the loading thread failed: {e}").into() })?
+}
+
+/// Scheduler limits from the flags, checked against generous engine limits
+/// so flag mistakes surface before the model loads (named as flags).
+fn scheduler_config(args: &ServeArgs) -> Result<SchedulerConfig, BoxError> {
+    let cfg = SchedulerConfig {
+        max_seqs: args.max_seqs,
+        max_queue: args.max_queue,
+        step_token_budget: args.step_tokens,
+        // Half the budget, so a long prompt never holds back newer ones
+        // (see SchedulerConfig::max_prefill_chunk).
+        max_prefill_chunk: (args.step_tokens / 2).max(1),
+    };
+    let roomy = EngineInfo {
+        model_name: String::new(),
+        context_len: usize::MAX,
+        vocab_size: usize::MAX,
+        eos_ids: Vec::new(),
+        kv_capacity_tokens: usize::MAX,
+    };
+    match cfg.validate(&roomy) {
+        Ok(()) => Ok(cfg),
+        Err(SchedulerError::InvalidConfig { field, reason }) => {
+            let flag = match field {
+                "max_seqs" => "--max-seqs",
+                "max_queue" => "--max-queue",
+                _ => "--step-tokens",
+            };
+            Err(format!("{flag}: {reason}").into())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn serve(args: ServeArgs) -> Result<(), BoxError> {
+    let mtp: MtpMode = args.mtp.parse().map_err(|e| format!("--mtp: {e}"))?;
+    mtp.ensure_available().map_err(|e| format!("--mtp: {e}"))?;
+    check_draft_max(args.draft_max).map_err(|e| format!("--draft-max: {e}"))?;
+    let sched = scheduler_config(&args)?;
+    let spec = load_spec(&args.model)?;
+    let mut signal = ShutdownSignal::install()?;
+
+    let api_key = args
+        .api_key
+        .clone()
+        .or_else(|| std::env::var("TANDEM_API_KEY").ok());
+    let state = AppState::new(HttpConfig {
+        api_key,
+        body_limit: args.body_limit,
+    });
+    let drain_timeout = Duration::from_secs(args.drain_timeout);
+    let listen = ListenConfig {
+        host: args.host.clone(),
+        port: args.port,
+        workers: args.workers,
+        shutdown_timeout: drain_timeout + Duration::from_secs(5),
+    };
+    let (http, addr) = server::bind(state.clone(), &listen)?;
+    let http_handle = http.handle();
+    let mut http_task = actix_web::rt::spawn(http);
+    println!("listening on http://{addr}");
+    let _ = std::io::stdout().flush();
+    tracing::info!(%addr, "listening (GET /health answers 503 until the model is loaded)");
+
+    let loaded = tokio::select! {
+        loaded = load_with_spinner(spec) => loaded?,
+        sig = signal.recv() => {
+            tracing::info!(signal = sig, "stopping before the model finished loading");
+            server::shutdown_gracefully(&state, &http_handle, drain_timeout).await;
+            return Ok(());
+        }
+    };
+    let handle = TandemHandle::start(loaded.engine, loaded.tokenizer, sched)?;
+    state.set_ready(handle, loaded.template);
+    println!("ready");
+    let _ = std::io::stdout().flush();
+    tracing::info!(model = %loaded.model_name, "ready");
+
+    tokio::select! {
+        sig = signal.recv() => tracing::info!(signal = sig, "shutting down: draining in-flight requests"),
+        ended = &mut http_task => {
+            return Err(format!("the HTTP server stopped unexpectedly: {ended:?}").into());
+        }
+    }
+    let outcome = server::shutdown_gracefully(&state, &http_handle, drain_timeout).await;
+    tracing::info!(?outcome, "stopped");
+    Ok(())
+}
+
+async fn generate(args: GenerateArgs) -> Result<(), BoxError> {
+    let spec = load_spec(&args.model)?;
+    let loaded = load_with_spinner(spec).await?;
+    let handle = TandemHandle::start(loaded.engine, loaded.tokenizer, SchedulerConfig::default())?;
+    let sampling = SamplingOptions {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repeat_penalty: args.repeat_penalty,
+        seed: args.seed,
+        ..SamplingOptions::default()
+    };
+    let request = GenerateRequest::new(args.prompt, args.max_tokens)
+        .with_sampling(sampling)
+        .with_stop(args.stop);
+    let mut events = handle.generate(request).await?;
+    let mut out = std::io::stdout().lock();
+    let mut failure = None;
+    while let Some(event) = events.next().await {
+        match event {
+            Event::Tokens { text, .. } => {
+                out.write_all(text.as_bytes())?;
+                out.flush()?;
+            }
+            Event::Finished(f) => {
+                writeln!(out)?;
+                let rate = f
+                    .timings
+                    .decode_tokens_per_s
+                    .map_or(String::new(), |r| format!(", {r:.1} tokens/s"));
+                eprintln!(
+                    "[{}: {} prompt + {} generated tokens{rate}]",
+                    f.reason.as_str(),
+                    f.usage.prompt_tokens,
+                    f.usage.completion_tokens
+                );
+            }
+            Event::Error { error, .. } => failure = Some(error),
+        }
+    }
+    drop(out);
+    handle.shutdown(ShutdownMode::Abort).await?;
+    match failure {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,185 @@
+//! Loading what the server serves: a model folder or the embedded model, on
+//! the requested device and dtype, wrapped in an [`Engine`].
+//!
+//! Device and dtype are parsed before any weight is read, so that a build
+//! without CUDA answers `--device cuda` at once with a clear error instead
+//! of after a long load.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use candle_core::{DType, Device};
+
+use super::chat_template::{ChatTemplate, TemplateError};
+use crate::engine::{Engine, EngineConfig};
+use crate::model::{LoadOptions, Model, ModelError};
+use crate::tiny::{tiny_model, TinyError, TinyPreset};
+use crate::tokenizer::{Tokenizer, TokenizerError};
+
+/// Why the model could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// `--device` names a backend this build lacks, or the device is absent.
+    #[error("--device {device}: {reason}")]
+    Device { device: String, reason: String },
+    /// `--dtype` is not one of f32, f16, bf16.
+    #[error("--dtype {0}: expected f32, f16 or bf16")]
+    DType(String),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Tiny(#[from] TinyError),
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+}
+
+/// Compute device names accepted by `--device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceKind {
+    #[default]
+    Cpu,
+    Cuda,
+    Metal,
+}
+
+impl FromStr for DeviceKind {
+    type Err = LoadError;
+
+    fn from_str(s: &str) -> Result<Self, LoadError> {
+        match s {
+            "cpu" => Ok(DeviceKind::Cpu),
+            "cuda" => Ok(DeviceKind::Cuda),
+            "metal" => Ok(DeviceKind::Metal),
+            other => Err(LoadError::Device {
+                device: other.into(),
+                reason: "expected cpu, cuda or metal".into(),
+            }),
+        }
+    }
+}
+
+impl DeviceKind {
+    /// Opens the device (GPU 0 for CUDA and Metal). A backend missing from
+    /// this build is an error that says which cargo feature brings it.
+    pub fn open(self) -> Result<Device, LoadError> {
+        let (name, feature, compiled) = match self {
+            DeviceKind::Cpu => return Ok(Device::Cpu),
+            DeviceKind::Cuda => ("cuda", "cuda", candle_core::utils::cuda_is_available()),
+            DeviceKind::Metal => ("metal", "metal", candle_core::utils::metal_is_available()),
+        };
+        let err = |reason: String| LoadError::Device {
+            device: name.into(),
+            reason,
+        };
+        if !compiled {
+            return Err(err(format!(
+                "this build has no {name} support (rebuild with `--features {feature}`)"
+            )));
+        }
+        let device = match self {
+            DeviceKind::Cuda => Device::new_cuda(0),
+            _ => Device::new_metal(0),
+        };
+        device.map_err(|e| err(e.to_string()))
+    }
+}
+
+/// Parses `--dtype`.
+pub fn parse_dtype(s: &str) -> Result<DType, LoadError> {
+    match s {
+        "f32" => Ok(DType::F32),
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        other => Err(LoadError::DType(other.into())),
+    }
+}
+
+/// Where the weights come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    /// A Hugging Face folder (config.json, safetensors, tokenizer.json).
+    Dir(PathBuf),
+    /// The embedded random-weight model.
+    Embedded(TinyPreset),
+}
+
+/// Everything needed to build the engine.
+#[derive(Debug, Clone)]
+pub struct LoadSpec {
+    pub source: ModelSource,
+    pub dtype: DType,
+    pub device: Device,
+    /// KV pool size in tokens over all sequences.
+    pub kv_tokens: usize,
+}
+
+/// A loaded engine with its tokenizer, chat template and name.
+pub struct Loaded {
+    pub engine: Engine,
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    pub model_name: String,
+}
+
+/// Loads the model (blocking: run it off the async executor).
+pub fn load(spec: &LoadSpec) -> Result<Loaded, LoadError> {
+    let opts = LoadOptions {
+        dtype: spec.dtype,
+        device: spec.device.clone(),
+    };
+    let (model, tokenizer, model_name) = match &spec.source {
+        ModelSource::Dir(dir) => {
+            let tokenizer = Tokenizer::from_dir(dir)?;
+            let model = Model::from_dir(dir, &opts)?;
+            let name = dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| dir.display().to_string());
+            (model, tokenizer, name)
+        }
+        ModelSource::Embedded(preset) => {
+            let (model, tokenizer) = tiny_model(*preset, &opts)?;
+            (model, tokenizer, preset.name().to_string())
+        }
+    };
+    let template = ChatTemplate::from_tokenizer(&tokenizer)?;
+    let engine = Engine::new(
+        model,
+        EngineConfig {
+            kv_capacity_tokens: spec.kv_tokens,
+            model_name: model_name.clone(),
+            eos_ids: tokenizer.eos_ids().to_vec(),
+        },
+    );
+    Ok(Loaded {
+        engine,
+        tokenizer,
+        template,
+        model_name,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_parse_and_missing_backends_say_so() {
+        assert_eq!(parse_dtype("bf16").unwrap(), DType::BF16);
+        assert!(parse_dtype("f64")
+            .unwrap_err()
+            .to_string()
+            .contains("f32, f16 or bf16"));
+        assert!(matches!(
+            "cpu".parse::<DeviceKind>().unwrap().open(),
+            Ok(Device::Cpu)
+        ));
+        assert!("tpu".parse::<DeviceKind>().is_err());
+        if !candle_core::utils::cuda_is_available() {
+            let e = DeviceKind::Cuda.open().unwrap_err().to_string();
+            assert!(e.contains("--features cuda"), "{e}");
+        }
+    }
+}

@@ -1,0 +1,241 @@
+//! The OpenAI-compatible HTTP API of the `tandem` binary, on actix-web in
+//! the same actix System as the scheduler.
+//!
+//! # Ownership
+//! - [`AppState`] is shared by every HTTP worker: the phase (loading → ready
+//!   → shutting down), the limits and the API key. Only the owner of the
+//!   server's life cycle changes the phase ([`AppState::set_ready`],
+//!   [`shutdown_gracefully`]).
+//! - Each generation request owns its [`EventStream`](crate::handle::EventStream).
+//!   A streaming response owns it inside its body, so a client that
+//!   disconnects drops it and the request is cancelled at the next step.
+//! - The scheduler and the engine thread are reached only through the
+//!   [`TandemHandle`](crate::TandemHandle) held in the ready state.
+//!
+//! # Routes
+//! `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE with
+//! `stream: true`), `GET /v1/models`, `GET /health`, `GET /metrics`.
+//! Errors are OpenAI-style JSON bodies ([`ApiError`]).
+//!
+//! # Layout
+//! - [`state`]: [`AppState`], phases, auth, HTTP counters.
+//! - [`errors`]: [`ApiError`] and the one error → status mapping.
+//! - [`body`]: size-limited body reading and per-field typed access.
+//! - [`params`]: the fields both generation routes share.
+//! - [`mtp`]: MTP flag / extension parsing (only `off` runs for now).
+//! - [`routes_completions`], [`routes_chat`], [`routes_misc`]: handlers.
+//! - [`openai_types`]: response shapes; [`sse`]: the streaming body.
+//! - [`chat_template`]: minijinja rendering of the model's chat template.
+//! - [`metrics`]: Prometheus text rendering.
+//! - [`load`]: model / device / dtype loading for the binary.
+
+pub mod body;
+pub mod chat_template;
+pub mod errors;
+pub mod load;
+pub mod metrics;
+pub mod mtp;
+pub mod openai_types;
+pub mod params;
+pub mod routes_chat;
+pub mod routes_completions;
+pub mod routes_misc;
+pub mod sse;
+pub mod state;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::dev::{Server, ServerHandle};
+use actix_web::{web, App, HttpResponse, HttpServer};
+
+pub use chat_template::{ChatMessage, ChatTemplate};
+pub use errors::ApiError;
+pub use state::{AppState, HttpConfig, Ready};
+
+use crate::scheduler::ShutdownMode;
+
+/// Route labels of the `tandem_http_responses_total` metric.
+pub const ROUTE_COMPLETIONS: &str = "completions";
+pub const ROUTE_CHAT: &str = "chat_completions";
+pub const ROUTE_MODELS: &str = "models";
+pub const ROUTE_HEALTH: &str = "health";
+pub const ROUTE_METRICS: &str = "metrics";
+pub const ROUTE_OTHER: &str = "other";
+
+/// How to listen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListenConfig {
+    /// Interface to bind (`127.0.0.1` by default: not reachable from other
+    /// machines unless asked for).
+    pub host: String,
+    /// TCP port; 0 picks a free one.
+    pub port: u16,
+    /// HTTP worker threads. The handlers only parse JSON and copy tokens,
+    /// so few are needed; each one competes with the engine for cores.
+    pub workers: usize,
+    /// Upper bound on waiting for open connections at shutdown.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for ListenConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8080,
+            workers: 2,
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Registers every route and the shared state on an actix-web app.
+pub fn configure(
+    state: Arc<AppState>,
+) -> impl Fn(&mut web::ServiceConfig) + Clone + Send + 'static {
+    let data = web::Data::from(state);
+    move |cfg: &mut web::ServiceConfig| {
+        cfg.app_data(data.clone())
+            .route(
+                "/v1/completions",
+                web::post().to(routes_completions::completions),
+            )
+            .route(
+                "/v1/chat/completions",
+                web::post().to(routes_chat::chat_completions),
+            )
+            .route("/v1/models", web::get().to(routes_misc::models))
+            .route("/health", web::get().to(routes_misc::health))
+            .route("/metrics", web::get().to(routes_misc::metrics))
+            .default_service(web::to(routes_misc::not_found));
+    }
+}
+
+/// Binds the HTTP server. Run the returned [`Server`] (a future) on the actix
+/// System, e.g. with `actix_web::rt::spawn`; the address is the bound one
+/// (the real port when `port` was 0). Signals are left to the caller (see
+/// [`ShutdownSignal`]), so that shutdown can drain the scheduler first.
+pub fn bind(state: Arc<AppState>, listen: &ListenConfig) -> std::io::Result<(Server, SocketAddr)> {
+    let routes = configure(state);
+    let server = HttpServer::new(move || App::new().configure(routes.clone()))
+        .workers(listen.workers.max(1))
+        .disable_signals()
+        .shutdown_timeout(listen.shutdown_timeout.as_secs().max(1))
+        .bind((listen.host.as_str(), listen.port))?;
+    let addr = server
+        .addrs()
+        .first()
+        .copied()
+        .ok_or_else(|| std::io::Error::other("the server bound no address"))?;
+    Ok((server.run(), addr))
+}
+
+/// What [`shutdown_gracefully`] did with the requests in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShutdownOutcome {
+    /// No model was loaded yet: nothing to drain.
+    NothingLoaded,
+    /// Every in-flight request finished.
+    Drained,
+    /// The drain timed out; the rest were cancelled (`finish_reason: "abort"`).
+    Aborted,
+}
+
+/// Stops the server: refuse new requests (503), stop accepting connections,
+/// let in-flight requests finish for at most `drain_timeout`, cancel what is
+/// left, stop the scheduler and wait for the HTTP workers.
+pub async fn shutdown_gracefully(
+    state: &AppState,
+    server: &ServerHandle,
+    drain_timeout: Duration,
+) -> ShutdownOutcome {
+    state.begin_shutdown();
+    // Sent now; awaited at the end, once the streams have ended.
+    let http_stopped = server.stop(true);
+    let outcome = match state.last_ready() {
+        None => ShutdownOutcome::NothingLoaded,
+        Some(ready) => {
+            let drain = ready.handle.shutdown(ShutdownMode::Drain);
+            match tokio::time::timeout(drain_timeout, drain).await {
+                Ok(_) => ShutdownOutcome::Drained,
+                Err(_) => {
+                    tracing::warn!(
+                        ?drain_timeout,
+                        "drain timed out; cancelling the remaining requests"
+                    );
+                    // An Abort upgrades the Drain in progress.
+                    let _ = ready.handle.shutdown(ShutdownMode::Abort).await;
+                    ShutdownOutcome::Aborted
+                }
+            }
+        }
+    };
+    http_stopped.await;
+    outcome
+}
+
+/// SIGINT (Ctrl-C) and SIGTERM, caught from the moment of
+/// [`ShutdownSignal::install`]: a signal that arrives while the model is
+/// still loading is not lost, and never kills the process unhandled.
+pub struct ShutdownSignal {
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignal {
+    /// Installs the handlers. Call inside the async runtime.
+    pub fn install() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(Self {
+                interrupt: signal(SignalKind::interrupt())?,
+                terminate: signal(SignalKind::terminate())?,
+            })
+        }
+        #[cfg(not(unix))]
+        {
+            Ok(Self {})
+        }
+    }
+
+    /// Resolves at the next signal and names it.
+    pub async fn recv(&mut self) -> &'static str {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = self.interrupt.recv() => "SIGINT",
+                _ = self.terminate.recv() => "SIGTERM",
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+            "Ctrl-C"
+        }
+    }
+}
+
+/// Counts a handler's result and turns an error into its JSON response.
+pub(crate) fn count(
+    state: &AppState,
+    route: &'static str,
+    result: Result<HttpResponse, ApiError>,
+) -> HttpResponse {
+    let response = match result {
+        Ok(r) => r,
+        Err(e) => {
+            if e.status.is_server_error() && e.status.as_u16() != 503 {
+                tracing::error!(route, error = %e, "request failed");
+            } else {
+                tracing::debug!(route, error = %e, "request refused");
+            }
+            actix_web::ResponseError::error_response(&e)
+        }
+    };
+    state.count_response(route, response.status().as_u16());
+    response
+}

@@ -1,0 +1,301 @@
+//! OpenAI response shapes (serialize only): completions, chat completions,
+//! their streaming chunks, usage, the two logprobs formats and the model
+//! list.
+//!
+//! The shapes follow the OpenAI API reference field for field, including its
+//! quirks: a streaming chunk carries `"usage": null` when the client asked
+//! for `stream_options.include_usage` and omits the key otherwise; the
+//! legacy completions logprobs are four parallel lists whose
+//! `top_logprobs` entries are `{token: logprob}` objects; chat logprobs are
+//! a list of `{token, logprob, bytes, top_logprobs}`.
+
+use serde::ser::SerializeMap;
+use serde::{Serialize, Serializer};
+
+use crate::api::TokenInfo;
+use crate::scheduler::{FinishReason, Usage};
+use crate::tokenizer::Tokenizer;
+
+/// What OpenAI reports for a log-probability of minus infinity (JSON has no
+/// infinities).
+pub const NEG_INF_LOGPROB: f32 = -9999.0;
+
+/// OpenAI's `finish_reason` for a library finish reason: end of sequence and
+/// stop strings are `stop`, token and context limits are `length`, and a
+/// request the server cancelled (shutdown) is `abort`, as vLLM reports it.
+pub fn finish_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Eos | FinishReason::Stop => "stop",
+        FinishReason::Length | FinishReason::ContextFull => "length",
+        FinishReason::Cancelled => "abort",
+    }
+}
+
+fn finite(lp: f32) -> f32 {
+    if lp.is_finite() {
+        lp
+    } else {
+        NEG_INF_LOGPROB
+    }
+}
+
+/// Token counts of a response.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct UsageJson {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl From<Usage> for UsageJson {
+    fn from(u: Usage) -> Self {
+        Self {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            total_tokens: u.prompt_tokens + u.completion_tokens,
+        }
+    }
+}
+
+/// `{token: logprob, …}` with the keys in the given (descending) order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TopLogprobMap(pub Vec<(String, f32)>);
+
+impl Serialize for TopLogprobMap {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (token, lp) in &self.0 {
+            map.serialize_entry(token, lp)?;
+        }
+        map.end()
+    }
+}
+
+/// Legacy completions logprobs: parallel lists, one entry per token.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<TopLogprobMap>,
+    /// Character offset of each token from the start of the completion text.
+    pub text_offset: Vec<usize>,
+}
+
+impl CompletionLogprobs {
+    /// Appends the tokens of one text chunk that starts at character
+    /// `chunk_offset` and holds `chunk_chars` characters. Offsets advance by
+    /// each token's text, clamped to the chunk (a chunk's text and its
+    /// tokens' texts differ when a stop string or a partial character is
+    /// held back).
+    pub fn extend(
+        &mut self,
+        tokenizer: &Tokenizer,
+        tokens: &[TokenInfo],
+        chunk_offset: usize,
+        chunk_chars: usize,
+    ) {
+        let mut offset = chunk_offset;
+        for t in tokens {
+            let text = tokenizer.token_text(t.id).unwrap_or_default();
+            self.text_offset
+                .push(offset.min(chunk_offset + chunk_chars));
+            offset += text.chars().count();
+            self.tokens.push(text);
+            self.token_logprobs
+                .push(finite(t.logprob.unwrap_or(NEG_INF_LOGPROB)));
+            self.top_logprobs.push(TopLogprobMap(
+                t.top_logprobs
+                    .iter()
+                    .map(|a| (a.text.clone(), finite(a.logprob)))
+                    .collect(),
+            ));
+        }
+    }
+}
+
+/// One alternative of a chat token.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// One chat token with its log-probability and alternatives.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+/// Chat logprobs: `{"content": [...], "refusal": null}`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+    pub refusal: Option<String>,
+}
+
+impl ChatLogprobs {
+    /// Appends the tokens of one chunk.
+    pub fn extend(&mut self, tokenizer: &Tokenizer, tokens: &[TokenInfo]) {
+        for t in tokens {
+            let token = tokenizer.token_text(t.id).unwrap_or_default();
+            self.content.push(ChatTokenLogprob {
+                bytes: token.as_bytes().to_vec(),
+                token,
+                logprob: finite(t.logprob.unwrap_or(NEG_INF_LOGPROB)),
+                top_logprobs: t
+                    .top_logprobs
+                    .iter()
+                    .map(|a| ChatTopLogprob {
+                        token: a.text.clone(),
+                        logprob: finite(a.logprob),
+                        bytes: a.text.as_bytes().to_vec(),
+                    })
+                    .collect(),
+            });
+        }
+    }
+}
+
+/// One choice of a (streamed or whole) text completion.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CompletionChoice {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// `text_completion` object; also each streamed chunk.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CompletionResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    /// Outer `None`: no key; `Some(None)`: `"usage": null`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<UsageJson>>,
+}
+
+/// The assistant's message in a whole chat response.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatMessageOut {
+    pub role: &'static str,
+    pub content: String,
+}
+
+/// One choice of a whole chat response.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatChoice {
+    pub index: usize,
+    pub message: ChatMessageOut,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// `chat.completion` object.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: UsageJson,
+}
+
+/// The delta of a streamed chat chunk.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ChatDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// One choice of a streamed chat chunk.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatChunkChoice {
+    pub index: usize,
+    pub delta: ChatDelta,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// `chat.completion.chunk` object.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChunkChoice>,
+    /// Outer `None`: no key; `Some(None)`: `"usage": null`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<UsageJson>>,
+}
+
+/// One entry of `GET /v1/models`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    /// Context length in tokens (a vLLM extension many clients read).
+    pub max_model_len: usize,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+/// Seconds since the Unix epoch (0 if the clock is before it).
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finish_reasons_follow_openai() {
+        assert_eq!(finish_reason(FinishReason::Eos), "stop");
+        assert_eq!(finish_reason(FinishReason::Stop), "stop");
+        assert_eq!(finish_reason(FinishReason::Length), "length");
+        assert_eq!(finish_reason(FinishReason::ContextFull), "length");
+        assert_eq!(finish_reason(FinishReason::Cancelled), "abort");
+    }
+
+    #[test]
+    fn top_logprobs_keep_their_order_and_usage_null_is_explicit() {
+        let m = TopLogprobMap(vec![("b".into(), -0.5), ("a".into(), -1.0)]);
+        assert_eq!(serde_json::to_string(&m).unwrap(), r#"{"b":-0.5,"a":-1.0}"#);
+        let chunk = ChatChunk {
+            id: "x".into(),
+            object: "chat.completion.chunk",
+            created: 0,
+            model: "m".into(),
+            choices: vec![],
+            usage: Some(None),
+        };
+        let v = serde_json::to_value(&chunk).unwrap();
+        assert!(v.get("usage").is_some_and(|u| u.is_null()));
+        let chunk = ChatChunk {
+            usage: None,
+            ..chunk
+        };
+        assert!(serde_json::to_value(&chunk).unwrap().get("usage").is_none());
+    }
+}

@@ -1,0 +1,286 @@
+//! The request fields that completions and chat share, checked at the edge
+//! into a [`CommonParams`] with OpenAI's ranges and field names.
+//!
+//! Each route adds its own fields (the prompt or the messages, and the
+//! logprobs options, whose shapes differ) and turns the result into a
+//! [`GenerateRequest`]. After the OpenAI range checks the library's own
+//! [`SamplingOptions::validate`] runs too, so nothing the sampler would
+//! refuse reaches the scheduler; its field names are translated back to
+//! OpenAI's.
+//!
+//! Defaults follow OpenAI, not the library: `temperature` is 1 when absent
+//! (the library's default is greedy).
+
+use serde_json::Value;
+
+use super::body::{describe, Fields};
+use super::errors::{openai_field_name, ApiError};
+use super::mtp::{check_draft_max, MtpMode};
+use crate::api::{GenerateRequest, Prompt};
+use crate::sampler::{SamplerError, SamplingOptions};
+
+/// Most stop strings one request may give.
+pub const MAX_STOP_STRINGS: usize = 16;
+/// OpenAI's default `temperature`.
+pub const DEFAULT_TEMPERATURE: f32 = 1.0;
+
+/// Fields shared by both generation routes, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommonParams {
+    /// `max_tokens` (or `max_completion_tokens`); `None` = the route default.
+    pub max_tokens: Option<usize>,
+    /// Sampling options; the routes fill in the logprobs fields.
+    pub sampling: SamplingOptions,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Stream the answer as server-sent events.
+    pub stream: bool,
+    /// `stream_options.include_usage`: a last chunk with the usage.
+    pub include_usage: bool,
+}
+
+impl CommonParams {
+    /// Reads and checks the shared fields. `max_tokens_fields` lists the
+    /// names the route accepts for the token limit, highest priority first.
+    pub fn parse(f: &Fields, max_tokens_fields: &[&str]) -> Result<Self, ApiError> {
+        if let Some(model) = f.raw("model") {
+            if !model.is_string() {
+                return Err(ApiError::invalid_field(
+                    "model",
+                    format!("expected a string, got {}", describe(model)),
+                ));
+            }
+        }
+        if let Some(n) = f.int_in("n", i64::MIN, i64::MAX)? {
+            if n != 1 {
+                return Err(ApiError::unsupported(
+                    "n",
+                    format!("only one choice per request (n = 1) is supported, got {n}"),
+                ));
+            }
+        }
+        if let Some(Value::Object(bias)) = f.raw("logit_bias") {
+            if !bias.is_empty() {
+                return Err(ApiError::unsupported(
+                    "logit_bias",
+                    "logit bias is not supported",
+                ));
+            }
+        }
+        let mut max_tokens = None;
+        for name in max_tokens_fields {
+            if let Some(n) = f.int_in(name, 1, i64::from(u32::MAX))? {
+                max_tokens.get_or_insert(n as usize);
+            }
+        }
+        let sampling = parse_sampling(f)?;
+        let stop = parse_stop(f)?;
+        let stream = f.get::<bool>("stream")?.unwrap_or(false);
+        let include_usage = match f.object("stream_options")? {
+            Some(o) => o
+                .get_as::<bool>("include_usage", "stream_options.include_usage")?
+                .unwrap_or(false),
+            None => false,
+        };
+        parse_tandem_extension(f)?;
+        Ok(Self {
+            max_tokens,
+            sampling,
+            stop,
+            stream,
+            include_usage,
+        })
+    }
+
+    /// The library request for `prompt`, with `default_max_tokens` when the
+    /// client gave no limit.
+    pub fn into_request(
+        self,
+        prompt: Prompt,
+        default_max_tokens: Option<usize>,
+    ) -> Result<GenerateRequest, ApiError> {
+        self.sampling.validate().map_err(|e| match e {
+            SamplerError::InvalidOption { field, reason } => {
+                ApiError::invalid_field(openai_field_name(field), reason)
+            }
+            other => ApiError::invalid_field("sampling", other),
+        })?;
+        Ok(GenerateRequest {
+            prompt,
+            max_tokens: self.max_tokens.or(default_max_tokens),
+            sampling: self.sampling,
+            stop: self.stop,
+        })
+    }
+}
+
+/// The sampling fields, OpenAI's and the common extensions.
+fn parse_sampling(f: &Fields) -> Result<SamplingOptions, ApiError> {
+    let mut s = SamplingOptions {
+        temperature: DEFAULT_TEMPERATURE,
+        ..SamplingOptions::default()
+    };
+    if let Some(t) = f.f32_in("temperature", 0.0, 2.0)? {
+        s.temperature = t;
+    }
+    if let Some(p) = f.f32_in("top_p", 0.0, 1.0)? {
+        s.top_p = p;
+    }
+    if let Some(p) = f.f32_in("presence_penalty", -2.0, 2.0)? {
+        s.presence_penalty = p;
+    }
+    if let Some(p) = f.f32_in("frequency_penalty", -2.0, 2.0)? {
+        s.frequency_penalty = p;
+    }
+    if let Some(seed) = f.raw("seed") {
+        // OpenAI seeds are signed 64-bit; a negative one keeps its bits.
+        let seed = seed
+            .as_u64()
+            .or_else(|| seed.as_i64().map(|x| x as u64))
+            .ok_or_else(|| {
+                ApiError::invalid_field(
+                    "seed",
+                    format!("expected an integer, got {}", describe(seed)),
+                )
+            })?;
+        s.seed = Some(seed);
+    }
+    // Extensions (vLLM / llama.cpp names). `top_k = -1` means "off" there.
+    if let Some(k) = f.int_in("top_k", -1, i64::from(i32::MAX))? {
+        s.top_k = k.max(0) as i32;
+    }
+    if let Some(p) = f.f32_in("min_p", 0.0, 1.0)? {
+        s.min_p = p;
+    }
+    if let Some(p) = f.f32_in("repetition_penalty", f32::MIN_POSITIVE, 100.0)? {
+        s.repeat_penalty = p;
+    }
+    if let Some(n) = f.int_in("repeat_last_n", -1, i64::from(i32::MAX))? {
+        s.repeat_last_n = n as i32;
+    }
+    Ok(s)
+}
+
+/// `stop`: a string or a list of non-empty strings.
+fn parse_stop(f: &Fields) -> Result<Vec<String>, ApiError> {
+    let stop = match f.raw("stop") {
+        None => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| match v {
+                Value::String(s) => Ok(s.clone()),
+                other => Err(ApiError::invalid_field(
+                    format!("stop[{i}]"),
+                    format!("expected a string, got {}", describe(other)),
+                )),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => {
+            return Err(ApiError::invalid_field(
+                "stop",
+                format!(
+                    "expected a string or a list of strings, got {}",
+                    describe(other)
+                ),
+            ))
+        }
+    };
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid_field(
+            "stop",
+            format!(
+                "at most {MAX_STOP_STRINGS} stop strings, got {}",
+                stop.len()
+            ),
+        ));
+    }
+    if let Some(i) = stop.iter().position(String::is_empty) {
+        return Err(ApiError::invalid_field(
+            format!("stop[{i}]"),
+            "stop strings must not be empty",
+        ));
+    }
+    Ok(stop)
+}
+
+/// The `tandem` extension object: `{"mtp": "off", "draft_max": 4}`. Both
+/// are checked; any MTP mode but `off` is refused until the engine drafts.
+fn parse_tandem_extension(f: &Fields) -> Result<(), ApiError> {
+    let Some(ext) = f.object("tandem")? else {
+        return Ok(());
+    };
+    if let Some(mode) = ext.get_as::<String>("mtp", "tandem.mtp")? {
+        let mode: MtpMode = mode
+            .parse()
+            .map_err(|e| ApiError::invalid_field("tandem.mtp", e))?;
+        mode.ensure_available()
+            .map_err(|e| ApiError::unsupported("tandem.mtp", e))?;
+    }
+    if let Some(n) = ext.get_as::<usize>("draft_max", "tandem.draft_max")? {
+        check_draft_max(n).map_err(|e| ApiError::invalid_field("tandem.draft_max", e))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::body::parse_object;
+
+    fn parse(json: &str) -> Result<CommonParams, ApiError> {
+        CommonParams::parse(&parse_object(json.as_bytes()).unwrap(), &["max_tokens"])
+    }
+
+    fn param_of(json: &str) -> String {
+        let e = parse(json).unwrap_err();
+        assert_eq!(e.status, 400, "{json}");
+        e.param.unwrap_or_default()
+    }
+
+    #[test]
+    fn reads_every_field() {
+        let p = parse(
+            r#"{"model":"m","max_tokens":7,"temperature":0,"top_p":0.5,"seed":-1,"top_k":-1,
+                "min_p":0.1,"repetition_penalty":1.1,"repeat_last_n":32,"stop":"x","stream":true,
+                "stream_options":{"include_usage":true},"tandem":{"mtp":"off","draft_max":4}}"#,
+        )
+        .unwrap();
+        assert_eq!(p.max_tokens, Some(7));
+        assert_eq!(p.sampling.temperature, 0.0);
+        assert_eq!(p.sampling.seed, Some(u64::MAX));
+        assert_eq!((p.sampling.top_k, p.sampling.repeat_last_n), (0, 32));
+        assert_eq!(p.stop, vec!["x".to_string()]);
+        assert!(p.stream && p.include_usage);
+        assert_eq!(parse("{}").unwrap().sampling.temperature, 1.0);
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        assert_eq!(param_of(r#"{"temperature":3}"#), "temperature");
+        assert_eq!(param_of(r#"{"n":2}"#), "n");
+        assert_eq!(param_of(r#"{"max_tokens":0}"#), "max_tokens");
+        assert_eq!(param_of(r#"{"stop":[1]}"#), "stop[0]");
+        assert_eq!(param_of(r#"{"stop":["a",""]}"#), "stop[1]");
+        assert_eq!(
+            param_of(r#"{"repetition_penalty":0}"#),
+            "repetition_penalty"
+        );
+        assert_eq!(param_of(r#"{"stream":"yes"}"#), "stream");
+        assert_eq!(
+            param_of(r#"{"stream_options":{"include_usage":1}}"#),
+            "stream_options.include_usage"
+        );
+        assert_eq!(
+            param_of(r#"{"tandem":{"mtp":"early-exit:2"}}"#),
+            "tandem.mtp"
+        );
+        assert_eq!(
+            param_of(r#"{"tandem":{"draft_max":99}}"#),
+            "tandem.draft_max"
+        );
+        assert_eq!(param_of(r#"{"model":3}"#), "model");
+        assert_eq!(param_of(r#"{"logit_bias":{"5":1}}"#), "logit_bias");
+    }
+}

@@ -1,0 +1,342 @@
+//! `POST /v1/chat/completions`.
+//!
+//! Fields beyond the shared ones ([`CommonParams`]): `messages` (roles
+//! `system`, `developer`, `user`, `assistant`, `tool`; content a string or a
+//! list of `{"type": "text", "text": …}` parts), `max_completion_tokens`
+//! (preferred over `max_tokens`), `logprobs` (bool) with `top_logprobs`
+//! (0–20, needs `logprobs`), and the extension `add_generation_prompt`
+//! (default true). `tools` and non-text `response_format`s are refused
+//! with a 400 rather than ignored. Without a limit, generation runs until
+//! EOS or the context is full.
+
+use std::sync::Arc;
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde_json::Value;
+
+use super::body::{describe, json_kind, parse_object, read_limited, Fields};
+use super::chat_template::ChatMessage;
+use super::errors::ApiError;
+use super::openai_types::{
+    finish_reason, unix_now, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs,
+    ChatMessageOut, ChatResponse, UsageJson,
+};
+use super::params::CommonParams;
+use super::sse::{ChunkFormatter, SseStream};
+use super::state::{AppState, Ready};
+use super::{count, ROUTE_CHAT};
+use crate::api::{Event, Finished, Prompt, TokenInfo};
+use crate::sampler::MAX_TOP_LOGPROBS;
+
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// The route handler.
+pub async fn chat_completions(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let result = handle(&req, payload, &state).await;
+    count(&state, ROUTE_CHAT, result)
+}
+
+async fn handle(
+    req: &HttpRequest,
+    payload: web::Payload,
+    state: &AppState,
+) -> Result<HttpResponse, ApiError> {
+    state.authorize(req)?;
+    let ready = state.ready()?;
+    let body = read_limited(req, payload, state.config.body_limit).await?;
+    let f = parse_object(&body)?;
+    let messages = parse_messages(&f)?;
+    check_unsupported(&f)?;
+    let mut common = CommonParams::parse(&f, &["max_completion_tokens", "max_tokens"])?;
+    let logprobs = f.get::<bool>("logprobs")?.unwrap_or(false);
+    let top = f.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS as i64)?;
+    if top.is_some() && !logprobs {
+        return Err(ApiError::invalid_field(
+            "top_logprobs",
+            "requires `logprobs` to be true",
+        ));
+    }
+    common.sampling.logprobs = logprobs;
+    common.sampling.top_logprobs = top.unwrap_or(0) as usize;
+    let add_generation_prompt = f.get::<bool>("add_generation_prompt")?.unwrap_or(true);
+    let prompt = ready.template.render(&messages, add_generation_prompt)?;
+    let (stream, include_usage) = (common.stream, common.include_usage);
+    let request = common.into_request(Prompt::Text(prompt), None)?;
+    let mut events = ready
+        .handle
+        .generate(request)
+        .await
+        .map_err(|e| limit_field_as_sent(ApiError::from_tandem(&e, "messages"), &f))?;
+    let format = ChatFormat {
+        id: format!("chatcmpl-{}", events.id().0),
+        created: unix_now(),
+        ready: ready.clone(),
+        logprobs,
+        include_usage,
+    };
+    if stream {
+        return Ok(SseStream::new(events, format).into_response());
+    }
+    let (mut text, mut lp) = (String::new(), ChatLogprobs::default());
+    while let Some(event) = events.next_event().await {
+        match event {
+            Event::Tokens {
+                text: t, tokens, ..
+            } => {
+                if logprobs {
+                    lp.extend(ready.handle.tokenizer(), &tokens);
+                }
+                text.push_str(&t);
+            }
+            Event::Finished(fin) => {
+                let response = ChatResponse {
+                    id: format.id,
+                    object: "chat.completion",
+                    created: format.created,
+                    model: ready.model_name.clone(),
+                    choices: vec![ChatChoice {
+                        index: 0,
+                        message: ChatMessageOut {
+                            role: "assistant",
+                            content: text,
+                        },
+                        logprobs: logprobs.then_some(lp),
+                        finish_reason: Some(finish_reason(fin.reason)),
+                    }],
+                    usage: UsageJson::from(fin.usage),
+                };
+                return Ok(HttpResponse::Ok().json(response));
+            }
+            Event::Error { error, .. } => return Err(ApiError::from_tandem(&error, "messages")),
+        }
+    }
+    Err(ApiError::internal("the request ended without a result"))
+}
+
+/// The library names the token limit `max_tokens`; a client that sent
+/// `max_completion_tokens` should see that name instead.
+fn limit_field_as_sent(mut e: ApiError, f: &Fields) -> ApiError {
+    if e.param.as_deref() == Some("max_tokens") && f.raw("max_completion_tokens").is_some() {
+        e.param = Some("max_completion_tokens".into());
+        e.message = e.message.replace("`max_tokens`", "`max_completion_tokens`");
+    }
+    e
+}
+
+/// `messages`: a non-empty list of `{role, content}`.
+fn parse_messages(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
+    let raw = f
+        .raw("messages")
+        .ok_or_else(|| ApiError::missing_field("messages"))?;
+    let Value::Array(items) = raw else {
+        return Err(ApiError::invalid_field(
+            "messages",
+            format!("expected a list of messages, got {}", describe(raw)),
+        ));
+    };
+    if items.is_empty() {
+        return Err(ApiError::invalid_field(
+            "messages",
+            "must hold at least one message",
+        ));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, m)| parse_message(i, m))
+        .collect()
+}
+
+fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
+    let Value::Object(map) = m else {
+        return Err(ApiError::invalid_field(
+            format!("messages[{i}]"),
+            format!("expected an object, got {}", json_kind(m)),
+        ));
+    };
+    let m = Fields::from_map(map.clone());
+    let role_field = format!("messages[{i}].role");
+    let role: String = m
+        .get_as("role", &role_field)?
+        .ok_or_else(|| ApiError::missing_field(&role_field))?;
+    if !ROLES.contains(&role.as_str()) {
+        return Err(ApiError::invalid_field(
+            role_field,
+            format!("must be one of {}, got `{role}`", ROLES.join(", ")),
+        ));
+    }
+    let content = match m.raw("content") {
+        None => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let field = format!("messages[{i}].content[{j}]");
+                let kind = part.get("type").and_then(Value::as_str);
+                match (kind, part.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (Some("text"), None) => {
+                        return Err(ApiError::invalid_field(
+                            field + ".text",
+                            "expected a string",
+                        ))
+                    }
+                    (other, _) => {
+                        return Err(ApiError::unsupported(
+                            field + ".type",
+                            format!("only text parts are supported, got {other:?}"),
+                        ))
+                    }
+                }
+            }
+            text
+        }
+        Some(other) => {
+            return Err(ApiError::invalid_field(
+                format!("messages[{i}].content"),
+                format!(
+                    "expected a string or a list of text parts, got {}",
+                    describe(other)
+                ),
+            ))
+        }
+    };
+    Ok(ChatMessage { role, content })
+}
+
+/// Fields that would change the answer's meaning if silently ignored.
+fn check_unsupported(f: &Fields) -> Result<(), ApiError> {
+    if let Some(Value::Array(tools)) = f.raw("tools") {
+        if !tools.is_empty() {
+            return Err(ApiError::unsupported(
+                "tools",
+                "tool calling is not supported",
+            ));
+        }
+    }
+    if let Some(fmt) = f.object("response_format")? {
+        let kind = fmt.get_as::<String>("type", "response_format.type")?;
+        if kind.as_deref().is_some_and(|k| k != "text") {
+            return Err(ApiError::unsupported(
+                "response_format.type",
+                "only `text` responses are supported",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Builds chat stream chunks for one request.
+struct ChatFormat {
+    id: String,
+    created: u64,
+    ready: Arc<Ready>,
+    logprobs: bool,
+    include_usage: bool,
+}
+
+impl ChatFormat {
+    fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: Option<UsageJson>) -> String {
+        let chunk = ChatChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: self.ready.model_name.clone(),
+            choices,
+            usage: self.include_usage.then_some(usage),
+        };
+        serde_json::to_string(&chunk).unwrap_or_default()
+    }
+
+    fn choice(
+        delta: ChatDelta,
+        logprobs: Option<ChatLogprobs>,
+        finish: Option<&'static str>,
+    ) -> ChatChunkChoice {
+        ChatChunkChoice {
+            index: 0,
+            delta,
+            logprobs,
+            finish_reason: finish,
+        }
+    }
+}
+
+impl ChunkFormatter for ChatFormat {
+    fn start(&mut self) -> Vec<String> {
+        let delta = ChatDelta {
+            role: Some("assistant"),
+            content: Some(String::new()),
+        };
+        vec![self.chunk(vec![Self::choice(delta, None, None)], None)]
+    }
+
+    fn tokens(&mut self, text: String, tokens: Vec<TokenInfo>) -> Option<String> {
+        if text.is_empty() && tokens.is_empty() {
+            return None;
+        }
+        let logprobs = self.logprobs.then(|| {
+            let mut lp = ChatLogprobs::default();
+            lp.extend(self.ready.handle.tokenizer(), &tokens);
+            lp
+        });
+        let delta = ChatDelta {
+            role: None,
+            content: Some(text),
+        };
+        Some(self.chunk(vec![Self::choice(delta, logprobs, None)], None))
+    }
+
+    fn finished(&mut self, finished: &Finished) -> Vec<String> {
+        let reason = Some(finish_reason(finished.reason));
+        let mut out =
+            vec![self.chunk(vec![Self::choice(ChatDelta::default(), None, reason)], None)];
+        if self.include_usage {
+            out.push(self.chunk(Vec::new(), Some(finished.usage.into())));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn messages(json: &str) -> Result<Vec<ChatMessage>, ApiError> {
+        parse_messages(&parse_object(json.as_bytes()).unwrap())
+    }
+
+    #[test]
+    fn message_forms_and_errors() {
+        let m = messages(
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},
+                {"role":"assistant","content":null}]}"#,
+        )
+        .unwrap();
+        assert_eq!((m[0].content.as_str(), m[1].content.as_str()), ("ab", ""));
+        let param = |json: &str| messages(json).unwrap_err().param.unwrap_or_default();
+        assert_eq!(param(r#"{}"#), "messages");
+        assert_eq!(param(r#"{"messages":[]}"#), "messages");
+        assert_eq!(param(r#"{"messages":"hi"}"#), "messages");
+        assert_eq!(
+            param(r#"{"messages":[{"role":"robot","content":"x"}]}"#),
+            "messages[0].role"
+        );
+        assert_eq!(
+            param(r#"{"messages":[{"content":"x"}]}"#),
+            "messages[0].role"
+        );
+        assert_eq!(
+            param(r#"{"messages":[{"role":"user","content":5}]}"#),
+            "messages[0].content"
+        );
+        assert_eq!(
+            param(r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#),
+            "messages[0].content[0].type"
+        );
+    }
+}

@@ -1,0 +1,303 @@
+//! `POST /v1/completions`: the legacy text completion API.
+//!
+//! Fields beyond the shared ones ([`CommonParams`]): `prompt` (a string, or a
+//! list of token ids; a one-element list of either is accepted too),
+//! `logprobs` (an integer: report the sampled token's log-probability and
+//! that many alternatives, at most 20), `echo` (only `false`), `suffix`
+//! (only empty), `best_of` (only 1). `max_tokens` defaults to 16, as in
+//! OpenAI's API.
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde_json::Value;
+
+use super::body::{describe, parse_object, read_limited, Fields};
+use super::errors::ApiError;
+use super::openai_types::{
+    finish_reason, unix_now, CompletionChoice, CompletionLogprobs, CompletionResponse, UsageJson,
+};
+use super::params::CommonParams;
+use super::sse::{ChunkFormatter, SseStream};
+use super::state::{AppState, Ready};
+use super::{count, ROUTE_COMPLETIONS};
+use crate::api::{Event, Finished, Prompt, TokenInfo};
+use crate::sampler::MAX_TOP_LOGPROBS;
+
+/// OpenAI's default `max_tokens` for completions.
+pub const DEFAULT_MAX_TOKENS: usize = 16;
+
+/// The route handler.
+pub async fn completions(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let result = handle(&req, payload, &state).await;
+    count(&state, ROUTE_COMPLETIONS, result)
+}
+
+async fn handle(
+    req: &HttpRequest,
+    payload: web::Payload,
+    state: &AppState,
+) -> Result<HttpResponse, ApiError> {
+    state.authorize(req)?;
+    let ready = state.ready()?;
+    let body = read_limited(req, payload, state.config.body_limit).await?;
+    let f = parse_object(&body)?;
+    let prompt = parse_prompt(&f)?;
+    check_token_ids(&prompt, ready.handle.info().vocab_size)?;
+    check_unsupported(&f)?;
+    let mut common = CommonParams::parse(&f, &["max_tokens"])?;
+    let logprobs = f.int_in("logprobs", 0, MAX_TOP_LOGPROBS as i64)?;
+    if let Some(n) = logprobs {
+        common.sampling.logprobs = true;
+        common.sampling.top_logprobs = n as usize;
+    }
+    let (stream, include_usage) = (common.stream, common.include_usage);
+    let request = common.into_request(prompt, Some(DEFAULT_MAX_TOKENS))?;
+    let mut events = ready
+        .handle
+        .generate(request)
+        .await
+        .map_err(|e| ApiError::from_tandem(&e, "prompt"))?;
+    let format = CompletionFormat {
+        id: format!("cmpl-{}", events.id().0),
+        created: unix_now(),
+        ready: ready.clone(),
+        logprobs: logprobs.is_some(),
+        include_usage,
+        offset: 0,
+    };
+    if stream {
+        return Ok(SseStream::new(events, format).into_response());
+    }
+    let (mut text, mut lp) = (String::new(), CompletionLogprobs::default());
+    while let Some(event) = events.next_event().await {
+        match event {
+            Event::Tokens {
+                text: t, tokens, ..
+            } => {
+                if format.logprobs {
+                    lp.extend(
+                        ready.handle.tokenizer(),
+                        &tokens,
+                        text.chars().count(),
+                        t.chars().count(),
+                    );
+                }
+                text.push_str(&t);
+            }
+            Event::Finished(fin) => {
+                let choice = CompletionChoice {
+                    index: 0,
+                    text,
+                    logprobs: format.logprobs.then_some(lp),
+                    finish_reason: Some(finish_reason(fin.reason)),
+                };
+                let usage = Some(Some(UsageJson::from(fin.usage)));
+                return Ok(HttpResponse::Ok().json(format.response(vec![choice], usage)));
+            }
+            Event::Error { error, .. } => return Err(ApiError::from_tandem(&error, "prompt")),
+        }
+    }
+    Err(ApiError::internal("the request ended without a result"))
+}
+
+/// `prompt`: a string or token ids, alone or as a one-element list.
+fn parse_prompt(f: &Fields) -> Result<Prompt, ApiError> {
+    let raw = f
+        .raw("prompt")
+        .ok_or_else(|| ApiError::missing_field("prompt"))?;
+    let one = |v: &Value| -> Option<Prompt> {
+        match v {
+            Value::String(s) => Some(Prompt::Text(s.clone())),
+            Value::Array(ids) => ids
+                .iter()
+                .map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .map(Prompt::Tokens),
+            _ => None,
+        }
+    };
+    let prompt = match raw {
+        Value::Array(items) if items.len() == 1 && !items[0].is_number() => one(&items[0]),
+        Value::Array(items) if items.iter().any(|i| !i.is_number()) => {
+            return Err(ApiError::unsupported(
+                "prompt",
+                format!(
+                    "one prompt per request: got a list of {} prompts (send them as separate requests)",
+                    items.len()
+                ),
+            ))
+        }
+        other => one(other),
+    };
+    prompt.ok_or_else(|| {
+        ApiError::invalid_field(
+            "prompt",
+            format!(
+                "expected a string or a list of token ids (integers in [0, {}]), got {}",
+                u32::MAX,
+                describe(raw)
+            ),
+        )
+    })
+}
+
+/// Token ids must be inside the model's vocabulary. (The library checks too,
+/// but its message names its own decoder, not the request field.)
+fn check_token_ids(prompt: &Prompt, vocab_size: usize) -> Result<(), ApiError> {
+    if let Prompt::Tokens(ids) = prompt {
+        if let Some((i, id)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= vocab_size)
+        {
+            return Err(ApiError::invalid_field(
+                format!("prompt[{i}]"),
+                format!("token id {id} is outside the vocabulary of {vocab_size} ids"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Fields this server accepts only at their neutral value.
+fn check_unsupported(f: &Fields) -> Result<(), ApiError> {
+    if f.get::<bool>("echo")? == Some(true) {
+        return Err(ApiError::unsupported(
+            "echo",
+            "echoing the prompt is not supported",
+        ));
+    }
+    if f.get::<String>("suffix")?.is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::unsupported(
+            "suffix",
+            "insertion (suffix) is not supported",
+        ));
+    }
+    if let Some(b) = f.int_in("best_of", i64::MIN, i64::MAX)? {
+        if b != 1 {
+            return Err(ApiError::unsupported(
+                "best_of",
+                format!("only best_of = 1 is supported, got {b}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Builds completion objects and stream chunks for one request.
+struct CompletionFormat {
+    id: String,
+    created: u64,
+    ready: std::sync::Arc<Ready>,
+    logprobs: bool,
+    include_usage: bool,
+    /// Characters streamed so far (the next chunk's `text_offset` base).
+    offset: usize,
+}
+
+impl CompletionFormat {
+    fn response(
+        &self,
+        choices: Vec<CompletionChoice>,
+        usage: Option<Option<UsageJson>>,
+    ) -> CompletionResponse {
+        CompletionResponse {
+            id: self.id.clone(),
+            object: "text_completion",
+            created: self.created,
+            model: self.ready.model_name.clone(),
+            choices,
+            usage,
+        }
+    }
+
+    fn chunk(&self, choices: Vec<CompletionChoice>, usage: Option<UsageJson>) -> String {
+        let usage = self.include_usage.then_some(usage);
+        serde_json::to_string(&self.response(choices, usage)).unwrap_or_default()
+    }
+}
+
+impl ChunkFormatter for CompletionFormat {
+    fn start(&mut self) -> Vec<String> {
+        Vec::new()
+    }
+
+    fn tokens(&mut self, text: String, tokens: Vec<TokenInfo>) -> Option<String> {
+        if text.is_empty() && tokens.is_empty() {
+            return None;
+        }
+        let chars = text.chars().count();
+        let logprobs = self.logprobs.then(|| {
+            let mut lp = CompletionLogprobs::default();
+            lp.extend(self.ready.handle.tokenizer(), &tokens, self.offset, chars);
+            lp
+        });
+        self.offset += chars;
+        let choice = CompletionChoice {
+            index: 0,
+            text,
+            logprobs,
+            finish_reason: None,
+        };
+        Some(self.chunk(vec![choice], None))
+    }
+
+    fn finished(&mut self, finished: &Finished) -> Vec<String> {
+        let last = CompletionChoice {
+            index: 0,
+            text: String::new(),
+            logprobs: None,
+            finish_reason: Some(finish_reason(finished.reason)),
+        };
+        let mut out = vec![self.chunk(vec![last], None)];
+        if self.include_usage {
+            out.push(self.chunk(Vec::new(), Some(finished.usage.into())));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prompt(json: &str) -> Result<Prompt, ApiError> {
+        parse_prompt(&parse_object(json.as_bytes()).unwrap())
+    }
+
+    #[test]
+    fn prompt_forms() {
+        assert_eq!(
+            prompt(r#"{"prompt":"hi"}"#).unwrap(),
+            Prompt::Text("hi".into())
+        );
+        assert_eq!(
+            prompt(r#"{"prompt":["hi"]}"#).unwrap(),
+            Prompt::Text("hi".into())
+        );
+        assert_eq!(
+            prompt(r#"{"prompt":[1,2]}"#).unwrap(),
+            Prompt::Tokens(vec![1, 2])
+        );
+        assert_eq!(
+            prompt(r#"{"prompt":[[1,2]]}"#).unwrap(),
+            Prompt::Tokens(vec![1, 2])
+        );
+        assert_eq!(
+            prompt(r#"{}"#).unwrap_err().param.as_deref(),
+            Some("prompt")
+        );
+        assert_eq!(
+            prompt(r#"{"prompt":["a","b"]}"#).unwrap_err().code,
+            "unsupported_value"
+        );
+        assert_eq!(
+            prompt(r#"{"prompt":[1,-2]}"#).unwrap_err().param.as_deref(),
+            Some("prompt")
+        );
+        assert_eq!(prompt(r#"{"prompt":5}"#).unwrap_err().status, 400);
+    }
+}

@@ -1,0 +1,67 @@
+//! The small routes: `GET /v1/models`, `GET /health`, `GET /metrics`, and the
+//! JSON 404 for everything else.
+//!
+//! `/health` and `/metrics` need no API key (probes and scrapers rarely
+//! carry one, and they reveal no prompts); `/v1/models` does.
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde_json::json;
+
+use super::errors::ApiError;
+use super::metrics;
+use super::openai_types::{ModelCard, ModelList};
+use super::state::AppState;
+use super::{count, ROUTE_HEALTH, ROUTE_METRICS, ROUTE_MODELS, ROUTE_OTHER};
+
+/// `GET /v1/models`: the one model this server serves.
+pub async fn models(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse {
+    let result = (|| {
+        state.authorize(&req)?;
+        let ready = state.ready()?;
+        let card = ModelCard {
+            id: ready.model_name.clone(),
+            object: "model",
+            created: ready.created,
+            owned_by: "tandem",
+            max_model_len: ready.handle.info().context_len,
+        };
+        Ok(HttpResponse::Ok().json(ModelList {
+            object: "list",
+            data: vec![card],
+        }))
+    })();
+    count(&state, ROUTE_MODELS, result)
+}
+
+/// `GET /health`: 200 `{"status":"ready"}` once the model is loaded; 503
+/// with `loading` or `shutting_down` otherwise.
+pub async fn health(state: web::Data<AppState>) -> HttpResponse {
+    let phase = state.phase_name();
+    let mut response = if phase == "ready" {
+        HttpResponse::Ok()
+    } else {
+        HttpResponse::ServiceUnavailable()
+    };
+    let response = response.json(json!({ "status": phase }));
+    state.count_response(ROUTE_HEALTH, response.status().as_u16());
+    response
+}
+
+/// `GET /metrics`: Prometheus text.
+pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    let stats = match state.last_ready() {
+        // Fails once the scheduler has stopped; its metrics are then left out.
+        Some(ready) => ready.handle.stats().await.ok(),
+        None => None,
+    };
+    state.count_response(ROUTE_METRICS, 200);
+    HttpResponse::Ok()
+        .content_type(metrics::CONTENT_TYPE)
+        .body(metrics::render(&state, stats.as_ref()))
+}
+
+/// Any other path or method.
+pub async fn not_found(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse {
+    let e = ApiError::not_found(format!("no route for {} {}", req.method(), req.path()));
+    count(&state, ROUTE_OTHER, Err(e))
+}

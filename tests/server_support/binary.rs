@@ -1,0 +1,164 @@
+//! The real `tandem` binary: SIGTERM, startup errors, `generate`, the
+//! official `openai` Python client, and a real checkpoint served end to end.
+
+use super::*;
+
+/// The real binary: SIGTERM stops accepting, lets the in-flight stream
+/// finish, and exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_drains_and_exits_0_on_sigterm() {
+    let mut server = BinaryServer::spawn(&["--drain-timeout", "20"]);
+    let c = client();
+    let health = c.get(server.url("/health")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    let body = json!({"prompt": "drain me", "max_tokens": 200, "temperature": 0, "stream": true});
+    let mut r = c
+        .post(server.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let mut seen = String::from_utf8_lossy(&r.chunk().await.unwrap().unwrap()).into_owned();
+    server.signal("TERM");
+    while let Some(bytes) = r.chunk().await.unwrap() {
+        seen.push_str(&String::from_utf8_lossy(&bytes));
+    }
+    let chunks = sse_chunks(&seen);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+    let text: String = chunks
+        .iter()
+        .map(|c| c["choices"][0]["text"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(text.split(' ').count(), 200, "the whole completion arrived");
+    drop(c); // close the keep-alive connection, so the workers can stop
+    let status = server.wait_exit(Duration::from_secs(20)).expect("exited");
+    assert_eq!(status.code(), Some(0));
+}
+
+#[test]
+fn the_binary_refuses_bad_flags_at_startup() {
+    for (args, needle) in [
+        (
+            &["serve", "--mtp", "head:/m"][..],
+            "MTP is not available yet",
+        ),
+        (&["serve", "--mtp", "sometimes"][..], "--mtp"),
+        (&["serve", "--draft-max", "0"][..], "--draft-max"),
+        (&["serve", "--device", "cuda"][..], "--device cuda"),
+        (&["serve", "--dtype", "f64"][..], "--dtype f64"),
+        (
+            &["serve", "--model", "/no/such/model"][..],
+            "--model /no/such/model: not a directory",
+        ),
+        (
+            &["serve", "--max-seqs", "128", "--step-tokens", "64"][..],
+            "--step-tokens",
+        ),
+    ] {
+        let (code, stderr) = run_binary(args);
+        assert_eq!(code, Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn the_binary_generates_to_the_terminal() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args([
+            "generate",
+            "--embedded",
+            "test",
+            "--max-tokens",
+            "9",
+            "--temperature",
+            "0",
+        ])
+        .arg("hello there")
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run tandem generate");
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.trim().split(' ').count(), 9, "{text}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("[length: 3 prompt + 9 generated tokens"));
+}
+
+/// The official `openai` Python client against the real binary.
+#[test]
+fn official_openai_client_end_to_end() {
+    let probe = std::process::Command::new("python3")
+        .args(["-c", "import openai"])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        eprintln!("SKIP: official_openai_client_end_to_end: `python3 -c \"import openai\"` failed (pip install openai)");
+        return;
+    }
+    let server = BinaryServer::spawn(&["--api-key", "e2e-key"]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .arg(server.url("/v1"))
+        .arg("e2e-key")
+        .output()
+        .expect("run python3");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success(),
+        "openai_client.py failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("checks passed"), "{stdout}");
+}
+
+/// `tandem serve --model DIR` with a real trained checkpoint reproduces the
+/// reference greedy text over HTTP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_serves_a_model_folder_with_reference_output() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/models/stories260k");
+    let Ok(reference) = std::fs::read_to_string(format!("{dir}/reference.json")) else {
+        eprintln!("SKIP: {dir} is absent");
+        return;
+    };
+    let reference: Value = serde_json::from_str(&reference).unwrap();
+    let case = &reference["prompts"][0];
+    let server = BinaryServer::spawn(&["--model", dir]);
+    let c = client();
+    let models: Value = c
+        .get(server.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "stories260k");
+    let n = case["generated_ids"].as_array().unwrap().len();
+    for stream in [false, true] {
+        let body =
+            json!({"prompt": case["text"], "max_tokens": n, "temperature": 0, "stream": stream});
+        let text = if stream {
+            sse_chunks(&post_stream(&c, &server.url("/v1/completions"), &body).await)
+                .iter()
+                .map(|c| c["choices"][0]["text"].as_str().unwrap_or("").to_string())
+                .collect::<String>()
+        } else {
+            let (status, v) = post_json(&c, &server.url("/v1/completions"), &body).await;
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(
+                v["usage"]["prompt_tokens"],
+                case["prompt_ids"].as_array().unwrap().len()
+            );
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        };
+        assert_eq!(
+            text,
+            case["generated_text"].as_str().unwrap(),
+            "stream={stream}"
+        );
+    }
+}
