@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 
 use crate::api::{Event, Finished, TandemError, TokenInfo, TopLogprob};
 use crate::scheduler::{
-    Cancel, CancelReason, FinishReason, RequestId, Scheduler, SeqEvent, SeqRequest,
+    Cancel, CancelReason, FinishReason, RequestId, Scheduler, SchedulerError, SeqEvent, SeqRequest,
 };
 use crate::tokenizer::{StreamStep, TextStream, Tokenizer};
 
@@ -241,6 +241,19 @@ impl Handler<Generate> for Scheduler {
             crate::api::Prompt::Text(text) => tokenizer.encode(&text)?,
             crate::api::Prompt::Tokens(ids) => ids,
         };
+        let vocab_size = self.engine_info().vocab_size;
+        if let Some((index, &token)) = prompt
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= vocab_size)
+        {
+            return Err(SchedulerError::TokenOutOfVocab {
+                index,
+                token,
+                vocab_size,
+            }
+            .into());
+        }
         let context_len = self.engine_info().context_len;
         let max_new_tokens = match max_tokens {
             Some(0) => {

@@ -44,6 +44,60 @@ enum Command {
     Serve(ServeArgs),
     /// Generate one completion and stream it to the terminal.
     Generate(GenerateArgs),
+    /// Train a self-distilled MTP draft head for a model (use it with `--mtp head:DIR`).
+    TrainMtp(TrainArgs),
+}
+
+#[derive(Args, Debug)]
+struct TrainArgs {
+    /// Hugging Face model folder (without it, the embedded model).
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// Which embedded model to use without --model: `default` or `test`.
+    #[arg(long, default_value = "default", value_parser = ["default", "test"])]
+    embedded: String,
+    /// Where the head (mtp.safetensors), its report (mtp_training.json) and checkpoints go.
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Optimiser steps.
+    #[arg(long, default_value_t = 300)]
+    steps: usize,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Tokens per training sequence.
+    #[arg(long, default_value_t = 64)]
+    seq_len: usize,
+    /// Adam learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Sequences the model writes for training (self-distillation).
+    #[arg(long, default_value_t = 1024)]
+    train_seqs: usize,
+    /// Held-out sequences (greedy continuations) for loss, top-1 and acceptance.
+    #[arg(long, default_value_t = 32)]
+    heldout_seqs: usize,
+    /// Sampling temperature of the training continuations.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    /// Draft positions whose held-out acceptance is reported.
+    #[arg(long, default_value_t = 6)]
+    draft_positions: usize,
+    /// Transformer blocks in the head (DeepSeek-V3 uses one; only 1 is supported).
+    #[arg(long, default_value_t = 1)]
+    draft_layers: usize,
+    /// Evaluate on the held-out set every N steps.
+    #[arg(long, default_value_t = 50)]
+    eval_every: usize,
+    /// Write a resumable checkpoint every N steps (0 = only at the end).
+    #[arg(long, default_value_t = 100)]
+    checkpoint_every: usize,
+    /// Seed of the data and the initial head (runs are deterministic).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Continue from the checkpoint in --out.
+    #[arg(long)]
+    resume: bool,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -63,6 +117,12 @@ struct ModelArgs {
     /// KV cache pool in tokens, over all sequences. A request reserves prompt + max_tokens (capped at the context length) when it starts.
     #[arg(long, default_value_t = 131_072)]
     kv_tokens: usize,
+    /// Speculative decoding: `off`, `early-exit:L` (draft with the model's first L layers) or `head:DIR` (an MTP head trained by `tandem train-mtp`).
+    #[arg(long, default_value = "off")]
+    mtp: String,
+    /// Most tokens drafted per step per sequence with --mtp (1-32).
+    #[arg(long, default_value_t = 4)]
+    draft_max: usize,
 }
 
 #[derive(Args, Debug)]
@@ -84,12 +144,6 @@ struct ServeArgs {
     /// Tokens fed to the model per step (decodes plus prefill chunks); at least --max-seqs.
     #[arg(long, default_value_t = 512)]
     step_tokens: usize,
-    /// Speculative decoding: off, early-exit:L or head:DIR. Only `off` is available yet.
-    #[arg(long, default_value = "off")]
-    mtp: String,
-    /// Most tokens drafted per step per sequence with --mtp (1-16).
-    #[arg(long, default_value_t = 4)]
-    draft_max: usize,
     /// Require `Authorization: Bearer KEY` on /v1 routes (or set TANDEM_API_KEY).
     #[arg(long, value_name = "KEY")]
     api_key: Option<String>,
@@ -148,6 +202,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => system.block_on(serve(args)),
         Command::Generate(args) => system.block_on(generate(args)),
+        Command::TrainMtp(args) => train_mtp(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -173,6 +228,11 @@ fn load_spec(args: &ModelArgs) -> Result<LoadSpec, BoxError> {
         dtype: parse_dtype(&args.dtype)?,
         device: args.device.parse::<DeviceKind>()?.open()?,
         kv_tokens: args.kv_tokens,
+        mtp: args
+            .mtp
+            .parse::<MtpMode>()
+            .map_err(|e| format!("--mtp: {e}"))?,
+        draft_max: check_draft_max(args.draft_max).map_err(|e| format!("--draft-max: {e}"))?,
     })
 }
 
@@ -232,9 +292,6 @@ fn scheduler_config(args: &ServeArgs) -> Result<SchedulerConfig, BoxError> {
 }
 
 async fn serve(args: ServeArgs) -> Result<(), BoxError> {
-    let mtp: MtpMode = args.mtp.parse().map_err(|e| format!("--mtp: {e}"))?;
-    mtp.ensure_available().map_err(|e| format!("--mtp: {e}"))?;
-    check_draft_max(args.draft_max).map_err(|e| format!("--draft-max: {e}"))?;
     let sched = scheduler_config(&args)?;
     let spec = load_spec(&args.model)?;
     let mut signal = ShutdownSignal::install()?;
@@ -333,4 +390,95 @@ async fn generate(args: GenerateArgs) -> Result<(), BoxError> {
         Some(e) => Err(e.into()),
         None => Ok(()),
     }
+}
+
+/// `tandem train-mtp`: trains (or resumes) a head with a progress bar.
+fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
+    if args.draft_layers != 1 {
+        return Err(format!(
+            "--draft-layers {}: the MTP head has exactly one block (DeepSeek-V3 style)",
+            args.draft_layers
+        )
+        .into());
+    }
+    let (model, name) = match &args.model {
+        Some(dir) => (
+            tandem::model::Model::from_dir(dir, &tandem::model::LoadOptions::default())?,
+            dir.display().to_string(),
+        ),
+        None => {
+            let preset = if args.embedded == "test" {
+                TinyPreset::Test
+            } else {
+                TinyPreset::Default
+            };
+            (
+                tandem::tiny::tiny_model_cpu(preset)?.0,
+                preset.name().to_string(),
+            )
+        }
+    };
+    let config = tandem::train::TrainConfig {
+        steps: args.steps,
+        batch: args.batch,
+        seq_len: args.seq_len,
+        lr: args.lr,
+        train_seqs: args.train_seqs,
+        heldout_seqs: args.heldout_seqs,
+        temperature: args.temperature,
+        draft_positions: args.draft_positions,
+        eval_every: args.eval_every,
+        checkpoint_every: args.checkpoint_every,
+        seed: args.seed,
+        ..Default::default()
+    };
+    eprintln!(
+        "{name}: generating {} training and {} held-out sequences of {} tokens",
+        config.train_seqs, config.heldout_seqs, config.seq_len
+    );
+    let mut trainer = if args.resume {
+        tandem::train::Trainer::resume(&model, &args.out)?
+    } else {
+        tandem::train::Trainer::new(&model, config)?
+    };
+    let bar = ProgressBar::new(trainer.config().steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} steps {elapsed_precise} {msg}")
+            .expect("valid template"),
+    );
+    bar.set_position(trainer.step() as u64);
+    let report = trainer.run(&args.out, |step, loss, eval| {
+        bar.set_position(step as u64);
+        let eval = eval.map_or(String::new(), |e| {
+            format!(", held-out loss {:.3}, top-1 {:.3}", e.loss, e.top1)
+        });
+        bar.set_message(format!("loss {loss:.3}{eval}"));
+    })?;
+    bar.finish_and_clear();
+    let last = report.evals.last();
+    println!(
+        "trained {} steps in {:.1} s; held-out loss {:.3}, top-1 agreement {:.3}",
+        report.config.steps,
+        report.seconds,
+        last.map_or(f64::NAN, |e| e.loss),
+        last.map_or(f64::NAN, |e| e.top1)
+    );
+    for (i, (a, t)) in report
+        .acceptance
+        .iter()
+        .zip(&report.tokens_per_step)
+        .enumerate()
+    {
+        println!(
+            "draft position {}: acceptance {a:.3} (draft length {}: {t:.2} tokens per step)",
+            i + 1,
+            i + 1
+        );
+    }
+    println!(
+        "head written to {} (serve it with --mtp head:{})",
+        args.out.join(tandem::model::mtp::MTP_FILE).display(),
+        args.out.display()
+    );
+    Ok(())
 }

@@ -106,6 +106,7 @@ pub(crate) mod tests {
                 prompt: vec![1u32; prompt_len].into(),
                 sampling: SamplingOptions::greedy(),
                 max_new_tokens: max_new,
+                spec: None,
                 kv_reserve: prompt_len + max_new,
             },
             submitted_at: Instant::now(),

@@ -62,6 +62,7 @@ fn progress(
             prefilled,
             tokens: tokens.iter().map(|&t| tok(t)).collect(),
             finish,
+            ..Default::default()
         }),
     }
 }

@@ -178,6 +178,7 @@ impl ApiError {
                     bad(openai_field_name(field))
                 }
                 SchedulerError::Sampling(_) => bad("sampling"),
+                SchedulerError::InvalidSpec(_) => bad("tandem"),
                 SchedulerError::Overloaded { .. } => {
                     Self::new(StatusCode::TOO_MANY_REQUESTS, code, message)
                 }

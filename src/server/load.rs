@@ -33,6 +33,9 @@ pub enum LoadError {
     Tiny(#[from] TinyError),
     #[error(transparent)]
     Template(#[from] TemplateError),
+    /// `--mtp` names a draft head that cannot be built.
+    #[error("--mtp: {0}")]
+    Mtp(#[from] super::mtp::MtpError),
 }
 
 /// Compute device names accepted by `--device`.
@@ -113,6 +116,9 @@ pub struct LoadSpec {
     pub device: Device,
     /// KV pool size in tokens over all sequences.
     pub kv_tokens: usize,
+    /// Speculative decoding: the draft head, and the longest draft.
+    pub mtp: super::mtp::MtpMode,
+    pub draft_max: usize,
 }
 
 /// A loaded engine with its tokenizer, chat template and name.
@@ -145,6 +151,7 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, LoadError> {
         }
     };
     let template = ChatTemplate::from_tokenizer(&tokenizer)?;
+    let head = spec.mtp.draft_head(&model)?;
     let engine = Engine::new(
         model,
         EngineConfig {
@@ -153,6 +160,10 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, LoadError> {
             eos_ids: tokenizer.eos_ids().to_vec(),
         },
     );
+    let engine = match head {
+        Some(head) => engine.with_draft(head, super::mtp::MtpMode::spec_config(spec.draft_max)),
+        None => engine,
+    };
     Ok(Loaded {
         engine,
         tokenizer,

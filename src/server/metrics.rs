@@ -116,13 +116,13 @@ fn scheduler(out: &mut String, s: &SchedulerStats) {
         ),
         (
             "tandem_mtp_drafted_tokens_total",
-            "Tokens drafted by MTP (0: MTP is not available yet).",
-            0,
+            "Tokens drafted by speculative (MTP) decoding.",
+            s.mtp_drafted,
         ),
         (
             "tandem_mtp_accepted_tokens_total",
-            "Drafted tokens accepted (0: MTP is not available yet).",
-            0,
+            "Drafted tokens the target accepted.",
+            s.mtp_accepted,
         ),
     ];
     for (name, help, v) in counters {

@@ -2,18 +2,19 @@
 //! the `--mtp` / `--draft-max` flags and the `tandem` extension object of a
 //! request.
 //!
-//! NOTE: the engine has no MTP drafter yet. Both surfaces already parse and
-//! validate their values, so their syntax is fixed and documented, but any
-//! mode other than `off` is refused with a clear error (a startup error for
-//! the flag, a 400 naming the field for a request) instead of being ignored.
-//! Wiring the drafter only has to replace [`MtpMode::ensure_available`].
+//! The server drafts with one head, chosen at start-up (`--mtp`); a request
+//! turns drafting off or on for itself (`"tandem": {"mtp": "off" | "on"}`)
+//! and may shorten its drafts (`draft_max`).
 
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
 
+use crate::engine::{DraftHead, DraftSchedule, EarlyExitDraft, MtpDraft, SpecConfig, SpecOptions};
+use crate::model::{Model, MtpHead};
+
 /// Largest accepted `draft_max` (drafts per step per sequence).
-pub const MAX_DRAFT_TOKENS: usize = 16;
+pub const MAX_DRAFT_TOKENS: usize = crate::engine::MAX_DRAFT_TOKENS;
 
 /// How a sequence drafts tokens ahead.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -36,9 +37,9 @@ pub enum MtpError {
     /// `draft_max` out of range.
     #[error("must be in [1, {MAX_DRAFT_TOKENS}], got {0}")]
     DraftMax(usize),
-    /// A drafting mode was asked for but the engine cannot draft yet.
-    #[error("MTP is not available yet (only `off` is accepted), got `{0}`")]
-    NotAvailable(String),
+    /// The draft head could not be built.
+    #[error("{0}")]
+    Head(String),
 }
 
 impl FromStr for MtpMode {
@@ -69,11 +70,36 @@ impl fmt::Display for MtpMode {
 }
 
 impl MtpMode {
-    /// Refuses every mode the engine cannot run yet (all but `off`).
-    pub fn ensure_available(&self) -> Result<(), MtpError> {
+    /// The draft head for `model`, or `None` for `off`.
+    pub fn draft_head(&self, model: &Model) -> Result<Option<Box<dyn DraftHead>>, MtpError> {
         match self {
-            MtpMode::Off => Ok(()),
-            other => Err(MtpError::NotAvailable(other.to_string())),
+            MtpMode::Off => Ok(None),
+            MtpMode::EarlyExit { layers } if *layers > model.config().num_layers => {
+                Err(MtpError::Head(format!(
+                    "early-exit:{layers}: the model has {} layers",
+                    model.config().num_layers
+                )))
+            }
+            MtpMode::EarlyExit { layers } => Ok(Some(Box::new(EarlyExitDraft { layers: *layers }))),
+            MtpMode::Head { dir } => {
+                let head =
+                    MtpHead::from_dir(model, dir).map_err(|e| MtpError::Head(e.to_string()))?;
+                Ok(Some(Box::new(MtpDraft { head })))
+            }
+        }
+    }
+
+    /// Engine-wide speculation settings for drafts of at most `draft_max`.
+    pub fn spec_config(draft_max: usize) -> SpecConfig {
+        let default = SpecOptions {
+            enabled: true,
+            initial_draft: draft_max.min(4),
+            max_draft: draft_max,
+            schedule: DraftSchedule::Heuristic,
+        };
+        SpecConfig {
+            default,
+            ..SpecConfig::default()
         }
     }
 }
@@ -110,13 +136,26 @@ mod tests {
     }
 
     #[test]
-    fn only_off_is_available() {
-        assert_eq!(MtpMode::Off.ensure_available(), Ok(()));
-        let e = MtpMode::EarlyExit { layers: 2 }
-            .ensure_available()
-            .unwrap_err();
-        assert!(e.to_string().contains("MTP is not available yet"));
-        assert!(check_draft_max(0).is_err() && check_draft_max(17).is_err());
+    fn heads_are_built_or_refused_clearly() {
+        let (model, _) = crate::tiny::tiny_model_cpu(crate::tiny::TinyPreset::Test).unwrap();
+        assert!(MtpMode::Off.draft_head(&model).unwrap().is_none());
+        assert!(MtpMode::EarlyExit { layers: 1 }
+            .draft_head(&model)
+            .unwrap()
+            .is_some());
+        let e = MtpMode::EarlyExit { layers: 9 }
+            .draft_head(&model)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("has 2 layers"), "{e}");
+        let e = MtpMode::Head {
+            dir: "/nonexistent".into(),
+        }
+        .draft_head(&model)
+        .err()
+        .unwrap();
+        assert!(e.to_string().contains("mtp.safetensors"), "{e}");
+        assert!(check_draft_max(0).is_err() && check_draft_max(MAX_DRAFT_TOKENS + 1).is_err());
         assert_eq!(check_draft_max(4), Ok(4));
     }
 }

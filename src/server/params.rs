@@ -17,6 +17,7 @@ use super::body::{describe, Fields};
 use super::errors::{openai_field_name, ApiError};
 use super::mtp::{check_draft_max, MtpMode};
 use crate::api::{GenerateRequest, Prompt};
+use crate::engine::SpecOptions;
 use crate::sampler::{SamplerError, SamplingOptions};
 
 /// Most stop strings one request may give.
@@ -37,6 +38,8 @@ pub struct CommonParams {
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk with the usage.
     pub include_usage: bool,
+    /// The `tandem` extension: speculative decoding for this request.
+    pub mtp: Option<SpecOptions>,
 }
 
 impl CommonParams {
@@ -82,13 +85,14 @@ impl CommonParams {
                 .unwrap_or(false),
             None => false,
         };
-        parse_tandem_extension(f)?;
+        let mtp = parse_tandem_extension(f)?;
         Ok(Self {
             max_tokens,
             sampling,
             stop,
             stream,
             include_usage,
+            mtp,
         })
     }
 
@@ -110,6 +114,7 @@ impl CommonParams {
             max_tokens: self.max_tokens.or(default_max_tokens),
             sampling: self.sampling,
             stop: self.stop,
+            mtp: self.mtp,
         })
     }
 }
@@ -205,23 +210,34 @@ fn parse_stop(f: &Fields) -> Result<Vec<String>, ApiError> {
     Ok(stop)
 }
 
-/// The `tandem` extension object: `{"mtp": "off", "draft_max": 4}`. Both
-/// are checked; any MTP mode but `off` is refused until the engine drafts.
-fn parse_tandem_extension(f: &Fields) -> Result<(), ApiError> {
+/// The `tandem` extension object: `{"mtp": "off" | "on", "draft_max": N}`.
+/// `mtp` turns the server's drafting off or on for this request (the draft
+/// head itself is chosen at start-up with `--mtp`); `draft_max` caps its
+/// drafts. `None` when the request says nothing.
+fn parse_tandem_extension(f: &Fields) -> Result<Option<SpecOptions>, ApiError> {
     let Some(ext) = f.object("tandem")? else {
-        return Ok(());
+        return Ok(None);
     };
+    let mut spec = SpecOptions::default();
     if let Some(mode) = ext.get_as::<String>("mtp", "tandem.mtp")? {
-        let mode: MtpMode = mode
-            .parse()
-            .map_err(|e| ApiError::invalid_field("tandem.mtp", e))?;
-        mode.ensure_available()
-            .map_err(|e| ApiError::unsupported("tandem.mtp", e))?;
+        spec.enabled = match mode.as_str() {
+            "off" => false,
+            "on" => true,
+            other => {
+                let reason = match other.parse::<MtpMode>() {
+                    Ok(_) => format!("`{other}`: the draft head is chosen when the server starts (--mtp); a request says `on` or `off`"),
+                    Err(e) => e.to_string(),
+                };
+                return Err(ApiError::invalid_field("tandem.mtp", reason));
+            }
+        };
     }
     if let Some(n) = ext.get_as::<usize>("draft_max", "tandem.draft_max")? {
-        check_draft_max(n).map_err(|e| ApiError::invalid_field("tandem.draft_max", e))?;
+        spec.max_draft =
+            check_draft_max(n).map_err(|e| ApiError::invalid_field("tandem.draft_max", e))?;
+        spec.initial_draft = spec.initial_draft.min(spec.max_draft);
     }
-    Ok(())
+    Ok(Some(spec))
 }
 
 #[cfg(test)]

@@ -42,8 +42,28 @@ async fn the_binary_drains_and_exits_0_on_sigterm() {
 fn the_binary_refuses_bad_flags_at_startup() {
     for (args, needle) in [
         (
-            &["serve", "--mtp", "head:/m"][..],
-            "MTP is not available yet",
+            &[
+                "serve",
+                "--embedded",
+                "test",
+                "--port",
+                "0",
+                "--mtp",
+                "head:/m",
+            ][..],
+            "no MTP head here",
+        ),
+        (
+            &[
+                "serve",
+                "--embedded",
+                "test",
+                "--port",
+                "0",
+                "--mtp",
+                "early-exit:9",
+            ][..],
+            "has 2 layers",
         ),
         (&["serve", "--mtp", "sometimes"][..], "--mtp"),
         (&["serve", "--draft-max", "0"][..], "--draft-max"),
@@ -161,4 +181,47 @@ async fn the_binary_serves_a_model_folder_with_reference_output() {
             "stream={stream}"
         );
     }
+}
+
+/// `--mtp early-exit:L`: greedy output is the same with drafting on or off
+/// (per request, `tandem.mtp`), and the MTP counters move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_drafts_with_mtp_and_keeps_greedy_output() {
+    let server = BinaryServer::spawn(&["--mtp", "early-exit:2", "--draft-max", "3"]);
+    let c = client();
+    let text = |mtp: &'static str| {
+        let c = c.clone();
+        let url = server.url("/v1/completions");
+        async move {
+            let body = json!({"prompt": "hello there", "max_tokens": 24, "temperature": 0, "tandem": {"mtp": mtp}});
+            let v: Value = c
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        }
+    };
+    let off = text("off").await;
+    let on = text("on").await;
+    assert_eq!(on, off);
+    let metrics = c
+        .get(server.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let m = Metrics::parse(&metrics);
+    assert!(m.get("tandem_mtp_drafted_tokens_total") > 0.0, "{metrics}");
+    assert_eq!(
+        m.get("tandem_mtp_accepted_tokens_total"),
+        m.get("tandem_mtp_drafted_tokens_total"),
+        "early-exit over every layer is a perfect draft"
+    );
 }
