@@ -91,6 +91,10 @@ fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 
 /// Rows per parallel grab for row-wise element-wise work.
 const ROW_GRAIN: usize = 8;
+/// Elements below which row-wise work runs on the calling thread: waking
+/// the pool costs more than it saves (and every parallel region is a
+/// barrier a preempted thread can stall on a shared machine).
+const PARALLEL_ELEMENTS: usize = 1 << 17;
 
 impl Lean {
     /// Converts the model's norms, biases and rotary tables to f32.
@@ -139,9 +143,10 @@ impl Lean {
         }
     }
 
-    /// Row-parallel `f(row)` over `rows` rows (inline for small batches).
-    fn rows<F: Fn(usize) + Sync>(&self, rows: usize, f: F) {
-        let t = if rows >= 2 * ROW_GRAIN {
+    /// Row-parallel `f(row)` over `rows` rows of `width` elements (inline
+    /// for small batches).
+    fn rows<F: Fn(usize) + Sync>(&self, rows: usize, width: usize, f: F) {
+        let t = if rows * width >= PARALLEL_ELEMENTS {
             self.threads
         } else {
             1
@@ -153,7 +158,7 @@ impl Lean {
     fn norm_rows(&self, x: &[f32], w: &[f32], eps: f32, out: &mut [f32], rows: usize) {
         let h = w.len();
         let o = SharedMut(out.as_mut_ptr());
-        self.rows(rows, |r| {
+        self.rows(rows, h, |r| {
             // SAFETY: row r of `out` is written by this call alone.
             let dst = unsafe { std::slice::from_raw_parts_mut(o.at(r * h), h) };
             rms_norm(&x[r * h..(r + 1) * h], w, eps, dst);
@@ -307,7 +312,7 @@ impl Model {
             tick(6);
             let act = grow(&mut ws.act, n * inter);
             let (gu, a) = (&*gu, SharedMut(act.as_mut_ptr()));
-            lean.rows(n, |r| {
+            lean.rows(n, inter, |r| {
                 let row = &gu[r * 2 * inter..(r + 1) * 2 * inter];
                 // SAFETY: row r of `act` is written by this call alone.
                 let dst = unsafe { std::slice::from_raw_parts_mut(a.at(r * inter), inter) };

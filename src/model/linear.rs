@@ -85,9 +85,14 @@ impl Linear {
         match quant {
             Some(q) => {
                 let cpu = w.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
-                Ok(Self::Quantized(Arc::new(QTensor::quantize_onto(
-                    &cpu, q, device,
-                )?)))
+                let qt = QTensor::quantize_onto(&cpu, q, device)?;
+                if device.is_cpu() {
+                    // candle repacks quantised weights for its x86 kernels on
+                    // first use; do it now rather than in the first request.
+                    let x = Tensor::zeros((1, k), DType::F32, device)?;
+                    x.apply_op1_no_bwd(&qt)?;
+                }
+                Ok(Self::Quantized(Arc::new(qt)))
             }
             None => Ok(Self::Dense(
                 w.to_device(device)?.to_dtype(dtype)?.contiguous()?,

@@ -21,6 +21,8 @@ pub mod batch;
 pub mod config;
 pub(crate) mod kernels;
 mod lean;
+#[cfg(test)]
+mod lean_tests;
 pub mod linear;
 pub mod llama;
 pub mod weights;
@@ -29,6 +31,7 @@ use std::path::PathBuf;
 
 pub use batch::{Batch, OutputRows, SeqSpan};
 pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use kernels::Isa;
 pub use lean::PHASES;
 pub use linear::WeightFormat;
 pub use llama::{LoadOptions, Model};

@@ -12,7 +12,7 @@
 use std::cell::RefCell;
 
 use super::dot::{dot_rows, WElem};
-use super::math::exp_shifted_sum;
+use super::math::{exp_shifted_sum, max};
 use super::pool::{for_each_range, SharedMut};
 use super::Isa;
 
@@ -115,8 +115,8 @@ unsafe fn run_unit<T: WElem>(
         dot_rows(isa, q, hd, g, hd, k, ldkv, keys, sc, keys);
         for j in 0..g {
             let row = std::slice::from_raw_parts_mut(sc.add(j * keys), keys);
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let sum = exp_shifted_sum(isa, row, max);
+            let m = max(isa, row);
+            let sum = exp_shifted_sum(isa, row, m);
             let inv = 1.0 / sum;
             for p in row.iter_mut() {
                 *p *= inv;
@@ -141,7 +141,30 @@ unsafe fn weighted_sum<T: WElem>(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => x86::weighted_sum_avx512(p, keys, g, v, ldv, hd, out),
+        Isa::Avx512 => {
+            // Common head shapes keep every accumulator in registers and
+            // read each value row once; the rest go 16 dimensions a pass.
+            let a = x86::Args {
+                p,
+                keys,
+                v,
+                ldv,
+                out,
+                hd,
+            };
+            match (hd, g) {
+                (64, 1) => x86::ws_regs::<4, 1, T>(a),
+                (64, 2) => x86::ws_regs::<4, 2, T>(a),
+                (64, 3) => x86::ws_regs::<4, 3, T>(a),
+                (64, 4) => x86::ws_regs::<4, 4, T>(a),
+                (64, 5) => x86::ws_regs::<4, 5, T>(a),
+                (64, 6) => x86::ws_regs::<4, 6, T>(a),
+                (128, 1) => x86::ws_regs::<8, 1, T>(a),
+                (128, 2) => x86::ws_regs::<8, 2, T>(a),
+                (128, 3) => x86::ws_regs::<8, 3, T>(a),
+                _ => x86::weighted_sum_avx512(p, keys, g, v, ldv, hd, out),
+            }
+        }
         _ => {
             for j in 0..g {
                 std::slice::from_raw_parts_mut(out.add(j * hd), hd).fill(0.0);
@@ -168,6 +191,36 @@ mod x86 {
 
     /// Heads per register pass (accumulators: HEADS × 1 vector).
     const HEADS: usize = 8;
+
+    /// Operands of one weighted sum (see `super::weighted_sum`).
+    pub(super) struct Args<T> {
+        pub p: *const f32,
+        pub keys: usize,
+        pub v: *const T,
+        pub ldv: usize,
+        pub out: *mut f32,
+        pub hd: usize,
+    }
+
+    /// G heads × C·16 dimensions held in registers over all keys.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn ws_regs<const C: usize, const G: usize, T: WElem>(a: Args<T>) {
+        let mut acc = [[_mm512_setzero_ps(); C]; G];
+        for t in 0..a.keys {
+            let vt: [__m512; C] = std::array::from_fn(|c| T::load16(a.v.add(t * a.ldv + 16 * c)));
+            for (j, aj) in acc.iter_mut().enumerate() {
+                let pj = _mm512_set1_ps(*a.p.add(j * a.keys + t));
+                for (x, &vc) in aj.iter_mut().zip(&vt) {
+                    *x = _mm512_fmadd_ps(pj, vc, *x);
+                }
+            }
+        }
+        for (j, aj) in acc.iter().enumerate() {
+            for (c, x) in aj.iter().enumerate() {
+                _mm512_storeu_ps(a.out.add(j * a.hd + 16 * c), *x);
+            }
+        }
+    }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]

@@ -285,7 +285,7 @@ mod x86 {
 
     /// Sums of a, b, c, d (one per lane of the result).
     #[inline(always)]
-    pub(super) unsafe fn reduce4_512(a: __m512, b: __m512, c: __m512, d: __m512) -> [f32; 4] {
+    pub(super) unsafe fn reduce4_512(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
         let ab = _mm512_add_ps(
             _mm512_shuffle_f32x4::<0x44>(a, b),
             _mm512_shuffle_f32x4::<0xEE>(a, b),
@@ -302,21 +302,30 @@ mod x86 {
         let t = _mm512_add_ps(q, _mm512_permute_ps::<0b01_00_11_10>(q));
         let u = _mm512_add_ps(t, _mm512_permute_ps::<0b10_11_00_01>(t));
         let idx = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-        let mut out = [0f32; 4];
-        _mm_storeu_ps(
-            out.as_mut_ptr(),
-            _mm512_castps512_ps128(_mm512_permutexvar_ps(idx, u)),
-        );
-        out
+        _mm512_castps512_ps128(_mm512_permutexvar_ps(idx, u))
     }
 
     #[inline(always)]
-    pub(super) unsafe fn reduce4_256(a: __m256, b: __m256, c: __m256, d: __m256) -> [f32; 4] {
+    pub(super) unsafe fn reduce4_256(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
         let t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-        let s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t));
-        let mut out = [0f32; 4];
-        _mm_storeu_ps(out.as_mut_ptr(), s);
-        out
+        _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t))
+    }
+
+    /// Writes (or adds) the first `nw` lanes of `v` at `o`.
+    #[inline(always)]
+    unsafe fn store_m128(o: *mut f32, v: __m128, nw: usize, accumulate: bool) {
+        if nw >= 4 {
+            let v = if accumulate {
+                _mm_add_ps(_mm_loadu_ps(o), v)
+            } else {
+                v
+            };
+            _mm_storeu_ps(o, v);
+        } else {
+            let mut lanes = [0f32; 4];
+            _mm_storeu_ps(lanes.as_mut_ptr(), v);
+            store4(o, lanes, nw, accumulate);
+        }
     }
 
     /// How far ahead of the loads each weight stream is prefetched. The
@@ -364,7 +373,7 @@ mod x86 {
             for c in (0..NR).step_by(4) {
                 if c < nw {
                     let s = reduce4_512(ai[c], ai[c + 1], ai[c + 2], ai[c + 3]);
-                    store4(o.add(i * job.ldo + c), s, nw - c, job.accumulate);
+                    store_m128(o.add(i * job.ldo + c), s, nw - c, job.accumulate);
                 }
             }
         }
@@ -404,7 +413,7 @@ mod x86 {
         }
         for (i, ai) in a.iter().enumerate() {
             let s = reduce4_256(ai[0], ai[1], ai[2], ai[3]);
-            store4(o.add(i * job.ldo), s, nw, job.accumulate);
+            store_m128(o.add(i * job.ldo), s, nw, job.accumulate);
         }
     }
 

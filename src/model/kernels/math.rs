@@ -61,6 +61,30 @@ pub(crate) fn silu_mul(isa: Isa, gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// The largest element (−∞ for an empty slice; NaNs are skipped).
+pub(crate) fn max(isa: Isa, s: &[f32]) -> f32 {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the tier was detected on this CPU.
+        Isa::Avx512 => unsafe { x86::max_avx512(s) },
+        _ => {
+            // Eight running maxima: vectorises without fast-math.
+            let mut m = [f32::NEG_INFINITY; 8];
+            let chunks = s.chunks_exact(8);
+            let rest = chunks.remainder();
+            for c in chunks {
+                for (a, &v) in m.iter_mut().zip(c) {
+                    *a = a.max(v);
+                }
+            }
+            rest.iter()
+                .chain(&m)
+                .copied()
+                .fold(f32::NEG_INFINITY, f32::max)
+        }
+    }
+}
+
 /// `s[i] = e^(s[i] - max)` in place; returns the sum of the results.
 pub(crate) fn exp_shifted_sum(isa: Isa, s: &mut [f32], max: f32) -> f32 {
     match isa {
@@ -196,6 +220,23 @@ mod x86 {
             );
             o[full..n].copy_from_slice(&ot[..n - full]);
         }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn max_avx512(s: &[f32]) -> f32 {
+        let n = s.len();
+        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut i = 0;
+        while i < n {
+            let k: __mmask16 = if n - i >= 16 {
+                0xffff
+            } else {
+                ((1u32 << (n - i)) - 1) as u16
+            };
+            m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, s.as_ptr().add(i)));
+            i += 16;
+        }
+        _mm512_reduce_max_ps(m)
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]

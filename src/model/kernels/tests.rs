@@ -8,7 +8,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::attention::{attention, Heads, SeqAttn};
 use super::dot::{matmul_t, WElem};
-use super::math::{exp_shifted_sum, rms_norm, silu_mul};
+use super::math::{exp_shifted_sum, max, rms_norm, silu_mul};
 use super::pool::SharedMut;
 use super::Isa;
 
@@ -132,7 +132,9 @@ fn elementwise_math_matches_std() {
                 );
             }
             let mut s: Vec<f32> = randn(&mut rng, n).iter().map(|v| v * 30.0).collect();
-            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let want_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let max = max(isa, &s);
+            assert_eq!(max, want_max, "{isa:?} max of {n}");
             let orig = s.clone();
             let sum = exp_shifted_sum(isa, &mut s, max);
             let mut want_sum = 0f64;
@@ -203,7 +205,13 @@ fn attention_reference(
 fn attention_matches_reference() {
     let mut rng = ChaCha8Rng::seed_from_u64(4);
     for isa in Isa::supported() {
-        for (nh, nkv, hd, window) in [(12, 4, 64, None), (8, 4, 8, None), (4, 2, 20, Some(5))] {
+        for (nh, nkv, hd, window) in [
+            (12, 4, 64, None),
+            (8, 4, 8, None),
+            (4, 2, 20, Some(5)),
+            (4, 4, 128, None),
+            (16, 2, 64, Some(9)),
+        ] {
             let h = Heads {
                 num_heads: nh,
                 num_kv_heads: nkv,
