@@ -109,6 +109,50 @@ fn lean_f32_equals_candle_path() {
 }
 
 #[test]
+fn lean_rows_are_bit_identical_solo_batched_and_threaded() {
+    // The kernels make a row's result independent of its batch and of the
+    // thread count, so solo and batched decoding agree exactly, not just
+    // within a tolerance.
+    let cfg = config("LlamaForCausalLM", None, false, 16);
+    let w = Weights::random(&cfg, 14, 0.5).expect("weights");
+    for dtype in [DType::F32, DType::F16] {
+        let mut logits = Vec::new();
+        for threads in [Some(1), None] {
+            let opts = LoadOptions {
+                dtype,
+                threads,
+                ..LoadOptions::default()
+            };
+            let model = Model::load(cfg.clone(), &w, &opts).expect("model");
+            let prompts: Vec<Vec<u32>> = (0..5u32)
+                .map(|s| (0..3 + 4 * s).map(|i| (s * 13 + i * 7 + 1) % 97).collect())
+                .collect();
+            let mut batched = Vec::new();
+            let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, 1024);
+            let mut b = Batch::default();
+            for (s, p) in prompts.iter().enumerate() {
+                kv.allocate(s as u32, 64).expect("room");
+                b.push(s as u32, 0, p, OutputRows::Last);
+            }
+            let h = model.forward(&b, &mut kv).expect("forward");
+            batched.extend(
+                model
+                    .unembed(&h)
+                    .expect("unembed")
+                    .to_vec2::<f32>()
+                    .expect("rows"),
+            );
+            for (s, p) in prompts.iter().enumerate() {
+                let solo = model.logits_for(p).expect("solo");
+                assert_eq!(solo, batched[s], "{dtype:?} threads {threads:?} seq {s}");
+            }
+            logits.push(batched);
+        }
+        assert_eq!(logits[0], logits[1], "{dtype:?}: 1 thread vs all threads");
+    }
+}
+
+#[test]
 fn lean_quantized_equals_candle_quantized() {
     // Same QTensors through both paths: only the surrounding step differs.
     let json = serde_json::json!({

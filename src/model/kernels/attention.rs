@@ -165,6 +165,8 @@ unsafe fn weighted_sum<T: WElem>(
                 _ => x86::weighted_sum_avx512(p, keys, g, v, ldv, hd, out),
             }
         }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86::weighted_sum_avx2(p, keys, g, v, ldv, hd, out),
         _ => {
             for j in 0..g {
                 std::slice::from_raw_parts_mut(out.add(j * hd), hd).fill(0.0);
@@ -191,6 +193,52 @@ mod x86 {
 
     /// Heads per register pass (accumulators: HEADS × 1 vector).
     const HEADS: usize = 8;
+
+    /// 8 dimensions × up to 8 heads a pass over the keys (AVX2 tier).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn weighted_sum_avx2<T: WElem>(
+        p: *const f32,
+        keys: usize,
+        g: usize,
+        v: *const T,
+        ldv: usize,
+        hd: usize,
+        out: *mut f32,
+    ) {
+        let mut d = 0;
+        while d < hd {
+            let lanes = (hd - d).min(8);
+            let mut j0 = 0;
+            while j0 < g {
+                let nj = (g - j0).min(HEADS);
+                let mut acc = [_mm256_setzero_ps(); HEADS];
+                for t in 0..keys {
+                    let vt = if lanes == 8 {
+                        T::load8(v.add(t * ldv + d))
+                    } else {
+                        let mut tmp = [0f32; 8];
+                        for (l, x) in tmp.iter_mut().enumerate().take(lanes) {
+                            *x = (*v.add(t * ldv + d + l)).to_f32();
+                        }
+                        _mm256_loadu_ps(tmp.as_ptr())
+                    };
+                    for (j, a) in acc.iter_mut().enumerate().take(nj) {
+                        let pj = _mm256_set1_ps(*p.add((j0 + j) * keys + t));
+                        *a = _mm256_fmadd_ps(pj, vt, *a);
+                    }
+                }
+                for (j, a) in acc.iter().enumerate().take(nj) {
+                    let mut tmp = [0f32; 8];
+                    _mm256_storeu_ps(tmp.as_mut_ptr(), *a);
+                    let o = out.add((j0 + j) * hd + d);
+                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), o, lanes);
+                }
+                j0 += nj;
+            }
+            d += 8;
+        }
+    }
 
     /// Operands of one weighted sum (see `super::weighted_sum`).
     pub(super) struct Args<T> {
