@@ -1,22 +1,34 @@
-//! Decode and prefill speed of the ragged forward pass (model + unembedding,
-//! no sampler) on a random-weight model of the `llama-100m` benchmark shape
-//! (`../shared/bench/llama-100m/config.json`: hidden 768, 12 layers, 12 heads /
-//! 4 KV heads, MLP 2048, vocab 32 000, untied), in f32.
+//! Decode and prompt-processing speed of the forward pass (model +
+//! unembedding, no sampler) on random weights of the `llama-100m` benchmark
+//! shape (`../shared/bench/llama-100m/config.json`: hidden 768, 12 layers,
+//! 12 heads / 4 KV heads, MLP 2048, vocab 32 000, untied), in the workload
+//! of llama.cpp's `llama-batched-bench -npp 128 -ntg 128`:
 //!
-//! decode/B: B sequences, each with its own 128-token prompt already in its
-//! cache; one iteration = one step feeding one token per sequence. The cache
-//! is rolled back after each step (speculation `begin`/`commit(0)`), so every
-//! iteration sees 128 cached positions. Throughput is tokens/s = B / step.
-//! prefill: one 128-token prompt into an empty cache.
+//! - B sequences, each with its own 128-token prompt, prefilled in forward
+//!   passes of at most 512 tokens (llama.cpp's micro-batch) → prompt
+//!   processing tokens/s = B·128 / prefill time;
+//! - then 128 decode steps, one token per sequence per step, positions
+//!   128..256 → decode tokens/s = B·128 / decode time.
 //!
-//! Run: `cargo bench --bench forward` (set TANDEM_BENCH_BATCHES=1,4 to subset).
+//! Each configuration runs `TANDEM_BENCH_REPS` times (default 3), the
+//! repetitions interleaved across configurations so that the noise of a
+//! shared machine falls on all of them alike; the table shows medians.
+//!
+//! Run: `cargo bench --bench forward`. Environment:
+//! - `TANDEM_BENCH_BATCHES=1,4,16,64` batch sizes;
+//! - `TANDEM_BENCH_FORMATS=f32,f16,q8_0` weight formats (also `q4_k`, and
+//!   `candle-f32` / `candle-f16` for the candle-op reference path);
+//! - `TANDEM_BENCH_REPS=3`, `TANDEM_BENCH_STEPS=128`;
+//! - `TANDEM_BENCH_PROFILE=1` adds a per-phase breakdown of one more
+//!   decode run per configuration.
 
 use std::time::{Duration, Instant};
 
-use candle_core::Device;
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use candle_core::{DType, Device};
 use tandem::kv::KvCache;
-use tandem::model::{Batch, LoadOptions, Model, ModelConfig, OutputRows, Weights};
+use tandem::model::{
+    Batch, Isa, LoadOptions, Model, ModelConfig, OutputRows, WeightFormat, Weights,
+};
 
 const LLAMA_100M: &str = r#"{
   "architectures": ["LlamaForCausalLM"], "hidden_size": 768, "intermediate_size": 2048,
@@ -26,6 +38,24 @@ const LLAMA_100M: &str = r#"{
 }"#;
 
 const PROMPT: usize = 128;
+/// Tokens per prefill forward pass (llama.cpp's `-ub 512`).
+const UBATCH: usize = 512;
+
+fn env_list(name: &str, default: &str) -> Vec<String> {
+    std::env::var(name)
+        .unwrap_or_else(|_| default.to_string())
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
 
 fn prompt(seq: u32) -> Vec<u32> {
     (0..PROMPT as u32)
@@ -33,71 +63,178 @@ fn prompt(seq: u32) -> Vec<u32> {
         .collect()
 }
 
-fn batches() -> Vec<usize> {
-    std::env::var("TANDEM_BENCH_BATCHES")
-        .ok()
-        .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
-        .unwrap_or_else(|| vec![1, 4, 16, 64])
+/// One weight format's model.
+struct Config {
+    name: String,
+    model: Model,
 }
 
-fn bench(c: &mut Criterion) {
+fn load(name: &str, weights: &Weights, cfg: &ModelConfig) -> Config {
+    let (dtype, format, lean) = match name {
+        "f32" => (DType::F32, WeightFormat::AsCompute, true),
+        "f16" => (DType::F16, WeightFormat::AsCompute, true),
+        "q8_0" => (DType::F32, WeightFormat::Q8_0, true),
+        "q4_k" => (DType::F32, WeightFormat::Q4K, true),
+        "candle-f32" => (DType::F32, WeightFormat::AsCompute, false),
+        "candle-f16" => (DType::F16, WeightFormat::AsCompute, false),
+        other => panic!("unknown format `{other}` in TANDEM_BENCH_FORMATS"),
+    };
+    let opts = LoadOptions {
+        dtype,
+        weight_format: format,
+        lean_cpu: lean,
+        ..LoadOptions::default()
+    };
+    let model = Model::load(cfg.clone(), weights, &opts).expect("model loads");
+    Config {
+        name: name.to_string(),
+        model,
+    }
+}
+
+/// Per-phase times of a run's prefill and decode (empty unless profiling).
+type Phases = Vec<(&'static str, Duration)>;
+
+/// Prefill of `b` prompts and `steps` decode steps; returns both durations
+/// (and, with `profile`, the per-phase times of each part).
+fn run(
+    model: &Model,
+    b: usize,
+    steps: usize,
+    profile: bool,
+) -> (Duration, Duration, Phases, Phases) {
+    model.set_profiling(profile);
+    let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, b * (PROMPT + steps));
+    for s in 0..b as u32 {
+        kv.allocate(s, PROMPT + steps).expect("KV room");
+    }
+    // Prefill: whole prompts packed into passes of at most UBATCH tokens.
+    let start = Instant::now();
+    let mut batch = Batch::default();
+    for s in 0..b as u32 {
+        batch.push(s, 0, &prompt(s), OutputRows::Last);
+        if batch.tokens.len() + PROMPT > UBATCH || s as usize == b - 1 {
+            let h = model.forward(&batch, &mut kv).expect("prefill");
+            std::hint::black_box(model.unembed(&h).expect("unembed"));
+            batch = Batch::default();
+        }
+    }
+    let prefill = start.elapsed();
+    let pre_phases = model.take_profile();
+    // Decode: one token per sequence per step (fixed ids: no sampler).
+    let start = Instant::now();
+    for step in 0..steps {
+        let mut batch = Batch::default();
+        for s in 0..b as u32 {
+            let tok = (s * 31 + step as u32 * 17 + 5) % 32_000;
+            batch.push(s, PROMPT + step, &[tok], OutputRows::Last);
+        }
+        let h = model.forward(&batch, &mut kv).expect("decode");
+        std::hint::black_box(model.unembed(&h).expect("unembed"));
+    }
+    let decode = start.elapsed();
+    let phases = model.take_profile();
+    model.set_profiling(false);
+    (prefill, decode, pre_phases, phases)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a filter argument is not supported.
+    let batches: Vec<usize> = env_list("TANDEM_BENCH_BATCHES", "1,4,16,64")
+        .iter()
+        .map(|s| {
+            s.parse()
+                .expect("TANDEM_BENCH_BATCHES: comma-separated sizes")
+        })
+        .collect();
+    let formats = env_list("TANDEM_BENCH_FORMATS", "f32,f16,q8_0");
+    let reps = env_usize("TANDEM_BENCH_REPS", 3).max(1);
+    let steps = env_usize("TANDEM_BENCH_STEPS", 128).max(1);
+    let profile = env_usize("TANDEM_BENCH_PROFILE", 0) > 0;
+
     let cfg = ModelConfig::from_json(LLAMA_100M).expect("valid config");
     let weights = Weights::random(&cfg, 0, 0.02).expect("random weights");
-    let model = Model::load(cfg, &weights, &LoadOptions::default()).expect("model");
+    let configs: Vec<Config> = formats.iter().map(|f| load(f, &weights, &cfg)).collect();
     drop(weights);
+    println!(
+        "llama-100m shape, random weights; ISA {:?}, threads {}; prompt {PROMPT}, {steps} decode steps, {reps} reps (medians)",
+        Isa::detect(),
+        candle_core::utils::get_num_threads(),
+    );
 
-    let mut group = c.benchmark_group("forward");
-    group
-        .sample_size(10)
-        .warm_up_time(Duration::from_secs(1))
-        .measurement_time(Duration::from_secs(6));
-    for b in batches() {
-        let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, b * (PROMPT + 8));
-        let mut step = Batch::default();
-        for s in 0..b as u32 {
-            kv.allocate(s, PROMPT + 8).unwrap();
-            let mut p = Batch::default();
-            p.push(s, 0, &prompt(s), OutputRows::None);
-            model.forward(&p, &mut kv).unwrap();
-            step.push(s, PROMPT, &[s + 1], OutputRows::Last);
-        }
-        group.throughput(Throughput::Elements(b as u64));
-        group.bench_with_input(BenchmarkId::new("decode", b), &b, |bench, _| {
-            bench.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    for s in 0..b as u32 {
-                        kv.begin(s).unwrap();
-                    }
-                    let t = Instant::now();
-                    let logits = model
-                        .unembed(&model.forward(&step, &mut kv).unwrap())
-                        .unwrap();
-                    std::hint::black_box(logits);
-                    total += t.elapsed();
-                    for s in 0..b as u32 {
-                        kv.commit(s, 0).unwrap();
-                    }
-                }
-                total
-            })
-        });
+    // Warm-up: first-use costs (buffers, page faults) stay out of the figures.
+    for c in &configs {
+        run(&c.model, batches[0], 2, false);
     }
-    group.throughput(Throughput::Elements(PROMPT as u64));
-    group.bench_function("prefill/128", |bench| {
-        let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, PROMPT);
-        kv.allocate(0, PROMPT).unwrap();
-        let mut p = Batch::default();
-        p.push(0, 0, &prompt(0), OutputRows::Last);
-        bench.iter(|| {
-            kv.begin(0).unwrap();
-            let logits = model.unembed(&model.forward(&p, &mut kv).unwrap()).unwrap();
-            kv.commit(0, 0).unwrap();
-            logits
-        })
-    });
-    group.finish();
-}
+    // [config][batch] → (pp tok/s, decode tok/s) per rep.
+    let mut pp = vec![vec![Vec::new(); batches.len()]; configs.len()];
+    let mut tg = vec![vec![Vec::new(); batches.len()]; configs.len()];
+    for _ in 0..reps {
+        for (bi, &b) in batches.iter().enumerate() {
+            for (ci, c) in configs.iter().enumerate() {
+                let (p, d, _, _) = run(&c.model, b, steps, false);
+                pp[ci][bi].push((b * PROMPT) as f64 / p.as_secs_f64());
+                tg[ci][bi].push((b * steps) as f64 / d.as_secs_f64());
+            }
+        }
+    }
 
-criterion_group!(benches, bench);
-criterion_main!(benches);
+    let head: String = batches.iter().map(|b| format!(" | B={b:<5}")).collect();
+    let rule: String = batches.iter().map(|_| " | ------:").collect();
+    println!("\ndecode tokens/s (prompt processing tokens/s)\n");
+    println!("| weights    {head} | pp B=1 | pp max |");
+    println!("| ---------- {rule} | -----: | -----: |");
+    for (ci, c) in configs.iter().enumerate() {
+        let mut row = format!("| {:<10} ", c.name);
+        let mut pps = Vec::new();
+        for bi in 0..batches.len() {
+            row += &format!(" | {:>7.0}", median(&mut tg[ci][bi]));
+            pps.push(median(&mut pp[ci][bi]));
+        }
+        let max = pps.iter().copied().fold(0.0, f64::max);
+        row += &format!(" | {:>6.0} | {:>6.0} |", pps[0], max);
+        println!("{row}");
+    }
+    println!("\nprompt processing tokens/s per batch size:");
+    for (ci, c) in configs.iter().enumerate() {
+        let v: Vec<String> = (0..batches.len())
+            .map(|bi| format!("B={} {:.0}", batches[bi], median(&mut pp[ci][bi])))
+            .collect();
+        println!("  {:<10} {}", c.name, v.join(", "));
+    }
+
+    if profile {
+        println!("\nper-phase share of time (one more run each, profiling on):");
+        for c in &configs {
+            for &b in &batches {
+                let (p, d, pre, dec) = run(&c.model, b, steps, true);
+                for (what, total, phases, per) in [
+                    ("decode", d, dec, steps),
+                    ("prefill", p, pre, b.div_ceil(UBATCH / PROMPT)),
+                ] {
+                    if phases.is_empty() {
+                        continue;
+                    }
+                    let sum: f64 = phases.iter().map(|(_, t)| t.as_secs_f64()).sum();
+                    let parts: Vec<String> = phases
+                        .iter()
+                        .filter(|(_, t)| t.as_secs_f64() >= 0.005 * sum)
+                        .map(|(n, t)| format!("{n} {:.0}%", 100.0 * t.as_secs_f64() / sum))
+                        .collect();
+                    println!(
+                        "  {:<10} B={b:<3} {what:<7} {:>7.2} ms/pass (phases cover {:.0}%): {}",
+                        c.name,
+                        1e3 * total.as_secs_f64() / per as f64,
+                        100.0 * sum / total.as_secs_f64(),
+                        parts.join(", ")
+                    );
+                }
+            }
+        }
+    }
+}

@@ -92,6 +92,7 @@ pub fn tiny_model_cpu(preset: TinyPreset) -> Result<(Model, Tokenizer), TinyErro
         &LoadOptions {
             dtype: DType::F32,
             device: candle_core::Device::Cpu,
+            ..LoadOptions::default()
         },
     )
 }

@@ -108,7 +108,7 @@ struct ModelArgs {
     /// Which embedded model to use without --model: `default` (≈32 M parameters) or `test` (≈0.14 M, for smoke tests).
     #[arg(long, default_value = "default", value_parser = ["default", "test"])]
     embedded: String,
-    /// Compute dtype: f32, f16 or bf16 (bf16 needs a GPU).
+    /// Compute dtype f32, f16 or bf16 (bf16 needs a GPU), or quantised weights q8_0 / q4_k (f32 activations).
     #[arg(long, default_value = "f32")]
     dtype: String,
     /// Compute device: cpu, cuda or metal (GPU backends need a build with `--features cuda` / `metal`).
@@ -223,9 +223,11 @@ fn load_spec(args: &ModelArgs) -> Result<LoadSpec, BoxError> {
         None if args.embedded == "test" => ModelSource::Embedded(TinyPreset::Test),
         None => ModelSource::Embedded(TinyPreset::Default),
     };
+    let (dtype, weight_format) = parse_dtype(&args.dtype)?;
     Ok(LoadSpec {
         source,
-        dtype: parse_dtype(&args.dtype)?,
+        dtype,
+        weight_format,
         device: args.device.parse::<DeviceKind>()?.open()?,
         kv_tokens: args.kv_tokens,
         mtp: args

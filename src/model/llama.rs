@@ -10,20 +10,40 @@
 //! RoPE uses the "rotate half" pairing (dimension i with i + d/2), which is
 //! what Hugging Face checkpoints expect: their q/k weights are permuted for
 //! it. Using the interleaved pairing on them would silently give garbage.
+//!
+//! # Two implementations of the step
+//! On CPU the step runs through the lean path ([`super::lean`]: Tandem's
+//! own kernels over reused buffers); elsewhere, or with
+//! [`LoadOptions::lean_cpu`] off, through candle ops (below). Both read the
+//! same weights and caches and agree within rounding; the candle path is
+//! the reference the lean one is tested against.
 
 use std::path::Path;
+use std::time::Duration;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 
+use super::lean::Lean;
+use super::linear::{Linear, WeightFormat};
 use super::{Batch, ModelConfig, ModelError, OutputRows, Weights};
 use crate::kv::{KvCache, KvLayout};
 
 /// How to load a model.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// Compute (and KV) dtype. f32 is the default on CPU; bf16 needs a GPU.
+    /// Compute (and KV) dtype: f32 (the default) or f16 on CPU, where
+    /// activations stay f32 and f16 is the storage of weights and KV; bf16
+    /// needs a GPU.
     pub dtype: DType,
     pub device: Device,
+    /// Storage of the projection weights; quantised formats are made at load.
+    pub weight_format: WeightFormat,
+    /// On CPU, run steps through the lean kernels (the default) rather than
+    /// candle ops. Off is the slower reference path.
+    pub lean_cpu: bool,
+    /// Most threads a CPU step uses (`None`: one per physical core, or
+    /// `CANDLE_NUM_THREADS`, which sizes the shared pool once per process).
+    pub threads: Option<usize>,
 }
 
 impl Default for LoadOptions {
@@ -31,39 +51,40 @@ impl Default for LoadOptions {
         Self {
             dtype: DType::F32,
             device: Device::Cpu,
+            weight_format: WeightFormat::AsCompute,
+            lean_cpu: true,
+            threads: None,
         }
     }
 }
 
-struct Layer {
-    attn_norm: Tensor,
+pub(super) struct Layer {
+    pub(super) attn_norm: Tensor,
     /// `[(heads + 2·kv_heads)·head_dim, hidden]`: q, k, v stacked.
-    qkv: Tensor,
-    qkv_bias: Option<Tensor>,
-    o_proj: Tensor,
-    mlp_norm: Tensor,
+    pub(super) qkv: Linear,
+    pub(super) qkv_bias: Option<Tensor>,
+    pub(super) o_proj: Linear,
+    pub(super) mlp_norm: Tensor,
     /// `[2·intermediate, hidden]`: gate then up.
-    gate_up: Tensor,
-    down: Tensor,
+    pub(super) gate_up: Linear,
+    pub(super) down: Linear,
 }
 
 /// A loaded model. Immutable after load; the engine owns it with the caches.
 pub struct Model {
-    cfg: ModelConfig,
-    dtype: DType,
-    device: Device,
-    embed: Tensor,
-    layers: Vec<Layer>,
-    norm: Tensor,
-    /// `[vocab, hidden]`; the embedding matrix itself when tied.
-    lm_head: Tensor,
+    pub(super) cfg: ModelConfig,
+    pub(super) dtype: DType,
+    pub(super) device: Device,
+    pub(super) embed: Tensor,
+    pub(super) layers: Vec<Layer>,
+    pub(super) norm: Tensor,
+    /// `[vocab, hidden]`; shares the embedding matrix when tied (unless quantised).
+    pub(super) lm_head: Linear,
     /// `[max_positions, head_dim / 2]` rotary tables in the compute dtype.
     cos: Tensor,
     sin: Tensor,
-}
-
-fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    x.matmul(&w.t()?)
+    /// The lean CPU path's state; `None` on GPUs or when turned off.
+    lean: Option<Lean>,
 }
 
 impl Model {
@@ -94,19 +115,26 @@ impl Model {
         let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
         let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
         let get = |name: &str, shape: &[usize]| w.get(name, shape, dtype, dev);
+        // Weights to be quantised are read in f32 on the CPU first.
+        let (mat_dtype, mat_dev) = match opts.weight_format {
+            WeightFormat::AsCompute => (dtype, dev.clone()),
+            _ => (DType::F32, Device::Cpu),
+        };
+        let get_mat = |name: &str, shape: &[usize]| w.get(name, shape, mat_dtype, &mat_dev);
+        let linear = |t: Tensor| Linear::new(t, opts.weight_format, dtype, dev);
 
         let embed = get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
-            let qkv = Tensor::cat(
+            let qkv = linear(Tensor::cat(
                 &[
-                    get(&format!("{p}.self_attn.q_proj.weight"), &[q, h])?,
-                    get(&format!("{p}.self_attn.k_proj.weight"), &[kv, h])?,
-                    get(&format!("{p}.self_attn.v_proj.weight"), &[kv, h])?,
+                    get_mat(&format!("{p}.self_attn.q_proj.weight"), &[q, h])?,
+                    get_mat(&format!("{p}.self_attn.k_proj.weight"), &[kv, h])?,
+                    get_mat(&format!("{p}.self_attn.v_proj.weight"), &[kv, h])?,
                 ],
                 0,
-            )?;
+            )?)?;
             let qkv_bias = if cfg.attention_bias {
                 Some(Tensor::cat(
                     &[
@@ -119,28 +147,28 @@ impl Model {
             } else {
                 None
             };
-            let gate_up = Tensor::cat(
+            let gate_up = linear(Tensor::cat(
                 &[
-                    get(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
-                    get(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
+                    get_mat(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
+                    get_mat(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
                 ],
                 0,
-            )?;
+            )?)?;
             layers.push(Layer {
                 attn_norm: get(&format!("{p}.input_layernorm.weight"), &[h])?,
                 qkv,
                 qkv_bias,
-                o_proj: get(&format!("{p}.self_attn.o_proj.weight"), &[h, q])?,
+                o_proj: linear(get_mat(&format!("{p}.self_attn.o_proj.weight"), &[h, q])?)?,
                 mlp_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
                 gate_up,
-                down: get(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+                down: linear(get_mat(&format!("{p}.mlp.down_proj.weight"), &[h, i])?)?,
             });
         }
         let norm = get("model.norm.weight", &[h])?;
         let lm_head = if cfg.tie_word_embeddings {
-            embed.clone()
+            linear(embed.clone())?
         } else {
-            get("lm_head.weight", &[cfg.vocab_size, h])?
+            linear(get_mat("lm_head.weight", &[cfg.vocab_size, h])?)?
         };
 
         let inv_freq = cfg.rope_inv_freq();
@@ -151,6 +179,29 @@ impl Model {
         }
         let cos: Vec<f32> = angles.iter().map(|a| a.cos() as f32).collect();
         let sin: Vec<f32> = angles.iter().map(|a| a.sin() as f32).collect();
+        let lean = if dev.is_cpu() && opts.lean_cpu {
+            let vecs: Vec<_> = layers
+                .iter()
+                .map(|l| (l.attn_norm.clone(), l.mlp_norm.clone(), l.qkv_bias.clone()))
+                .collect();
+            // The candle path rounds the tables to the compute dtype; so
+            // does the lean one, to stay within rounding of it.
+            let round = |v: &[f32]| -> candle_core::Result<Vec<f32>> {
+                Tensor::new(v, dev)?
+                    .to_dtype(dtype)?
+                    .to_dtype(DType::F32)?
+                    .to_vec1()
+            };
+            Some(Lean::new(
+                &vecs,
+                &norm,
+                round(&cos)?,
+                round(&sin)?,
+                opts.threads,
+            )?)
+        } else {
+            None
+        };
         let cos = Tensor::from_vec(cos, (max_pos, hd / 2), dev)?.to_dtype(dtype)?;
         let sin = Tensor::from_vec(sin, (max_pos, hd / 2), dev)?.to_dtype(dtype)?;
 
@@ -164,7 +215,30 @@ impl Model {
             lm_head,
             cos,
             sin,
+            lean,
         })
+    }
+
+    /// Whether steps run on the lean CPU path.
+    pub fn is_lean(&self) -> bool {
+        self.lean.is_some()
+    }
+
+    /// Starts (`true`) or stops accumulating per-phase step times on the
+    /// lean path (no effect elsewhere); read them with [`take_profile`](Self::take_profile).
+    pub fn set_profiling(&self, on: bool) {
+        if let Some(l) = &self.lean {
+            l.set_profiling(on);
+        }
+    }
+
+    /// Per-phase times (step order) accumulated since the last call, when
+    /// profiling is on; empty otherwise.
+    pub fn take_profile(&self) -> Vec<(&'static str, Duration)> {
+        self.lean
+            .as_ref()
+            .map(Lean::take_profile)
+            .unwrap_or_default()
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -182,8 +256,8 @@ impl Model {
     /// The tensors a draft head shares with its target (no copy): token
     /// embeddings `[vocab, hidden]`, final norm `[hidden]`, unembedding
     /// `[vocab, hidden]`, in the compute dtype.
-    pub fn shared_tensors(&self) -> (Tensor, Tensor, Tensor) {
-        (self.embed.clone(), self.norm.clone(), self.lm_head.clone())
+    pub fn shared_tensors(&self) -> Result<(Tensor, Tensor, Tensor), ModelError> {
+        Ok((self.embed.clone(), self.norm.clone(), self.lm_head.dense()?))
     }
 
     /// The KV entry shape this model needs.
@@ -210,12 +284,15 @@ impl Model {
 
     /// Final norm and unembedding: `[n, hidden]` → `[n, vocab]` logits (f32).
     pub fn unembed(&self, hidden: &Tensor) -> Result<Tensor, ModelError> {
+        if let Some(lean) = &self.lean {
+            return self.unembed_lean(lean, hidden);
+        }
         let x = candle_nn::ops::rms_norm(
             &hidden.contiguous()?,
             &self.norm,
             self.cfg.rms_norm_eps as f32,
         )?;
-        Ok(linear(&x, &self.lm_head)?.to_dtype(DType::F32)?)
+        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
     }
 
     /// Runs every layer over the batch; returns the (pre-final-norm) hidden
@@ -234,6 +311,22 @@ impl Model {
         num_layers: usize,
     ) -> Result<Tensor, ModelError> {
         self.check_batch(batch, kv, num_layers)?;
+        if let Some(&bad) = batch
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= self.cfg.vocab_size)
+        {
+            return Err(ModelError::InvalidBatch(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.cfg.vocab_size
+            )));
+        }
+        for s in &batch.seqs {
+            kv.ensure_room(s.slot, s.len)?;
+        }
+        if let Some(lean) = &self.lean {
+            return self.forward_lean(lean, batch, kv, num_layers);
+        }
         let x = self.token_embeddings(&batch.tokens)?;
         self.run_layers(batch, x, kv, num_layers)
     }
@@ -241,7 +334,7 @@ impl Model {
     /// Runs every layer over input embeddings `[batch.tokens.len(), hidden]`
     /// given by the caller instead of the token embeddings (`batch.tokens`
     /// then only sets the span lengths). MTP heads feed their projected
-    /// inputs through their decoder block this way.
+    /// inputs through their decoder block this way (on the candle path).
     pub fn forward_embeddings(
         &self,
         batch: &Batch,
@@ -256,6 +349,9 @@ impl Model {
                 embeddings.dims()
             )));
         }
+        for s in &batch.seqs {
+            kv.ensure_room(s.slot, s.len)?;
+        }
         self.run_layers(
             batch,
             embeddings.to_dtype(self.dtype)?,
@@ -264,6 +360,7 @@ impl Model {
         )
     }
 
+    /// The candle path of the forward pass, from input embeddings.
     fn run_layers(
         &self,
         batch: &Batch,
@@ -275,9 +372,6 @@ impl Model {
         let cfg = &self.cfg;
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
 
-        for s in &batch.seqs {
-            kv.ensure_room(s.slot, s.len)?;
-        }
         let positions: Vec<u32> = batch
             .seqs
             .iter()
@@ -291,7 +385,7 @@ impl Model {
         for (l, layer) in self.layers.iter().take(num_layers).enumerate() {
             let residual = &x;
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps as f32)?;
-            let mut qkv = linear(&h, &layer.qkv)?;
+            let mut qkv = layer.qkv.forward(&h)?;
             if let Some(b) = &layer.qkv_bias {
                 qkv = qkv.broadcast_add(b)?;
             }
@@ -329,13 +423,13 @@ impl Model {
             } else {
                 Tensor::cat(&outs, 0)?
             };
-            x = (residual + linear(&attn, &layer.o_proj)?)?;
+            x = (residual + layer.o_proj.forward(&attn)?)?;
 
             let h = candle_nn::ops::rms_norm(&x, &layer.mlp_norm, cfg.rms_norm_eps as f32)?;
-            let gu = linear(&h, &layer.gate_up)?;
+            let gu = layer.gate_up.forward(&h)?;
             let i = cfg.intermediate_size;
             let act = (candle_nn::ops::silu(&gu.narrow(1, 0, i)?)? * gu.narrow(1, i, i)?)?;
-            x = (x + linear(&act, &layer.down)?)?;
+            x = (x + layer.down.forward(&act)?)?;
         }
         for s in &batch.seqs {
             kv.set_len(s.slot, s.offset + s.len)?;

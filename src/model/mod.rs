@@ -5,13 +5,25 @@
 //! - [`weights`]: safetensors (single or sharded) or in-memory tensors.
 //! - [`batch`]: the ragged [`Batch`] a forward pass consumes.
 //! - [`llama`]: the [`Model`]: `forward` (→ hidden), `unembed`
-//!   (hidden → logits), `token_embeddings` (ids → embeddings).
+//!   (hidden → logits), `token_embeddings` (ids → embeddings), and the
+//!   candle-op implementation of the step (GPUs, and the CPU reference).
+//! - [`linear`]: projection weights in their [`WeightFormat`] (compute
+//!   dtype, or Q8_0 / Q4_K quantised at load).
+//! - `lean`: the CPU implementation of the step over reused f32 buffers,
+//!   with the kernels of `kernels` (decode-fast linear, attention in place
+//!   over the KV cache, RMSNorm/RoPE/SiLU), runtime-dispatched to AVX-512,
+//!   AVX2 or portable code.
 //!
 //! All tensor code lives under `model/`, `kv/` and `sampler/`, so another
 //! backend only has to replace these modules.
 
 pub mod batch;
 pub mod config;
+pub(crate) mod kernels;
+mod lean;
+#[cfg(test)]
+mod lean_tests;
+pub mod linear;
 pub mod llama;
 pub mod mtp;
 pub mod weights;
@@ -20,6 +32,9 @@ use std::path::PathBuf;
 
 pub use batch::{Batch, OutputRows, SeqSpan};
 pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use kernels::Isa;
+pub use lean::PHASES;
+pub use linear::WeightFormat;
 pub use llama::{LoadOptions, Model};
 pub use mtp::MtpHead;
 pub use weights::Weights;

@@ -131,7 +131,7 @@ impl MtpHead {
         let enorm = take("mtp.enorm.weight", &[h])?;
         let hnorm = take("mtp.hnorm.weight", &[h])?;
         let eh_proj = take("mtp.eh_proj.weight", &[h, 2 * h])?;
-        let (embed, norm, lm_head) = target.shared_tensors();
+        let (embed, norm, lm_head) = target.shared_tensors()?;
         let mut block_weights = HashMap::new();
         for (name, shape) in mtp_tensor_shapes(cfg).into_iter().skip(3) {
             let t = take(&name, &shape)?;
@@ -145,9 +145,12 @@ impl MtpHead {
         let block = Model::load(
             block_config(cfg),
             &Weights::Memory(block_weights),
+            // The block runs on the candle path (`forward_embeddings`).
             &LoadOptions {
                 dtype,
                 device: device.clone(),
+                lean_cpu: false,
+                ..LoadOptions::default()
             },
         )?;
         // One layer of KV per slot; the capacity bound is generous because the

@@ -12,7 +12,7 @@ use candle_core::{DType, Device};
 
 use super::chat_template::{ChatTemplate, TemplateError};
 use crate::engine::{Engine, EngineConfig};
-use crate::model::{LoadOptions, Model, ModelError};
+use crate::model::{LoadOptions, Model, ModelError, WeightFormat};
 use crate::tiny::{tiny_model, TinyError, TinyPreset};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -23,7 +23,7 @@ pub enum LoadError {
     #[error("--device {device}: {reason}")]
     Device { device: String, reason: String },
     /// `--dtype` is not one of f32, f16, bf16.
-    #[error("--dtype {0}: expected f32, f16 or bf16")]
+    #[error("--dtype {0}: expected f32, f16, bf16, q8_0 or q4_k")]
     DType(String),
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -90,11 +90,15 @@ impl DeviceKind {
 }
 
 /// Parses `--dtype`.
-pub fn parse_dtype(s: &str) -> Result<DType, LoadError> {
+/// `--dtype`: a compute dtype, or a quantised weight format (`q8_0`,
+/// `q4_k`: weights quantised at load, activations in f32).
+pub fn parse_dtype(s: &str) -> Result<(DType, WeightFormat), LoadError> {
     match s {
-        "f32" => Ok(DType::F32),
-        "f16" => Ok(DType::F16),
-        "bf16" => Ok(DType::BF16),
+        "f32" => Ok((DType::F32, WeightFormat::AsCompute)),
+        "f16" => Ok((DType::F16, WeightFormat::AsCompute)),
+        "bf16" => Ok((DType::BF16, WeightFormat::AsCompute)),
+        "q8_0" => Ok((DType::F32, WeightFormat::Q8_0)),
+        "q4_k" => Ok((DType::F32, WeightFormat::Q4K)),
         other => Err(LoadError::DType(other.into())),
     }
 }
@@ -116,6 +120,8 @@ pub struct LoadSpec {
     pub device: Device,
     /// KV pool size in tokens over all sequences.
     pub kv_tokens: usize,
+    /// Storage of the projection weights (`--dtype q8_0` / `q4_k` quantise at load).
+    pub weight_format: WeightFormat,
     /// Speculative decoding: the draft head, and the longest draft.
     pub mtp: super::mtp::MtpMode,
     pub draft_max: usize,
@@ -134,6 +140,8 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, LoadError> {
     let opts = LoadOptions {
         dtype: spec.dtype,
         device: spec.device.clone(),
+        weight_format: spec.weight_format,
+        ..LoadOptions::default()
     };
     let (model, tokenizer, model_name) = match &spec.source {
         ModelSource::Dir(dir) => {
@@ -178,11 +186,15 @@ mod tests {
 
     #[test]
     fn flags_parse_and_missing_backends_say_so() {
-        assert_eq!(parse_dtype("bf16").unwrap(), DType::BF16);
+        assert_eq!(parse_dtype("bf16").unwrap().0, DType::BF16);
+        assert_eq!(
+            parse_dtype("q8_0").unwrap(),
+            (DType::F32, WeightFormat::Q8_0)
+        );
         assert!(parse_dtype("f64")
             .unwrap_err()
             .to_string()
-            .contains("f32, f16 or bf16"));
+            .contains("f32, f16, bf16, q8_0 or q4_k"));
         assert!(matches!(
             "cpu".parse::<DeviceKind>().unwrap().open(),
             Ok(Device::Cpu)

@@ -41,7 +41,7 @@ impl TrainableHead {
             .into_iter()
             .map(|(name, t)| Ok((name, Var::from_tensor(&t.to_dtype(DType::F32)?)?)))
             .collect::<Result<HashMap<_, _>, TrainError>>()?;
-        let (embed, norm, lm_head) = target.shared_tensors();
+        let (embed, norm, lm_head) = target.shared_tensors()?;
         Ok(Self {
             cfg: target.config().clone(),
             vars,

@@ -1,0 +1,483 @@
+//! The decode-fast linear: `out[r, j] (+)= Σ_k x[r, k] · w[j, k]` for f32
+//! activations and f32 or f16 weights stored `[n, k]` (the checkpoint's own
+//! layout, no repacking).
+//!
+//! # Why a kernel of our own
+//! General GEMMs pack both operands into panels, which pays off when many
+//! rows share each weight but costs a full extra pass over the weights when
+//! there are 1–16 rows, where decoding lives (candle's gemm reaches ~60 % of
+//! the memory roofline at one row on the llama-100m shape). Here every
+//! weight is read from memory exactly once per call, for all rows at once:
+//! work units are blocks of 16 weight rows; inside a unit, 4 weight rows are
+//! held against up to 6 (AVX-512) input rows in registers, the activation
+//! rows being re-read from cache. That one loop nest serves 1 row and 128.
+//!
+//! # Numerics
+//! Each output is a dot product accumulated lane-wise over k (16, 8 or 8
+//! lanes per tier) and reduced in a fixed tree, so its value depends only on
+//! its own row and column: batching and threading never change a result
+//! (see the module docs of `kernels`). f16 weights are widened exactly.
+
+use half::f16;
+
+use super::pool::{for_each_range, SharedMut};
+use super::Isa;
+
+/// A weight element the kernels read (widened to f32 exactly).
+pub(crate) trait WElem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+
+    /// 16 elements at `p` as f32 (AVX-512 tier only).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+    /// 8 elements at `p` as f32 (AVX2 tier and up).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl WElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(p)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+}
+
+impl WElem for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+}
+
+/// Weight rows per work unit: 16 rows of k = 2048 f32 are 128 KiB, which
+/// stays in L2 while every activation chunk passes over it.
+const UNIT: usize = 16;
+/// Activation bytes per chunk that a unit is swept with (L2-resident).
+const X_CHUNK_BYTES: usize = 256 << 10;
+
+/// One `matmul_t` call's operands, shared by the workers.
+struct Job<W> {
+    x: *const f32,
+    /// Distance between activation rows.
+    ldx: usize,
+    k: usize,
+    w: *const W,
+    /// Distance between weight rows.
+    ldw: usize,
+    out: SharedMut<f32>,
+    /// Distance between output rows.
+    ldo: usize,
+    accumulate: bool,
+}
+
+impl<W> Clone for Job<W> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<W> Copy for Job<W> {}
+
+// SAFETY: workers only read `x` and `w`, and write disjoint columns of `out`.
+unsafe impl<W: Sync> Sync for Job<W> {}
+
+/// `out[r·n + j] = Σ_k x[r·k + k'] · w[j·k + k']` (or `+=` when
+/// `accumulate`) for `r < rows`, `j < n`, on up to `threads` threads.
+///
+/// Panics if a slice is shorter than its shape says (a caller bug).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_t<W: WElem>(
+    isa: Isa,
+    threads: usize,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    w: &[W],
+    n: usize,
+    out: &mut [f32],
+    accumulate: bool,
+) {
+    assert!(x.len() >= rows * k, "matmul_t: x shorter than rows·k");
+    assert!(w.len() >= n * k, "matmul_t: w shorter than n·k");
+    assert!(out.len() >= rows * n, "matmul_t: out shorter than rows·n");
+    if rows == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            out[..rows * n].fill(0.0);
+        }
+        return;
+    }
+    let job = Job {
+        x: x.as_ptr(),
+        ldx: k,
+        k,
+        w: w.as_ptr(),
+        ldw: k,
+        out: SharedMut(out.as_mut_ptr()),
+        ldo: n,
+        accumulate,
+    };
+    let units = n.div_ceil(UNIT);
+    let grain = (units / (threads * 8)).max(1);
+    let chunk_rows = (X_CHUNK_BYTES / (4 * k)).max(8);
+    for_each_range(units, grain, threads, |range| {
+        for u in range {
+            let wr = u * UNIT..((u + 1) * UNIT).min(n);
+            let mut r0 = 0;
+            while r0 < rows {
+                let r1 = (r0 + chunk_rows).min(rows);
+                // SAFETY: the ranges are inside the asserted shapes and each
+                // unit's columns belong to this worker alone.
+                unsafe { dispatch(isa, &job, wr.clone(), r0..r1) };
+                r0 = r1;
+            }
+        }
+    });
+}
+
+/// Single-threaded strided variant for attention scores:
+/// `out[r·ldo + j] = Σ_i x[r·ldx + i] · w[j·ldw + i]`, `i < k`.
+///
+/// # Safety
+/// Every addressed element must be inside its allocation.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn dot_rows<W: WElem>(
+    isa: Isa,
+    x: *const f32,
+    ldx: usize,
+    rows: usize,
+    k: usize,
+    w: *const W,
+    ldw: usize,
+    n: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let job = Job {
+        x,
+        ldx,
+        k,
+        w,
+        ldw,
+        out: SharedMut(out),
+        ldo,
+        accumulate: false,
+    };
+    dispatch(isa, &job, 0..n, 0..rows);
+}
+
+#[inline(always)]
+unsafe fn dispatch<W: WElem>(
+    isa: Isa,
+    job: &Job<W>,
+    wr: std::ops::Range<usize>,
+    xr: std::ops::Range<usize>,
+) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => x86::block_avx512(job, wr, xr),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86::block_avx2(job, wr, xr),
+        _ => portable_block(job, wr, xr),
+    }
+}
+
+/// The 4 weight-row pointers of the group at `j0`; a short last group
+/// repeats its last row (computed, never stored) so every output goes
+/// through the same 4-wide reduction.
+#[inline(always)]
+unsafe fn group_rows<W, const NR: usize>(
+    job: &Job<W>,
+    j0: usize,
+    end: usize,
+) -> ([*const W; NR], usize) {
+    let nw = (end - j0).min(NR);
+    let rows = std::array::from_fn(|t| job.w.add((j0 + t.min(nw - 1)) * job.ldw));
+    (rows, nw)
+}
+
+/// Writes (or adds) the first `nw` of 4 sums at `o`.
+#[inline(always)]
+unsafe fn store4(o: *mut f32, v: [f32; 4], nw: usize, accumulate: bool) {
+    for (j, &s) in v.iter().enumerate().take(nw) {
+        if accumulate {
+            *o.add(j) += s;
+        } else {
+            *o.add(j) = s;
+        }
+    }
+}
+
+const PL: usize = 8;
+
+/// Portable tier: 8 lanes per accumulator, plain multiply-add (the target
+/// may not have FMA), reduced pairwise.
+unsafe fn portable_block<W: WElem>(
+    job: &Job<W>,
+    wr: std::ops::Range<usize>,
+    xr: std::ops::Range<usize>,
+) {
+    let k = job.k;
+    let mut j0 = wr.start;
+    while j0 < wr.end {
+        let (w, nw) = group_rows::<W, 4>(job, j0, wr.end);
+        for r in xr.clone() {
+            let x = job.x.add(r * job.ldx);
+            let mut acc = [[0f32; PL]; 4];
+            let mut kk = 0;
+            while kk < k {
+                let len = (k - kk).min(PL);
+                for (j, a) in acc.iter_mut().enumerate() {
+                    for l in 0..len {
+                        a[l] += *x.add(kk + l) * (*w[j].add(kk + l)).to_f32();
+                    }
+                }
+                kk += PL;
+            }
+            let sums =
+                acc.map(|a| ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])));
+            store4(job.out.at(r * job.ldo + j0), sums, nw, job.accumulate);
+        }
+        j0 += 4;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{group_rows, store4, Job, WElem};
+
+    /// The last `k - from` (< lanes) elements of a weight row, zero-padded.
+    #[inline(always)]
+    unsafe fn tail<W: WElem, const L: usize>(p: *const W, from: usize, k: usize) -> [f32; L] {
+        let mut t = [0f32; L];
+        for (i, v) in t.iter_mut().enumerate().take(k - from) {
+            *v = (*p.add(from + i)).to_f32();
+        }
+        t
+    }
+
+    /// Sums of a, b, c, d (one per lane of the result).
+    #[inline(always)]
+    pub(super) unsafe fn reduce4_512(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
+        let ab = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x44>(a, b),
+            _mm512_shuffle_f32x4::<0xEE>(a, b),
+        );
+        let cd = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x44>(c, d),
+            _mm512_shuffle_f32x4::<0xEE>(c, d),
+        );
+        // 128-bit lane i now holds 4 partial sums of operand i.
+        let q = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(ab, cd),
+            _mm512_shuffle_f32x4::<0xDD>(ab, cd),
+        );
+        let t = _mm512_add_ps(q, _mm512_permute_ps::<0b01_00_11_10>(q));
+        let u = _mm512_add_ps(t, _mm512_permute_ps::<0b10_11_00_01>(t));
+        let idx = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+        _mm512_castps512_ps128(_mm512_permutexvar_ps(idx, u))
+    }
+
+    #[inline(always)]
+    pub(super) unsafe fn reduce4_256(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+        let t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+        _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t))
+    }
+
+    /// Writes (or adds) the first `nw` lanes of `v` at `o`.
+    #[inline(always)]
+    unsafe fn store_m128(o: *mut f32, v: __m128, nw: usize, accumulate: bool) {
+        if nw >= 4 {
+            let v = if accumulate {
+                _mm_add_ps(_mm_loadu_ps(o), v)
+            } else {
+                v
+            };
+            _mm_storeu_ps(o, v);
+        } else {
+            let mut lanes = [0f32; 4];
+            _mm_storeu_ps(lanes.as_mut_ptr(), v);
+            store4(o, lanes, nw, accumulate);
+        }
+    }
+
+    /// How far ahead of the loads each weight stream is prefetched. The
+    /// hardware prefetchers alone leave f16 streams at ~80 % of the read
+    /// bandwidth; 4 KiB ahead measured best for both f32 and f16.
+    const PREFETCH_BYTES: usize = 4096;
+
+    /// MR activation rows × NR (4 or 8) weight rows, 16 lanes.
+    #[inline(always)]
+    unsafe fn tile16<const MR: usize, const NR: usize, W: WElem>(
+        job: &Job<W>,
+        r: usize,
+        w: [*const W; NR],
+        o: *mut f32,
+        nw: usize,
+    ) {
+        let (k, ldx, x) = (job.k, job.ldx, job.x.add(r * job.ldx));
+        let mut a = [[_mm512_setzero_ps(); NR]; MR];
+        let full = k / 16 * 16;
+        let mut kk = 0;
+        while kk < full {
+            for p in w {
+                _mm_prefetch::<_MM_HINT_T0>((p.add(kk) as *const i8).add(PREFETCH_BYTES));
+            }
+            let wv: [__m512; NR] = std::array::from_fn(|j| W::load16(w[j].add(kk)));
+            for (i, ai) in a.iter_mut().enumerate() {
+                let xv = _mm512_loadu_ps(x.add(i * ldx + kk));
+                for (aij, &wj) in ai.iter_mut().zip(&wv) {
+                    *aij = _mm512_fmadd_ps(xv, wj, *aij);
+                }
+            }
+            kk += 16;
+        }
+        if full < k {
+            let mask: __mmask16 = (1u32 << (k - full)) as u16 - 1;
+            let wt = w.map(|p| tail::<W, 16>(p, full, k));
+            for (i, ai) in a.iter_mut().enumerate() {
+                let xv = _mm512_maskz_loadu_ps(mask, x.add(i * ldx + full));
+                for (aij, wj) in ai.iter_mut().zip(&wt) {
+                    *aij = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wj.as_ptr()), *aij);
+                }
+            }
+        }
+        for (i, ai) in a.iter().enumerate() {
+            for c in (0..NR).step_by(4) {
+                if c < nw {
+                    let s = reduce4_512(ai[c], ai[c + 1], ai[c + 2], ai[c + 3]);
+                    store_m128(o.add(i * job.ldo + c), s, nw - c, job.accumulate);
+                }
+            }
+        }
+    }
+
+    /// MR activation rows × 4 weight rows, 8 lanes.
+    #[inline(always)]
+    unsafe fn tile8<const MR: usize, W: WElem>(
+        job: &Job<W>,
+        r: usize,
+        w: [*const W; 4],
+        o: *mut f32,
+        nw: usize,
+    ) {
+        let (k, ldx, x) = (job.k, job.ldx, job.x.add(r * job.ldx));
+        let mut a = [[_mm256_setzero_ps(); 4]; MR];
+        let full = k / 8 * 8;
+        let mut kk = 0;
+        while kk < full {
+            for j in 0..4 {
+                let wv = W::load8(w[j].add(kk));
+                for (i, ai) in a.iter_mut().enumerate() {
+                    ai[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(i * ldx + kk)), wv, ai[j]);
+                }
+            }
+            kk += 8;
+        }
+        if full < k {
+            let wt = w.map(|p| tail::<W, 8>(p, full, k));
+            for (i, ai) in a.iter_mut().enumerate() {
+                let xt = tail::<f32, 8>(x.add(i * ldx), full, k);
+                let xv = _mm256_loadu_ps(xt.as_ptr());
+                for (aij, wj) in ai.iter_mut().zip(&wt) {
+                    *aij = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wj.as_ptr()), *aij);
+                }
+            }
+        }
+        for (i, ai) in a.iter().enumerate() {
+            let s = reduce4_256(ai[0], ai[1], ai[2], ai[3]);
+            store_m128(o.add(i * job.ldo), s, nw, job.accumulate);
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn block_avx512<W: WElem>(
+        job: &Job<W>,
+        wr: std::ops::Range<usize>,
+        xr: std::ops::Range<usize>,
+    ) {
+        let mut j0 = wr.start;
+        if xr.len() <= 2 {
+            // Few rows: memory-bound, so 8 weight streams in flight per tile.
+            while j0 < wr.end {
+                let (w, nw) = group_rows::<W, 8>(job, j0, wr.end);
+                let o = job.out.at(xr.start * job.ldo + j0);
+                match xr.len() {
+                    2 => tile16::<2, 8, W>(job, xr.start, w, o, nw),
+                    _ => tile16::<1, 8, W>(job, xr.start, w, o, nw),
+                }
+                j0 += 8;
+            }
+            return;
+        }
+        while j0 < wr.end {
+            let (w, nw) = group_rows::<W, 4>(job, j0, wr.end);
+            let mut r = xr.start;
+            while r < xr.end {
+                let o = job.out.at(r * job.ldo + j0);
+                let step = (xr.end - r).min(6);
+                match step {
+                    6 => tile16::<6, 4, W>(job, r, w, o, nw),
+                    5 => tile16::<5, 4, W>(job, r, w, o, nw),
+                    4 => tile16::<4, 4, W>(job, r, w, o, nw),
+                    3 => tile16::<3, 4, W>(job, r, w, o, nw),
+                    2 => tile16::<2, 4, W>(job, r, w, o, nw),
+                    _ => tile16::<1, 4, W>(job, r, w, o, nw),
+                }
+                r += step;
+            }
+            j0 += 4;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn block_avx2<W: WElem>(
+        job: &Job<W>,
+        wr: std::ops::Range<usize>,
+        xr: std::ops::Range<usize>,
+    ) {
+        let mut j0 = wr.start;
+        while j0 < wr.end {
+            let (w, nw) = group_rows::<W, 4>(job, j0, wr.end);
+            let mut r = xr.start;
+            while r < xr.end {
+                let o = job.out.at(r * job.ldo + j0);
+                let step = (xr.end - r).min(3);
+                match step {
+                    3 => tile8::<3, W>(job, r, w, o, nw),
+                    2 => tile8::<2, W>(job, r, w, o, nw),
+                    _ => tile8::<1, W>(job, r, w, o, nw),
+                }
+                r += step;
+            }
+            j0 += 4;
+        }
+    }
+}

@@ -1,0 +1,414 @@
+//! Kernel tests against plain f64 references, on every ISA tier this CPU
+//! runs, with shapes that hit every tail (k, n and row counts that are not
+//! multiples of the vector width, the 4-row weight group or the row tile).
+
+use half::f16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::attention::{attention, Heads, SeqAttn};
+use super::dot::{matmul_t, WElem};
+use super::math::{exp_shifted_sum, max, rms_norm, silu_mul};
+use super::pool::SharedMut;
+use super::Isa;
+
+fn randn(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// Relative error of `got` against an f64 reference, scaled by the L1 norm
+/// of the terms (the natural bound for a rounded sum).
+fn check_rel(got: f32, want: f64, scale: f64, what: &str) {
+    let err = (got as f64 - want).abs() / scale.max(1e-30);
+    assert!(err <= 1e-6, "{what}: got {got}, want {want} (rel {err:e})");
+}
+
+fn reference<W: WElem>(x: &[f32], rows: usize, k: usize, w: &[W], n: usize) -> Vec<(f64, f64)> {
+    let mut out = Vec::with_capacity(rows * n);
+    for r in 0..rows {
+        for j in 0..n {
+            let (mut s, mut a) = (0f64, 0f64);
+            for i in 0..k {
+                let t = x[r * k + i] as f64 * w[j * k + i].to_f32() as f64;
+                s += t;
+                a += t.abs();
+            }
+            out.push((s, a));
+        }
+    }
+    out
+}
+
+fn check_matmul<W: WElem>(w_of: impl Fn(&[f32]) -> Vec<W>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    for isa in Isa::supported() {
+        for &(rows, k, n) in &[
+            (1, 768, 40),
+            (1, 19, 5),
+            (3, 64, 17),
+            (4, 172, 64),
+            (7, 33, 9),
+            (13, 100, 30),
+            (64, 48, 21),
+            (70, 7, 3),
+        ] {
+            let x = randn(&mut rng, rows * k);
+            let w = w_of(&randn(&mut rng, n * k));
+            let want = reference(&x, rows, k, &w, n);
+            for threads in [1, 2] {
+                for accumulate in [false, true] {
+                    let mut out = vec![0.5f32; rows * n];
+                    matmul_t(isa, threads, &x, rows, k, &w, n, &mut out, accumulate);
+                    for (i, (&g, &(s, a))) in out.iter().zip(&want).enumerate() {
+                        let s = if accumulate { s + 0.5 } else { s };
+                        check_rel(g, s, a + 0.5, &format!("{isa:?} {rows}x{k}x{n} [{i}]"));
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_f32_matches_reference() {
+    check_matmul(|w| w.to_vec());
+}
+
+#[test]
+fn matmul_f16_matches_reference() {
+    check_matmul(|w| w.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>());
+}
+
+#[test]
+fn matmul_rows_are_batch_invariant() {
+    // A row's result is bit-identical alone, inside any batch, on any
+    // thread count: the property behind "batched == solo" being exact.
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let (k, n) = (200, 37);
+    let w = randn(&mut rng, n * k);
+    let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+    let x = randn(&mut rng, 23 * k);
+    for isa in Isa::supported() {
+        let mut all = vec![0f32; 23 * n];
+        let mut all_h = vec![0f32; 23 * n];
+        matmul_t(isa, 2, &x, 23, k, &w, n, &mut all, false);
+        matmul_t(isa, 2, &x, 23, k, &wh, n, &mut all_h, false);
+        for r in [0, 5, 22] {
+            let mut one = vec![0f32; n];
+            matmul_t(isa, 1, &x[r * k..(r + 1) * k], 1, k, &w, n, &mut one, false);
+            assert_eq!(one, all[r * n..(r + 1) * n], "{isa:?} f32 row {r}");
+            matmul_t(
+                isa,
+                1,
+                &x[r * k..(r + 1) * k],
+                1,
+                k,
+                &wh,
+                n,
+                &mut one,
+                false,
+            );
+            assert_eq!(one, all_h[r * n..(r + 1) * n], "{isa:?} f16 row {r}");
+        }
+    }
+}
+
+#[test]
+fn elementwise_math_matches_std() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    for isa in Isa::supported() {
+        for n in [1, 7, 16, 33, 172] {
+            let g: Vec<f32> = randn(&mut rng, n).iter().map(|v| v * 12.0).collect();
+            let u = randn(&mut rng, n);
+            let mut out = vec![0f32; n];
+            silu_mul(isa, &g, &u, &mut out);
+            for i in 0..n {
+                let want = g[i] as f64 / (1.0 + (-g[i] as f64).exp()) * u[i] as f64;
+                check_rel(
+                    out[i],
+                    want,
+                    want.abs().max(1e-6),
+                    &format!("{isa:?} silu {i}"),
+                );
+            }
+            let mut s: Vec<f32> = randn(&mut rng, n).iter().map(|v| v * 30.0).collect();
+            let want_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let max = max(isa, &s);
+            assert_eq!(max, want_max, "{isa:?} max of {n}");
+            let orig = s.clone();
+            let sum = exp_shifted_sum(isa, &mut s, max);
+            let mut want_sum = 0f64;
+            for i in 0..n {
+                let want = ((orig[i] - max) as f64).exp();
+                want_sum += want;
+                check_rel(s[i], want, want, &format!("{isa:?} exp {i}"));
+            }
+            check_rel(sum, want_sum, want_sum, &format!("{isa:?} exp sum"));
+        }
+    }
+    let x = randn(&mut rng, 37);
+    let w = randn(&mut rng, 37);
+    let mut out = vec![0f32; 37];
+    rms_norm(&x, &w, 1e-5, &mut out);
+    let ms = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / 37.0;
+    for i in 0..37 {
+        let want = x[i] as f64 / (ms + 1e-5).sqrt() * w[i] as f64;
+        check_rel(out[i], want, want.abs().max(1e-6), "rms_norm");
+    }
+}
+
+/// Plain causal GQA attention in f64 for one sequence.
+fn attention_reference(
+    h: Heads,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    offset: usize,
+    len: usize,
+) -> Vec<f64> {
+    let (g, hd, nkv) = (h.num_heads / h.num_kv_heads, h.head_dim, h.num_kv_heads);
+    let mut out = vec![0f64; len * h.num_heads * hd];
+    for i in 0..len {
+        let pos = offset + i;
+        for head in 0..h.num_heads {
+            let kvh = head / g;
+            let visible: Vec<usize> = (0..=pos)
+                .filter(|&t| h.sliding_window.is_none_or(|w| t + w > pos))
+                .collect();
+            let scores: Vec<f64> = visible
+                .iter()
+                .map(|&t| {
+                    (0..hd)
+                        .map(|d| {
+                            q[(i * h.num_heads + head) * hd + d] as f64
+                                * k[(t * nkv + kvh) * hd + d] as f64
+                        })
+                        .sum()
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for d in 0..hd {
+                out[(i * h.num_heads + head) * hd + d] = visible
+                    .iter()
+                    .zip(&e)
+                    .map(|(&t, p)| p / z * v[(t * nkv + kvh) * hd + d] as f64)
+                    .sum();
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn attention_matches_reference() {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    for isa in Isa::supported() {
+        for (nh, nkv, hd, window) in [
+            (12, 4, 64, None),
+            (8, 4, 8, None),
+            (4, 2, 20, Some(5)),
+            (4, 4, 128, None),
+            (16, 2, 64, Some(9)),
+        ] {
+            let h = Heads {
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+                sliding_window: window,
+            };
+            // (offset, len) per sequence: decode, prefill, chunk after history.
+            let shapes = [(0, 1), (9, 1), (0, 37), (20, 5)];
+            let mut data = Vec::new();
+            for &(offset, len) in &shapes {
+                let q = randn(&mut rng, len * nh * hd);
+                let k = randn(&mut rng, (offset + len) * nkv * hd);
+                let v = randn(&mut rng, (offset + len) * nkv * hd);
+                data.push((q, k, v, vec![0f32; len * nh * hd]));
+            }
+            let kh: Vec<Vec<f16>> = data
+                .iter()
+                .map(|d| d.1.iter().map(|&x| f16::from_f32(x)).collect())
+                .collect();
+            let vh: Vec<Vec<f16>> = data
+                .iter()
+                .map(|d| d.2.iter().map(|&x| f16::from_f32(x)).collect())
+                .collect();
+            let seqs: Vec<SeqAttn<f32>> = data
+                .iter_mut()
+                .zip(&shapes)
+                .map(|(d, &(offset, len))| SeqAttn {
+                    q: d.0.as_ptr(),
+                    ldq: nh * hd,
+                    out: SharedMut(d.3.as_mut_ptr()),
+                    ldo: nh * hd,
+                    offset,
+                    len,
+                    k: d.1.as_ptr(),
+                    v: d.2.as_ptr(),
+                })
+                .collect();
+            unsafe { attention(isa, 2, h, &seqs) };
+            for (d, &(offset, len)) in data.iter().zip(&shapes) {
+                let want = attention_reference(h, &d.0, &d.1, &d.2, offset, len);
+                for (i, (&g, &w)) in d.3.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g as f64 - w).abs() <= 1e-5,
+                        "{isa:?} f32 attn [{i}]: {g} vs {w}"
+                    );
+                }
+            }
+            // f16 cache: same inputs rounded, compared with the f64 reference
+            // over the rounded values.
+            let mut outs: Vec<Vec<f32>> = shapes
+                .iter()
+                .map(|&(_, l)| vec![0f32; l * nh * hd])
+                .collect();
+            let seqs: Vec<SeqAttn<f16>> = outs
+                .iter_mut()
+                .enumerate()
+                .map(|(s, o)| SeqAttn {
+                    q: data[s].0.as_ptr(),
+                    ldq: nh * hd,
+                    out: SharedMut(o.as_mut_ptr()),
+                    ldo: nh * hd,
+                    offset: shapes[s].0,
+                    len: shapes[s].1,
+                    k: kh[s].as_ptr(),
+                    v: vh[s].as_ptr(),
+                })
+                .collect();
+            unsafe { attention(isa, 2, h, &seqs) };
+            for (s, &(offset, len)) in shapes.iter().enumerate() {
+                let k: Vec<f32> = kh[s].iter().map(|x| x.to_f32()).collect();
+                let v: Vec<f32> = vh[s].iter().map(|x| x.to_f32()).collect();
+                let want = attention_reference(h, &data[s].0, &k, &v, offset, len);
+                for (i, (&g, &w)) in outs[s].iter().zip(&want).enumerate() {
+                    assert!(
+                        (g as f64 - w).abs() <= 1e-5,
+                        "{isa:?} f16 attn [{i}]: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Throughput of the step's matmuls alone on the llama-100m shapes (12
+/// layers + lm_head), as decode tokens/s. A report, not a check:
+/// `cargo test --release --lib kernels::tests::matmul_speed -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn matmul_speed() {
+    use std::time::Instant;
+    let shapes = [(1280, 768), (768, 768), (4096, 768), (768, 2048)];
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let layers: Vec<Vec<Vec<f32>>> = (0..12)
+        .map(|_| {
+            shapes
+                .iter()
+                .map(|&(n, k)| randn(&mut rng, n * k))
+                .collect()
+        })
+        .collect();
+    let head = randn(&mut rng, 32000 * 768);
+    let layers_h: Vec<Vec<Vec<f16>>> = layers
+        .iter()
+        .map(|l| {
+            l.iter()
+                .map(|w| w.iter().map(|&v| f16::from_f32(v)).collect())
+                .collect()
+        })
+        .collect();
+    let head_h: Vec<f16> = head.iter().map(|&v| f16::from_f32(v)).collect();
+    let isa = Isa::detect();
+    let threads = super::pool::threads(None);
+    for rows in [1usize, 4, 16, 64, 128] {
+        let x = randn(&mut rng, rows * 2048);
+        let mut out = vec![0f32; rows * 32000];
+        let mut times = [Vec::new(), Vec::new()];
+        for rep in 0..15 {
+            for (f, t) in times.iter_mut().enumerate() {
+                let start = Instant::now();
+                for l in 0..12 {
+                    for (s, &(n, k)) in shapes.iter().enumerate() {
+                        if f == 0 {
+                            matmul_t(isa, threads, &x, rows, k, &layers[l][s], n, &mut out, false);
+                        } else {
+                            matmul_t(
+                                isa,
+                                threads,
+                                &x,
+                                rows,
+                                k,
+                                &layers_h[l][s],
+                                n,
+                                &mut out,
+                                false,
+                            );
+                        }
+                    }
+                }
+                if f == 0 {
+                    matmul_t(isa, threads, &x, rows, 768, &head, 32000, &mut out, false);
+                } else {
+                    matmul_t(isa, threads, &x, rows, 768, &head_h, 32000, &mut out, false);
+                }
+                if rep > 0 {
+                    t.push(start.elapsed().as_secs_f64());
+                }
+            }
+        }
+        for (f, t) in times.iter_mut().enumerate() {
+            t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            let (med, min) = (t[t.len() / 2], t[0]);
+            let bytes = 100.1e6 * if f == 0 { 4.0 } else { 2.0 };
+            eprintln!(
+                "{isa:?} {} rows {rows:>3}: median {:>7.2} ms {:>7.1} tok/s | best {:>7.1} tok/s {:>5.1} GB/s {:>6.1} GFLOP/s",
+                ["f32", "f16"][f],
+                med * 1e3,
+                rows as f64 / med,
+                rows as f64 / min,
+                bytes / min / 1e9,
+                2.0 * 100.1e6 * rows as f64 / min / 1e9
+            );
+        }
+    }
+}
+
+/// Read bandwidth of the machine as the kernels see it: a 400 MB stream
+/// summed on all threads, in the same 16-row units the matmul hands out.
+#[test]
+#[ignore]
+fn read_bandwidth() {
+    use std::time::Instant;
+    let n = 100_000_000usize;
+    let data: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+    let threads = super::pool::threads(None);
+    let unit = 16 * 768;
+    let sums: Vec<std::sync::atomic::AtomicU32> = (0..n / unit)
+        .map(|_| std::sync::atomic::AtomicU32::new(0))
+        .collect();
+    let mut best = f64::MAX;
+    for _ in 0..10 {
+        let t = Instant::now();
+        super::pool::for_each_range(n / unit, 4, threads, |r| {
+            for u in r {
+                let mut acc = [0f32; 64];
+                for c in data[u * unit..(u + 1) * unit].chunks_exact(64) {
+                    for (a, v) in acc.iter_mut().zip(c) {
+                        *a += v;
+                    }
+                }
+                let s: f32 = acc.iter().sum();
+                sums[u].store(s.to_bits(), std::sync::atomic::Ordering::Relaxed);
+            }
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    eprintln!(
+        "read bandwidth: {:.1} GB/s ({threads} threads)",
+        4.0 * n as f64 / best / 1e9
+    );
+}

@@ -1,0 +1,285 @@
+//! The lean CPU step against the candle-op path (the reference), and the
+//! agreement of f16 / Q8_0 / Q4_K greedy decoding with f32.
+
+use std::path::Path;
+
+use candle_core::{DType, Device};
+
+use super::{Batch, LoadOptions, Model, ModelConfig, OutputRows, WeightFormat, Weights};
+use crate::kv::KvCache;
+
+fn config(arch: &str, window: Option<usize>, bias: bool, head_dim: usize) -> ModelConfig {
+    let json = serde_json::json!({
+        "architectures": [arch],
+        "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": head_dim,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": false, "sliding_window": window, "attention_bias": bias,
+    });
+    ModelConfig::from_json(&json.to_string()).expect("valid config")
+}
+
+fn load(cfg: &ModelConfig, w: &Weights, dtype: DType, format: WeightFormat, lean: bool) -> Model {
+    let opts = LoadOptions {
+        dtype,
+        weight_format: format,
+        lean_cpu: lean,
+        ..LoadOptions::default()
+    };
+    Model::load(cfg.clone(), w, &opts).expect("model loads")
+}
+
+/// Logits of a ragged schedule: three sequences prefilled in chunks of
+/// different sizes, then decoded together, some steps with several rows.
+fn schedule_logits(model: &Model) -> Vec<Vec<f32>> {
+    let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, 1024);
+    let prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|s| {
+            (0..11 + 7 * s)
+                .map(|i| (s * 31 + i * 17 + 3) % 97)
+                .collect()
+        })
+        .collect();
+    for s in 0..3u32 {
+        kv.allocate(s, 64).expect("room");
+    }
+    let mut out = Vec::new();
+    let mut push_rows = |model: &Model, b: &Batch, kv: &mut KvCache| {
+        let h = model.forward(b, kv).expect("forward");
+        if h.dim(0).expect("rows") > 0 {
+            let l = model.unembed(&h).expect("unembed");
+            out.extend(l.to_vec2::<f32>().expect("logits"));
+        }
+    };
+    // Chunked prefill, sequences at different offsets in one batch.
+    let mut b = Batch::default();
+    b.push(0, 0, &prompts[0][..5], OutputRows::None);
+    b.push(1, 0, &prompts[1], OutputRows::Last);
+    push_rows(model, &b, &mut kv);
+    let mut b = Batch::default();
+    b.push(0, 5, &prompts[0][5..], OutputRows::All);
+    b.push(2, 0, &prompts[2], OutputRows::Last);
+    push_rows(model, &b, &mut kv);
+    for step in 0..6u32 {
+        let mut b = Batch::default();
+        for s in 0..3u32 {
+            let len = kv.len(s).expect("slot");
+            let n = if step == 2 && s == 1 { 3 } else { 1 };
+            let toks: Vec<u32> = (0..n).map(|i| (step * 7 + s * 5 + i) % 97).collect();
+            b.push(s, len, &toks, OutputRows::All);
+        }
+        push_rows(model, &b, &mut kv);
+    }
+    out
+}
+
+fn max_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let mut worst = 0f32;
+    for (x, y) in a.iter().zip(b) {
+        let scale = y.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+        for (p, q) in x.iter().zip(y) {
+            worst = worst.max((p - q).abs() / scale);
+        }
+    }
+    worst
+}
+
+#[test]
+fn lean_f32_equals_candle_path() {
+    for (arch, window, bias, hd) in [
+        ("LlamaForCausalLM", None, false, 16),
+        ("MistralForCausalLM", Some(6), false, 16),
+        ("Qwen2ForCausalLM", None, true, 16),
+        ("LlamaForCausalLM", None, false, 24),
+    ] {
+        let cfg = config(arch, window, bias, hd);
+        let w = Weights::random(&cfg, 11, 0.5).expect("weights");
+        let want = schedule_logits(&load(&cfg, &w, DType::F32, WeightFormat::AsCompute, false));
+        let lean = load(&cfg, &w, DType::F32, WeightFormat::AsCompute, true);
+        assert!(lean.is_lean());
+        let got = schedule_logits(&lean);
+        let d = max_rel_diff(&got, &want);
+        assert!(
+            d <= 1e-4,
+            "{arch} window {window:?} hd {hd}: lean differs by {d:e}"
+        );
+    }
+}
+
+#[test]
+fn lean_rows_are_bit_identical_solo_batched_and_threaded() {
+    // The kernels make a row's result independent of its batch and of the
+    // thread count, so solo and batched decoding agree exactly, not just
+    // within a tolerance.
+    let cfg = config("LlamaForCausalLM", None, false, 16);
+    let w = Weights::random(&cfg, 14, 0.5).expect("weights");
+    for dtype in [DType::F32, DType::F16] {
+        let mut logits = Vec::new();
+        for threads in [Some(1), None] {
+            let opts = LoadOptions {
+                dtype,
+                threads,
+                ..LoadOptions::default()
+            };
+            let model = Model::load(cfg.clone(), &w, &opts).expect("model");
+            let prompts: Vec<Vec<u32>> = (0..5u32)
+                .map(|s| (0..3 + 4 * s).map(|i| (s * 13 + i * 7 + 1) % 97).collect())
+                .collect();
+            let mut batched = Vec::new();
+            let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, 1024);
+            let mut b = Batch::default();
+            for (s, p) in prompts.iter().enumerate() {
+                kv.allocate(s as u32, 64).expect("room");
+                b.push(s as u32, 0, p, OutputRows::Last);
+            }
+            let h = model.forward(&b, &mut kv).expect("forward");
+            batched.extend(
+                model
+                    .unembed(&h)
+                    .expect("unembed")
+                    .to_vec2::<f32>()
+                    .expect("rows"),
+            );
+            for (s, p) in prompts.iter().enumerate() {
+                let solo = model.logits_for(p).expect("solo");
+                assert_eq!(solo, batched[s], "{dtype:?} threads {threads:?} seq {s}");
+            }
+            logits.push(batched);
+        }
+        assert_eq!(logits[0], logits[1], "{dtype:?}: 1 thread vs all threads");
+    }
+}
+
+#[test]
+fn lean_quantized_equals_candle_quantized() {
+    // Same QTensors through both paths: only the surrounding step differs.
+    let json = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+    });
+    let cfg = ModelConfig::from_json(&json.to_string()).expect("config");
+    let w = Weights::random(&cfg, 12, 0.5).expect("weights");
+    let want = schedule_logits(&load(&cfg, &w, DType::F32, WeightFormat::Q8_0, false));
+    let got = schedule_logits(&load(&cfg, &w, DType::F32, WeightFormat::Q8_0, true));
+    let d = max_rel_diff(&got, &want);
+    assert!(d <= 1e-4, "lean Q8_0 differs from candle Q8_0 by {d:e}");
+}
+
+#[test]
+fn lean_f16_and_q8_stay_close_to_f32() {
+    let cfg = config("LlamaForCausalLM", None, false, 16);
+    let w = Weights::random(&cfg, 13, 0.5).expect("weights");
+    let f32_logits = schedule_logits(&load(&cfg, &w, DType::F32, WeightFormat::AsCompute, true));
+    for (dtype, format, tol) in [
+        (DType::F16, WeightFormat::AsCompute, 2e-2),
+        (DType::F32, WeightFormat::Q8_0, 5e-2),
+    ] {
+        let got = schedule_logits(&load(&cfg, &w, dtype, format, true));
+        let d = max_rel_diff(&got, &f32_logits);
+        eprintln!("{dtype:?}/{format:?}: max relative logit difference to f32 {d:e}");
+        assert!(d <= tol, "{dtype:?}/{format:?} differs from f32 by {d:e}");
+    }
+}
+
+/// Greedy continuations of `prompts`, all in one batch per step.
+pub(crate) fn greedy(model: &Model, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<u32>> {
+    let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, prompts.len() * 1024);
+    let mut out = vec![Vec::new(); prompts.len()];
+    let mut batch = Batch::default();
+    for (i, p) in prompts.iter().enumerate() {
+        kv.allocate(i as u32, p.len() + steps).expect("room");
+        batch.push(i as u32, 0, p, OutputRows::Last);
+    }
+    for _ in 0..steps {
+        let logits = model
+            .unembed(&model.forward(&batch, &mut kv).expect("forward"))
+            .expect("unembed");
+        let next: Vec<u32> = logits.argmax(1).expect("argmax").to_vec1().expect("ids");
+        batch = Batch::default();
+        for (i, &t) in next.iter().enumerate() {
+            out[i].push(t);
+            let len = kv.len(i as u32).expect("slot");
+            batch.push(i as u32, len, &[t], OutputRows::Last);
+        }
+    }
+    out
+}
+
+/// Fraction of positions where two continuations agree.
+pub(crate) fn agreement(a: &[Vec<u32>], b: &[Vec<u32>]) -> f64 {
+    let (mut same, mut total) = (0usize, 0usize);
+    for (x, y) in a.iter().zip(b) {
+        same += x.iter().zip(y).filter(|(p, q)| p == q).count();
+        total += x.len();
+    }
+    same as f64 / total.max(1) as f64
+}
+
+#[test]
+fn stories260k_greedy_agreement_with_f32() {
+    let dir = Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../shared/models/stories260k"
+    ));
+    if !dir.exists() {
+        eprintln!("SKIP: {} is absent", dir.display());
+        return;
+    }
+    let cfg = ModelConfig::from_dir(dir).expect("config");
+    let w = Weights::from_dir(dir).expect("weights");
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("reference.json")).expect("reference.json"),
+    )
+    .expect("json");
+    let prompts: Vec<Vec<u32>> = reference["prompts"]
+        .as_array()
+        .expect("prompts")
+        .iter()
+        .map(|p| {
+            p["prompt_ids"]
+                .as_array()
+                .expect("ids")
+                .iter()
+                .map(|x| x.as_u64().expect("id") as u32)
+                .collect()
+        })
+        .collect();
+    let f32_ids = greedy(
+        &load(&cfg, &w, DType::F32, WeightFormat::AsCompute, true),
+        &prompts,
+        64,
+    );
+    let expected: Vec<Vec<u32>> = reference["prompts"]
+        .as_array()
+        .expect("prompts")
+        .iter()
+        .map(|p| {
+            p["generated_ids"]
+                .as_array()
+                .expect("ids")
+                .iter()
+                .map(|x| x.as_u64().expect("id") as u32)
+                .collect()
+        })
+        .collect();
+    assert_eq!(f32_ids, expected, "lean f32 reproduces the reference ids");
+    for (dtype, format, floor) in [
+        (DType::F16, WeightFormat::AsCompute, 0.9),
+        (DType::F32, WeightFormat::Q8_0, 0.5),
+        (DType::F32, WeightFormat::Q4K, 0.2),
+    ] {
+        let ids = greedy(&load(&cfg, &w, dtype, format, true), &prompts, 64);
+        let a = agreement(&ids, &f32_ids);
+        eprintln!(
+            "stories260k {dtype:?}/{format:?}: greedy agreement with f32 {:.3}",
+            a
+        );
+        assert!(
+            a >= floor,
+            "{dtype:?}/{format:?} agreement {a} below {floor}"
+        );
+    }
+}
