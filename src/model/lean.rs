@@ -223,6 +223,7 @@ impl Model {
         batch: &Batch,
         kv: &mut KvCache,
         num_layers: usize,
+        embeddings: Option<&Tensor>,
     ) -> Result<Tensor, ModelError> {
         let mut guard = lean.ws.lock().unwrap_or_else(|e| e.into_inner());
         let ws = &mut *guard;
@@ -248,7 +249,11 @@ impl Model {
             ws.positions.extend(s.offset..s.offset + s.len);
         }
         let x = grow(&mut ws.x, n * hsz);
-        self.embed_rows(&batch.tokens, x)?;
+        match embeddings {
+            // Input rows given by the caller (an MTP head's projected inputs).
+            Some(e) => x.copy_from_slice(&e.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+            None => self.embed_rows(&batch.tokens, x)?,
+        }
         tick(0);
 
         let heads = Heads {

@@ -325,7 +325,7 @@ impl Model {
             kv.ensure_room(s.slot, s.len)?;
         }
         if let Some(lean) = &self.lean {
-            return self.forward_lean(lean, batch, kv, num_layers);
+            return self.forward_lean(lean, batch, kv, num_layers, None);
         }
         let x = self.token_embeddings(&batch.tokens)?;
         self.run_layers(batch, x, kv, num_layers)
@@ -334,7 +334,7 @@ impl Model {
     /// Runs every layer over input embeddings `[batch.tokens.len(), hidden]`
     /// given by the caller instead of the token embeddings (`batch.tokens`
     /// then only sets the span lengths). MTP heads feed their projected
-    /// inputs through their decoder block this way (on the candle path).
+    /// inputs through their decoder block this way.
     pub fn forward_embeddings(
         &self,
         batch: &Batch,
@@ -351,6 +351,9 @@ impl Model {
         }
         for s in &batch.seqs {
             kv.ensure_room(s.slot, s.len)?;
+        }
+        if let Some(lean) = &self.lean {
+            return self.forward_lean(lean, batch, kv, self.cfg.num_layers, Some(&embeddings));
         }
         self.run_layers(
             batch,

@@ -145,11 +145,9 @@ impl MtpHead {
         let block = Model::load(
             block_config(cfg),
             &Weights::Memory(block_weights),
-            // The block runs on the candle path (`forward_embeddings`).
             &LoadOptions {
                 dtype,
                 device: device.clone(),
-                lean_cpu: false,
                 ..LoadOptions::default()
             },
         )?;
