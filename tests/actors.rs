@@ -416,3 +416,69 @@ async fn events_arrive_once_in_order_under_random_cancellation() {
     }
     panic!("slots were not freed: {:?}", handle.stats().await.unwrap());
 }
+
+#[actix::test]
+async fn stop_strings_inside_an_accepted_draft_run_stop_exactly() {
+    use tandem::engine::{DraftSchedule, EarlyExitDraft, SpecConfig, SpecOptions};
+    let (model, tokenizer) = tiny_model_cpu(TinyPreset::Test).unwrap();
+    let layers = model.config().num_layers;
+    let engine = Engine::new(
+        model,
+        EngineConfig {
+            kv_capacity_tokens: 4096,
+            model_name: "test".into(),
+            eos_ids: vec![],
+        },
+    )
+    .with_draft(
+        Box::new(EarlyExitDraft { layers }),
+        SpecConfig {
+            max_batch: 64,
+            ..Default::default()
+        },
+    );
+    let handle = TandemHandle::start(engine, tokenizer, SchedulerConfig::default()).unwrap();
+    let spec = SpecOptions {
+        enabled: true,
+        initial_draft: 6,
+        max_draft: 6,
+        schedule: DraftSchedule::Constant,
+    };
+    let base = GenerateRequest::new(prompt(7, 5), 40).with_mtp(spec);
+    let free = handle
+        .complete(base.clone().with_mtp(SpecOptions::off()))
+        .await
+        .unwrap();
+    let with_mtp = handle.complete(base.clone()).await.unwrap();
+    assert_eq!(
+        with_mtp.text, free.text,
+        "greedy MTP output equals plain output"
+    );
+    assert!(with_mtp.finished.usage.draft_tokens > 0);
+    // A stop string in the middle of the text: a perfect draft accepts whole
+    // runs, so the match falls inside an accepted run.
+    let mid = free
+        .text
+        .char_indices()
+        .nth(free.text.chars().count() / 2)
+        .unwrap()
+        .0;
+    let stop: String = free.text[mid..].chars().take(5).collect();
+    let got = handle
+        .complete(base.with_stop(vec![stop.clone()]))
+        .await
+        .unwrap();
+    assert_eq!(got.text, free.text[..free.text.find(&stop).unwrap()]);
+    assert_eq!(got.finished.reason, FinishReason::Stop);
+    // The stopped request's slot is released at the next step boundary.
+    let mut stats = handle.stats().await.unwrap();
+    for _ in 0..100 {
+        if stats.kv_reserved_tokens == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        stats = handle.stats().await.unwrap();
+    }
+    assert_eq!((stats.running, stats.kv_reserved_tokens), (0, 0));
+    assert!(stats.mtp_accepted > 0 && stats.mtp_speculative_steps > 0);
+}

@@ -514,3 +514,54 @@ fn drafting_backs_off_when_it_does_not_pay() {
         "a useless draft is paused most of the time"
     );
 }
+
+#[test]
+fn requests_with_logprobs_decode_without_drafts() {
+    let layers = TinyPreset::Test.config().num_layers;
+    let spec = Some(SpecOptions {
+        initial_draft: 3,
+        max_draft: 3,
+        schedule: DraftSchedule::Constant,
+        enabled: true,
+    });
+    let with_lp = SamplingOptions {
+        logprobs: true,
+        top_logprobs: 2,
+        ..Default::default()
+    };
+    let reqs = vec![
+        Req {
+            prompt: vec![1, 30, 31],
+            sampling: with_lp,
+            max_new: 12,
+            spec,
+        },
+        Req {
+            prompt: vec![1, 32, 33],
+            sampling: SamplingOptions::greedy(),
+            max_new: 12,
+            spec,
+        },
+    ];
+    let plain = run(&mut engine(test_model(), None, vec![]), &reqs, 8);
+    let got = run(
+        &mut engine(
+            test_model(),
+            Some(Box::new(EarlyExitDraft { layers })),
+            vec![],
+        ),
+        &reqs,
+        8,
+    );
+    assert_eq!(got.drafted[0], 0, "the logprobs request never drafts");
+    assert!(got.drafted[1] > 0, "the other one does");
+    for (a, b) in got.tokens[0].iter().zip(&plain.tokens[0]) {
+        assert_eq!(a.id, b.id);
+        assert_eq!(
+            a.logprob, b.logprob,
+            "every logprob comes from a plain sampler call"
+        );
+        assert_eq!(a.top_logprobs.len(), 2);
+    }
+    assert_eq!(got.ids(1), plain.ids(1));
+}

@@ -140,6 +140,7 @@ pub(crate) struct StepTimings {
     engine: Duration,
     forward: Duration,
     sample: Duration,
+    draft: Duration,
     round_trip: Duration,
     round_trip_max: Duration,
     plan: Duration,
@@ -158,6 +159,7 @@ impl StepTimings {
         self.engine += stats.total;
         self.forward += stats.forward;
         self.sample += stats.sample;
+        self.draft += stats.draft;
         self.round_trip += round_trip;
         self.round_trip_max = self.round_trip_max.max(round_trip);
     }
@@ -188,6 +190,7 @@ impl StepTimings {
             engine_total: self.engine,
             forward_total: self.forward,
             sample_total: self.sample,
+            draft_total: self.draft,
             round_trip_total: self.round_trip,
             round_trip_max: self.round_trip_max,
             plan_total: self.plan,
@@ -209,8 +212,10 @@ pub struct StepTimingSnapshot {
     pub engine_total: Duration,
     /// Sum of the engine's forward-pass time.
     pub forward_total: Duration,
-    /// Sum of the engine's sampler time.
+    /// Sum of the engine's sampler time (verification of drafts included).
     pub sample_total: Duration,
+    /// Sum of the engine's drafting time (speculative decoding).
+    pub draft_total: Duration,
     /// Sum over steps of plan submitted → outcome handled by the actor
     /// (engine time plus the two channel hops and mailbox wait).
     pub round_trip_total: Duration,
@@ -313,6 +318,9 @@ pub struct SchedulerStats {
     pub mtp_drafted: u64,
     /// Draft tokens the target accepted.
     pub mtp_accepted: u64,
+    /// Sequence-steps that verified drafts (mean accepted per speculative
+    /// step = `mtp_accepted / mtp_speculative_steps`).
+    pub mtp_speculative_steps: u64,
     /// Sampler calls on the fused uniform path.
     pub sampler_uniform_calls: u64,
     /// Sampler calls on the serial path.

@@ -61,6 +61,7 @@ struct Counters {
     tokens_generated: u64,
     drafted: u64,
     accepted_drafts: u64,
+    speculative_steps: u64,
     uniform_calls: u64,
     serial_calls: u64,
     submitted: u64,
@@ -391,6 +392,7 @@ impl SchedulerState {
             self.counters.tokens_generated += p.tokens.len() as u64;
             self.counters.drafted += p.drafted as u64;
             self.counters.accepted_drafts += p.accepted as u64;
+            self.counters.speculative_steps += u64::from(p.drafted > 0);
         }
         if self.slots.get(slot).is_none() {
             // Releasing (cancelled while this step ran): drop its tokens, but
@@ -526,6 +528,7 @@ impl SchedulerState {
             tokens_generated: c.tokens_generated,
             mtp_drafted: c.drafted,
             mtp_accepted: c.accepted_drafts,
+            mtp_speculative_steps: c.speculative_steps,
             sampler_uniform_calls: c.uniform_calls,
             sampler_serial_calls: c.serial_calls,
             mean_seqs_per_step: if c.work_steps == 0 {

@@ -93,7 +93,7 @@ fn scheduler(out: &mut String, s: &SchedulerStats) {
         sample(out, name, "", v as f64);
     }
 
-    let counters: [(&str, &str, u64); 6] = [
+    let counters: [(&str, &str, u64); 7] = [
         (
             "tandem_steps_total",
             "Step plans run by the engine.",
@@ -123,6 +123,11 @@ fn scheduler(out: &mut String, s: &SchedulerStats) {
             "tandem_mtp_accepted_tokens_total",
             "Drafted tokens the target accepted.",
             s.mtp_accepted,
+        ),
+        (
+            "tandem_mtp_speculative_steps_total",
+            "Sequence-steps that verified drafts.",
+            s.mtp_speculative_steps,
         ),
     ];
     for (name, help, v) in counters {
@@ -179,6 +184,7 @@ fn scheduler(out: &mut String, s: &SchedulerStats) {
     for (phase, d) in [
         ("forward", t.forward_total),
         ("sample", t.sample_total),
+        ("draft", t.draft_total),
         ("step", t.engine_total),
     ] {
         sample(
