@@ -19,6 +19,7 @@
 //! - `TANDEM_BENCH_FORMATS=f32,f16,q8_0` weight formats (also `q4_k`, and
 //!   `candle-f32` / `candle-f16` for the candle-op reference path);
 //! - `TANDEM_BENCH_REPS=3`, `TANDEM_BENCH_STEPS=128`;
+//! - `TANDEM_BENCH_THREADS=N` caps the lean kernels' threads;
 //! - `TANDEM_BENCH_PROFILE=1` adds a per-phase breakdown of one more
 //!   decode run per configuration;
 //! - `TANDEM_BENCH_AGREEMENT=1` adds, for each non-f32 format, the greedy
@@ -87,6 +88,9 @@ fn load(name: &str, weights: &Weights, cfg: &ModelConfig) -> Config {
         dtype,
         weight_format: format,
         lean_cpu: lean,
+        threads: std::env::var("TANDEM_BENCH_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok()),
         ..LoadOptions::default()
     };
     let model = Model::load(cfg.clone(), weights, &opts).expect("model loads");
