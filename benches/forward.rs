@@ -19,8 +19,13 @@
 //! - `TANDEM_BENCH_FORMATS=f32,f16,q8_0` weight formats (also `q4_k`, and
 //!   `candle-f32` / `candle-f16` for the candle-op reference path);
 //! - `TANDEM_BENCH_REPS=3`, `TANDEM_BENCH_STEPS=128`;
+//! - `TANDEM_BENCH_THREADS=N` caps the lean kernels' threads;
 //! - `TANDEM_BENCH_PROFILE=1` adds a per-phase breakdown of one more
-//!   decode run per configuration.
+//!   decode run per configuration;
+//! - `TANDEM_BENCH_AGREEMENT=1` adds, for each non-f32 format, the greedy
+//!   agreement with f32 over 64-token continuations of 8 prompts (fraction
+//!   of identical tokens position by position, and the mean length of the
+//!   identical prefix).
 
 use std::time::{Duration, Instant};
 
@@ -83,6 +88,9 @@ fn load(name: &str, weights: &Weights, cfg: &ModelConfig) -> Config {
         dtype,
         weight_format: format,
         lean_cpu: lean,
+        threads: std::env::var("TANDEM_BENCH_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok()),
         ..LoadOptions::default()
     };
     let model = Model::load(cfg.clone(), weights, &opts).expect("model loads");
@@ -138,6 +146,59 @@ fn run(
     (prefill, decode, pre_phases, phases)
 }
 
+/// Greedy continuations of `prompts` (all decoded in one batch per step).
+fn greedy(model: &Model, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<u32>> {
+    let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, prompts.len() * 1024);
+    let mut out = vec![Vec::new(); prompts.len()];
+    let mut batch = Batch::default();
+    for (i, p) in prompts.iter().enumerate() {
+        kv.allocate(i as u32, p.len() + steps).expect("KV room");
+        batch.push(i as u32, 0, p, OutputRows::Last);
+    }
+    for _ in 0..steps {
+        let h = model.forward(&batch, &mut kv).expect("forward");
+        let next: Vec<u32> = model
+            .unembed(&h)
+            .expect("unembed")
+            .argmax(1)
+            .expect("argmax")
+            .to_vec1()
+            .expect("ids");
+        batch = Batch::default();
+        for (i, &t) in next.iter().enumerate() {
+            out[i].push(t);
+            let len = kv.len(i as u32).expect("slot");
+            batch.push(i as u32, len, &[t], OutputRows::Last);
+        }
+    }
+    out
+}
+
+/// Prints each format's greedy agreement with the f32 configuration.
+fn agreement(configs: &[Config]) {
+    let Some(reference) = configs.iter().find(|c| c.name == "f32") else {
+        println!("\n(agreement needs f32 in TANDEM_BENCH_FORMATS)");
+        return;
+    };
+    let prompts: Vec<Vec<u32>> = (0..8u32).map(|s| prompt(s)[..16].to_vec()).collect();
+    let want = greedy(&reference.model, &prompts, 64);
+    println!("\ngreedy agreement with f32 (8 prompts x 64 tokens):");
+    for c in configs.iter().filter(|c| c.name != "f32") {
+        let got = greedy(&c.model, &prompts, 64);
+        let (mut same, mut prefix) = (0usize, 0usize);
+        for (g, w) in got.iter().zip(&want) {
+            same += g.iter().zip(w).filter(|(a, b)| a == b).count();
+            prefix += g.iter().zip(w).take_while(|(a, b)| a == b).count();
+        }
+        println!(
+            "  {:<10} {:.3} of tokens identical, identical prefix {:.1} tokens on average",
+            c.name,
+            same as f64 / (8.0 * 64.0),
+            prefix as f64 / 8.0
+        );
+    }
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -156,6 +217,7 @@ fn main() {
     let reps = env_usize("TANDEM_BENCH_REPS", 3).max(1);
     let steps = env_usize("TANDEM_BENCH_STEPS", 128).max(1);
     let profile = env_usize("TANDEM_BENCH_PROFILE", 0) > 0;
+    let agree = env_usize("TANDEM_BENCH_AGREEMENT", 0) > 0;
 
     let cfg = ModelConfig::from_json(LLAMA_100M).expect("valid config");
     let weights = Weights::random(&cfg, 0, 0.02).expect("random weights");
@@ -208,6 +270,9 @@ fn main() {
         println!("  {:<10} {}", c.name, v.join(", "));
     }
 
+    if agree {
+        agreement(&configs);
+    }
     if profile {
         println!("\nper-phase share of time (one more run each, profiling on):");
         for c in &configs {

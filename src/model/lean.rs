@@ -127,7 +127,7 @@ impl Lean {
     /// Starts (or stops) accumulating per-phase step times.
     pub(crate) fn set_profiling(&self, on: bool) {
         let mut ws = self.ws.lock().unwrap_or_else(|e| e.into_inner());
-        ws.profile = on.then(|| [Duration::ZERO; PHASES.len()]);
+        ws.profile = on.then_some([Duration::ZERO; PHASES.len()]);
     }
 
     /// Per-phase times accumulated since profiling started (then reset).
@@ -394,12 +394,10 @@ impl Model {
             .collect();
         let ldo = heads.num_heads * heads.head_dim;
         let o = SharedMut(out.as_mut_ptr());
+        type Guard<'a> = (candle_core::StorageRef<'a>, &'a Layout);
         fn seqs<T: candle_core::WithDType>(
             batch: &Batch,
-            guards: &[(
-                (candle_core::StorageRef, &Layout),
-                (candle_core::StorageRef, &Layout),
-            )],
+            guards: &[(Guard, Guard)],
             qkv: &[f32],
             ldqkv: usize,
             o: SharedMut<f32>,

@@ -153,6 +153,22 @@ fn lean_rows_are_bit_identical_solo_batched_and_threaded() {
 }
 
 #[test]
+fn lean_unembeds_zero_rows() {
+    let cfg = config("LlamaForCausalLM", None, false, 16);
+    let w = Weights::random(&cfg, 15, 0.5).expect("weights");
+    for format in [WeightFormat::AsCompute, WeightFormat::Q8_0] {
+        let model = load(&cfg, &w, DType::F32, format, true);
+        let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, 64);
+        kv.allocate(0, 8).expect("room");
+        let mut b = Batch::default();
+        b.push(0, 0, &[1, 2, 3], OutputRows::None);
+        let h = model.forward(&b, &mut kv).expect("forward");
+        assert_eq!(h.dims(), &[0, 64]);
+        assert_eq!(model.unembed(&h).expect("unembed").dims(), &[0, 97]);
+    }
+}
+
+#[test]
 fn lean_quantized_equals_candle_quantized() {
     // Same QTensors through both paths: only the surrounding step differs.
     let json = serde_json::json!({

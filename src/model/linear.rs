@@ -131,6 +131,9 @@ impl Linear {
         out: &mut [f32],
         accumulate: bool,
     ) -> candle_core::Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
         match self {
             Self::Dense(w) => {
                 let (n, k) = w.dims2()?;

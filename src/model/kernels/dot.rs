@@ -252,9 +252,11 @@ unsafe fn portable_block<W: WElem>(
             let mut kk = 0;
             while kk < k {
                 let len = (k - kk).min(PL);
-                for (j, a) in acc.iter_mut().enumerate() {
-                    for l in 0..len {
-                        a[l] += *x.add(kk + l) * (*w[j].add(kk + l)).to_f32();
+                let xs = std::slice::from_raw_parts(x.add(kk), len);
+                for (a, wj) in acc.iter_mut().zip(&w) {
+                    let ws = std::slice::from_raw_parts(wj.add(kk), len);
+                    for ((a, &xv), &wv) in a.iter_mut().zip(xs).zip(ws) {
+                        *a += xv * wv.to_f32();
                     }
                 }
                 kk += PL;

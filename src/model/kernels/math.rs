@@ -127,6 +127,8 @@ mod x86 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
+    // Cephes' coefficients as published.
+    #[allow(clippy::excessive_precision)]
     const P: [f32; 6] = [
         1.987_569_1e-4,
         1.398_199_9e-3,
@@ -135,8 +137,10 @@ mod x86 {
         1.666_666_5e-1,
         5.000_000_1e-1,
     ];
-    const HI: f32 = 88.376_26;
-    const LO: f32 = -87.336_54;
+    // Inputs are clamped so 2^n stays a normal float (n ∈ [-126, 127]);
+    // beyond them softmax and SiLU only need "tiny" and "huge".
+    const HI: f32 = 88.0;
+    const LO: f32 = -87.0;
 
     #[inline(always)]
     unsafe fn exp512(x: __m512) -> __m512 {
