@@ -18,6 +18,7 @@
 //! backend only has to replace these modules.
 
 pub mod batch;
+mod batched_attention;
 pub mod config;
 pub(crate) mod kernels;
 mod lean;
@@ -26,6 +27,7 @@ mod lean_tests;
 pub mod linear;
 pub mod llama;
 pub mod mtp;
+mod pooled_attention;
 pub mod weights;
 
 use std::path::PathBuf;

@@ -1,0 +1,412 @@
+//! The GPU code path: candle ops, pooled KV and batched attention.
+//!
+//! With `--features cuda` and a CUDA device present these tests run on
+//! GPU 0 (`TANDEM_REQUIRE_GPU=1` makes its absence a failure); otherwise they run the same code path on the CPU (the candle
+//! reference ops instead of the lean kernels, with pooled KV), so CI checks
+//! the path a GPU takes even without one. Every comparison is against the
+//! per-sequence attention over per-slot KV, which `tests/model.rs` checks
+//! against the stories260k reference.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use support::engine_driver::{run_tokens, Req};
+use tandem::engine::{Engine, EngineConfig, GeneratedToken};
+use tandem::kv::KvCache;
+use tandem::model::{Batch, LoadOptions, Model, ModelConfig, OutputRows, Weights};
+use tandem::sampler::SamplingOptions;
+
+/// GPU 0 when this build and machine have one, else the CPU.
+fn test_device() -> Device {
+    match Device::new_cuda(0) {
+        Ok(device) => device,
+        Err(e) => {
+            if std::env::var_os("TANDEM_REQUIRE_GPU").is_some() {
+                panic!("TANDEM_REQUIRE_GPU is set but CUDA device 0 cannot be opened: {e}");
+            }
+            eprintln!("NOTE: no CUDA device ({e}); running the GPU code path on the CPU");
+            Device::Cpu
+        }
+    }
+}
+
+fn options(device: &Device, dtype: DType) -> LoadOptions {
+    LoadOptions {
+        dtype,
+        device: device.clone(),
+        lean_cpu: false,
+        ..LoadOptions::default()
+    }
+}
+
+fn shared(rel: &str) -> Option<PathBuf> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared")
+        .join(rel);
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!("SKIP: {} is absent", p.display());
+        None
+    }
+}
+
+/// A small random GQA model (2 KV heads shared by 4 query heads).
+fn small_model(device: &Device, sliding_window: Option<usize>) -> Model {
+    let json = serde_json::json!({
+        "architectures": [if sliding_window.is_some() { "MistralForCausalLM" } else { "LlamaForCausalLM" }],
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": false, "sliding_window": sliding_window,
+    });
+    let cfg = ModelConfig::from_json(&json.to_string()).unwrap();
+    let w = Weights::random(&cfg, 7, 0.5).unwrap();
+    Model::load(cfg, &w, &options(device, DType::F32)).unwrap()
+}
+
+fn prompt(seed: u32, len: usize, vocab: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (seed * 31 + i * 17 + 3) % vocab)
+        .collect()
+}
+
+fn rows(t: &Tensor) -> Vec<Vec<f32>> {
+    t.to_device(&Device::Cpu).unwrap().to_vec2().unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn step(model: &Model, kv: &mut KvCache, batch: &Batch) -> Vec<Vec<f32>> {
+    rows(&model.unembed(&model.forward(batch, kv).unwrap()).unwrap())
+}
+
+/// Ragged batches (decodes, prefills, draft verification shapes) through
+/// batched attention over pooled KV equal each sequence run alone through
+/// per-sequence attention over per-slot KV.
+#[test]
+fn pooled_batched_attention_equals_per_sequence() {
+    let device = test_device();
+    // (history already in cache, tokens this step, output rows)
+    let ragged = [
+        // 7 sequences of at most 6 tokens: all padded together.
+        (0, 5, OutputRows::Last),
+        (3, 1, OutputRows::Last),
+        (10, 4, OutputRows::All),
+        (1, 1, OutputRows::All),
+        (0, 6, OutputRows::All),
+        (6, 2, OutputRows::Last),
+        (20, 3, OutputRows::Last),
+    ];
+    let mixed = [
+        // A long prefill chunk before decodes: the decodes are padded
+        // together, the chunk is attended alone, rows put back in order.
+        (0, 30, OutputRows::All),
+        (3, 1, OutputRows::Last),
+        (10, 1, OutputRows::All),
+        (6, 2, OutputRows::Last),
+        (20, 1, OutputRows::Last),
+    ];
+    for (window, shapes) in [
+        (None, &ragged[..]),
+        (Some(5), &ragged[..]),
+        (None, &mixed[..]),
+        (Some(5), &mixed[..]),
+    ] {
+        let model = small_model(&device, window);
+        let mut pooled = KvCache::pooled(model.kv_layout(), device.clone(), 4096);
+        let mut batch = Batch::default();
+        let mut solo = Vec::new();
+        for (i, &(history, len, out)) in shapes.iter().enumerate() {
+            let slot = i as u32 + 10;
+            let toks = prompt(i as u32, history + len, 97);
+            let mut own = KvCache::per_slot(model.kv_layout(), device.clone(), 4096);
+            own.allocate(slot, 64).unwrap();
+            pooled.allocate(slot, 64).unwrap();
+            if history > 0 {
+                for kv in [&mut own, &mut pooled] {
+                    let mut b = Batch::default();
+                    b.push(slot, 0, &toks[..history], OutputRows::None);
+                    assert_eq!(model.forward(&b, kv).unwrap().dim(0).unwrap(), 0);
+                }
+            }
+            let mut b = Batch::default();
+            b.push(slot, history, &toks[history..], out);
+            solo.extend(step(&model, &mut own, &b));
+            batch.push(slot, history, &toks[history..], out);
+        }
+        let got = step(&model, &mut pooled, &batch);
+        assert_eq!(got.len(), solo.len());
+        for (g, s) in got.iter().zip(&solo) {
+            let d = max_abs_diff(g, s);
+            assert!(d <= 1e-4, "window {window:?}: pooled batch differs by {d}");
+        }
+        // A uniform decode step (no padding) agrees too.
+        let mut decode = Batch::default();
+        let mut want = Vec::new();
+        for (i, s) in batch.seqs.iter().enumerate() {
+            let at = s.offset + s.len;
+            decode.push(s.slot, at, &[(i as u32 * 5 + 1) % 97], OutputRows::Last);
+        }
+        let got = step(&model, &mut pooled, &decode);
+        // Reference: replay every sequence alone, per slot.
+        for (i, &(history, len, _)) in shapes.iter().enumerate() {
+            let slot = i as u32 + 10;
+            let mut toks = prompt(i as u32, history + len, 97);
+            toks.push((i as u32 * 5 + 1) % 97);
+            let mut own = KvCache::per_slot(model.kv_layout(), device.clone(), 4096);
+            own.allocate(slot, 64).unwrap();
+            let mut b = Batch::default();
+            b.push(slot, 0, &toks, OutputRows::Last);
+            want.extend(step(&model, &mut own, &b));
+        }
+        for (g, w) in got.iter().zip(&want) {
+            let d = max_abs_diff(g, w);
+            assert!(d <= 1e-4, "window {window:?}: decode differs by {d}");
+        }
+    }
+}
+
+/// Speculation on pooled KV: committing j of k drafts leaves the cache as
+/// if only the j tokens had been fed.
+#[test]
+fn pooled_speculation_commit_equals_feeding_only_accepted() {
+    let device = test_device();
+    let model = small_model(&device, None);
+    let toks = prompt(2, 10, 97);
+    let drafts = [11u32, 12, 13, 14];
+    for accepted in 0..=drafts.len() {
+        let mut kv = KvCache::pooled(model.kv_layout(), device.clone(), 128);
+        // A neighbour on both sides keeps the slot's range inside the pool.
+        kv.allocate(1, 16).unwrap();
+        kv.allocate(3, 64).unwrap();
+        kv.allocate(4, 16).unwrap();
+        let mut b = Batch::default();
+        b.push(3, 0, &toks, OutputRows::Last);
+        b.push(4, 0, &toks[..3], OutputRows::Last);
+        model.forward(&b, &mut kv).unwrap();
+        kv.begin(3).unwrap();
+        let mut b = Batch::default();
+        b.push(3, 10, &drafts, OutputRows::All);
+        b.push(4, 3, &[5], OutputRows::Last);
+        model.forward(&b, &mut kv).unwrap();
+        kv.commit(3, accepted).unwrap();
+
+        let mut reference = KvCache::per_slot(model.kv_layout(), device.clone(), 128);
+        reference.allocate(3, 64).unwrap();
+        let mut all = toks.clone();
+        all.extend_from_slice(&drafts[..accepted]);
+        let mut b = Batch::default();
+        b.push(3, 0, &all, OutputRows::Last);
+        model.forward(&b, &mut reference).unwrap();
+
+        let next = |kv: &mut KvCache| {
+            let mut b = Batch::default();
+            b.push(3, 10 + accepted, &[42], OutputRows::Last);
+            step(&model, kv, &b).remove(0)
+        };
+        let d = max_abs_diff(&next(&mut kv), &next(&mut reference));
+        assert!(d <= 1e-4, "accepted {accepted}: diff {d}");
+    }
+}
+
+/// Freed ranges are reused first-fit, and a reservation that fits only in
+/// fragmented free space compacts the live slots without losing their
+/// caches.
+#[test]
+fn pooled_kv_reuses_and_compacts_ranges() {
+    let device = test_device();
+    let model = small_model(&device, None);
+    let mut kv = KvCache::pooled(model.kv_layout(), device.clone(), 100);
+    for (slot, reserve) in [(1, 5), (2, 20), (3, 40), (4, 35)] {
+        kv.allocate(slot, reserve).unwrap();
+    }
+    assert_eq!(kv.pool_base(4).unwrap(), 65);
+    let mut b = Batch::default();
+    for slot in [2, 3, 4] {
+        b.push(slot, 0, &prompt(slot, 15, 97), OutputRows::None);
+    }
+    model.forward(&b, &mut kv).unwrap();
+    assert!(kv.free(1) && kv.free(3)); // holes: rows 0..5 and 25..65
+    kv.allocate(5, 10).unwrap();
+    assert_eq!(kv.pool_base(5).unwrap(), 25, "first fit reuses a hole");
+    assert!(kv.free(5));
+    // 45 tokens are free but the largest hole holds 40: compaction moves
+    // slot 2 down by 5 rows (overlapping its old range) and slot 4 to 20.
+    kv.allocate(8, 45).unwrap();
+    assert_eq!(kv.available_tokens(), 0);
+    assert_eq!(
+        [2, 4, 8].map(|s| kv.pool_base(s).unwrap()),
+        [0, 20, 55],
+        "compacted layout"
+    );
+    let mut b = Batch::default();
+    for slot in [2, 4] {
+        b.push(slot, 15, &[7], OutputRows::Last);
+    }
+    let got = step(&model, &mut kv, &b);
+    for (i, slot) in [2u32, 4].into_iter().enumerate() {
+        let mut own = KvCache::per_slot(model.kv_layout(), device.clone(), 64);
+        own.allocate(slot, 20).unwrap();
+        let mut toks = prompt(slot, 15, 97);
+        toks.push(7);
+        let mut b = Batch::default();
+        b.push(slot, 0, &toks, OutputRows::Last);
+        let want = step(&model, &mut own, &b).remove(0);
+        let d = max_abs_diff(&got[i], &want);
+        assert!(d <= 1e-4, "slot {slot} after compaction: diff {d}");
+    }
+}
+
+fn stories_reference(dir: &Path) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let list = reference["prompts"].as_array().unwrap();
+    (
+        list.iter().map(|p| ids(&p["prompt_ids"])).collect(),
+        list.iter().map(|p| ids(&p["generated_ids"])).collect(),
+    )
+}
+
+fn engine_for(model: Model) -> Engine {
+    Engine::new(
+        model,
+        EngineConfig {
+            kv_capacity_tokens: 4096,
+            model_name: "test".into(),
+            eos_ids: vec![],
+        },
+    )
+}
+
+fn ids(tokens: &[GeneratedToken]) -> Vec<u32> {
+    tokens.iter().map(|t| t.id).collect()
+}
+
+/// The stories260k reference ids in f32 on the test device, through the
+/// engine (pooled KV on a GPU, device argmax), solo and batched.
+#[test]
+fn stories260k_reference_on_the_device() {
+    let Some(dir) = shared("models/stories260k") else {
+        return;
+    };
+    let device = test_device();
+    let (prompts, want) = stories_reference(&dir);
+    let model = Model::from_dir(&dir, &options(&device, DType::F32)).unwrap();
+    let mut engine = engine_for(model);
+    let reqs: Vec<Req> = prompts
+        .iter()
+        .map(|p| Req::new(p.clone(), SamplingOptions::greedy(), 64))
+        .collect();
+    for (r, w) in reqs.iter().zip(&want) {
+        let got = run_tokens(&mut engine, std::slice::from_ref(r), 512);
+        assert_eq!(&ids(&got[0]), w, "solo");
+    }
+    for chunk in [3, 512] {
+        let got: Vec<Vec<u32>> = run_tokens(&mut engine, &reqs, chunk)
+            .iter()
+            .map(|t| ids(t))
+            .collect();
+        assert_eq!(got, want, "batched, prefill chunk {chunk}");
+    }
+    assert_eq!(engine.kv_reserved_tokens(), 0);
+}
+
+/// Mixed sampling options in one batch equal each request alone on the
+/// test device (the sampler's host and device paths side by side).
+#[test]
+fn mixed_options_batched_equal_solo_on_the_device() {
+    let Some(dir) = shared("models/stories260k") else {
+        return;
+    };
+    let device = test_device();
+    let model = Model::from_dir(&dir, &options(&device, DType::F32)).unwrap();
+    let mut engine = engine_for(model);
+    let (prompts, _) = stories_reference(&dir);
+    let sampling = [
+        SamplingOptions::greedy(),
+        SamplingOptions {
+            temperature: 0.8,
+            top_p: 0.9,
+            seed: Some(7),
+            ..Default::default()
+        },
+        SamplingOptions {
+            logprobs: true,
+            top_logprobs: 3,
+            ..Default::default()
+        },
+        SamplingOptions {
+            repeat_penalty: 1.3,
+            presence_penalty: 0.5,
+            ..Default::default()
+        },
+    ];
+    // With a logprobs request every row goes to the host; without one the
+    // greedy rows take their argmax on the device beside host-sampled rows.
+    for kinds in [&sampling[..], &[sampling[0], sampling[1], sampling[3]]] {
+        let reqs: Vec<Req> = (0..8)
+            .map(|i| {
+                let p = prompts[i % prompts.len()].clone();
+                Req::new(p, kinds[i % kinds.len()], 24)
+            })
+            .collect();
+        let batched = run_tokens(&mut engine, &reqs, 512);
+        for (i, r) in reqs.iter().enumerate() {
+            let solo = run_tokens(&mut engine, std::slice::from_ref(r), 512);
+            assert_eq!(ids(&batched[i]), ids(&solo[0]), "request {i}");
+        }
+    }
+}
+
+/// Half-precision weights on a GPU: the run completes and its greedy
+/// tokens mostly agree with f32 (reported, loosely bounded: rounding may
+/// flip near-ties). On the CPU there is no bf16 compute, so this checks
+/// only f16.
+#[test]
+fn half_precision_agrees_with_f32() {
+    let Some(dir) = shared("models/stories260k") else {
+        return;
+    };
+    let device = test_device();
+    let (prompts, want) = stories_reference(&dir);
+    let dtypes: &[DType] = if device.is_cpu() {
+        &[DType::F16]
+    } else {
+        &[DType::F16, DType::BF16]
+    };
+    for &dtype in dtypes {
+        let model = Model::from_dir(&dir, &options(&device, dtype)).unwrap();
+        let mut engine = engine_for(model);
+        let reqs: Vec<Req> = prompts
+            .iter()
+            .map(|p| Req::new(p.clone(), SamplingOptions::greedy(), 64))
+            .collect();
+        let got = run_tokens(&mut engine, &reqs, 512);
+        let (mut same, mut total) = (0, 0);
+        for (g, w) in got.iter().zip(&want) {
+            let g = ids(g);
+            same += g.iter().zip(w).filter(|(a, b)| a == b).count();
+            total += w.len();
+        }
+        let agreement = same as f64 / total as f64;
+        eprintln!("{dtype:?} greedy agreement with the f32 reference: {agreement:.3}");
+        assert!(agreement >= 0.5, "{dtype:?}: agreement {agreement:.3}");
+    }
+}
