@@ -16,17 +16,63 @@
 //! own kernels over reused buffers); elsewhere, or with
 //! [`LoadOptions::lean_cpu`] off, through candle ops (below). Both read the
 //! same weights and caches and agree within rounding; the candle path is
-//! the reference the lean one is tested against.
+//! the reference the lean one is tested against. The candle path attends
+//! sequence by sequence over per-slot KV; over pooled KV (the GPU default)
+//! it attends for the whole batch at once: with Tandem's own kernel on CUDA
+//! ([`super::pooled_attention`]), with padded candle ops elsewhere
+//! ([`super::batched_attention`]).
 
 use std::path::Path;
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 
+use super::batched_attention::BatchedAttention;
 use super::lean::Lean;
 use super::linear::{Linear, WeightFormat};
-use super::{Batch, ModelConfig, ModelError, OutputRows, Weights};
+use super::pooled_attention::PooledAttention;
+use super::{Batch, ModelConfig, ModelError, OutputRows, SeqSpan, Weights};
 use crate::kv::{KvCache, KvLayout};
+
+/// Phases of the candle path's profile, in step order.
+const CANDLE_PHASES: [&str; 5] = ["other", "norm+qkv+rope", "attention", "o_proj", "mlp"];
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Accumulates the time since the previous lap into a phase, after
+/// synchronising the device; does nothing when profiling is off.
+struct PhaseClock<'a> {
+    device: &'a Device,
+    times: Option<[Duration; CANDLE_PHASES.len()]>,
+    at: Instant,
+}
+
+impl<'a> PhaseClock<'a> {
+    fn start(device: &'a Device, times: Option<[Duration; CANDLE_PHASES.len()]>) -> Self {
+        Self {
+            device,
+            times,
+            at: Instant::now(),
+        }
+    }
+
+    fn lap(&mut self, phase: usize) -> Result<(), ModelError> {
+        if let Some(t) = self.times.as_mut() {
+            self.device.synchronize()?;
+            let now = Instant::now();
+            t[phase] += now - self.at;
+            self.at = now;
+        }
+        Ok(())
+    }
+
+    fn finish(self) -> Option<[Duration; CANDLE_PHASES.len()]> {
+        self.times
+    }
+}
 
 /// How to load a model.
 #[derive(Debug, Clone)]
@@ -85,6 +131,10 @@ pub struct Model {
     sin: Tensor,
     /// The lean CPU path's state; `None` on GPUs or when turned off.
     lean: Option<Lean>,
+    /// Per-phase times of the candle path while profiling (`None`: off).
+    candle_profile: Mutex<Option<[Duration; CANDLE_PHASES.len()]>>,
+    /// Whether the q projection already includes the 1/√head_dim scale.
+    q_prescaled: bool,
 }
 
 impl Model {
@@ -124,12 +174,26 @@ impl Model {
         let linear = |t: Tensor| Linear::new(t, opts.weight_format, dtype, dev);
 
         let embed = get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        // The candle path folds the softmax scale 1/√head_dim into the q
+        // projection when that is exact (a power of two: head_dim 16, 64,
+        // 256), which saves a launch per layer on GPUs. The lean path scales
+        // on its own.
+        let use_lean = dev.is_cpu() && opts.lean_cpu;
+        let q_scale = 1.0 / (hd as f64).sqrt();
+        let q_prescaled = !use_lean && q_scale.log2().fract() == 0.0;
+        let scale_q = |t: Tensor| -> candle_core::Result<Tensor> {
+            if q_prescaled {
+                t * q_scale
+            } else {
+                Ok(t)
+            }
+        };
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
             let qkv = linear(Tensor::cat(
                 &[
-                    get_mat(&format!("{p}.self_attn.q_proj.weight"), &[q, h])?,
+                    scale_q(get_mat(&format!("{p}.self_attn.q_proj.weight"), &[q, h])?)?,
                     get_mat(&format!("{p}.self_attn.k_proj.weight"), &[kv, h])?,
                     get_mat(&format!("{p}.self_attn.v_proj.weight"), &[kv, h])?,
                 ],
@@ -138,7 +202,7 @@ impl Model {
             let qkv_bias = if cfg.attention_bias {
                 Some(Tensor::cat(
                     &[
-                        get(&format!("{p}.self_attn.q_proj.bias"), &[q])?,
+                        scale_q(get(&format!("{p}.self_attn.q_proj.bias"), &[q])?)?,
                         get(&format!("{p}.self_attn.k_proj.bias"), &[kv])?,
                         get(&format!("{p}.self_attn.v_proj.bias"), &[kv])?,
                     ],
@@ -179,7 +243,7 @@ impl Model {
         }
         let cos: Vec<f32> = angles.iter().map(|a| a.cos() as f32).collect();
         let sin: Vec<f32> = angles.iter().map(|a| a.sin() as f32).collect();
-        let lean = if dev.is_cpu() && opts.lean_cpu {
+        let lean = if use_lean {
             let vecs: Vec<_> = layers
                 .iter()
                 .map(|l| (l.attn_norm.clone(), l.mlp_norm.clone(), l.qkv_bias.clone()))
@@ -216,6 +280,8 @@ impl Model {
             cos,
             sin,
             lean,
+            candle_profile: Mutex::new(None),
+            q_prescaled,
         })
     }
 
@@ -224,21 +290,27 @@ impl Model {
         self.lean.is_some()
     }
 
-    /// Starts (`true`) or stops accumulating per-phase step times on the
-    /// lean path (no effect elsewhere); read them with [`take_profile`](Self::take_profile).
+    /// Starts (`true`) or stops accumulating per-phase step times; read
+    /// them with [`take_profile`](Self::take_profile). On the candle path
+    /// (GPUs) profiling synchronises the device at every phase boundary,
+    /// which slows the step down.
     pub fn set_profiling(&self, on: bool) {
-        if let Some(l) = &self.lean {
-            l.set_profiling(on);
+        match &self.lean {
+            Some(l) => l.set_profiling(on),
+            None => *lock(&self.candle_profile) = on.then_some(Default::default()),
         }
     }
 
     /// Per-phase times (step order) accumulated since the last call, when
     /// profiling is on; empty otherwise.
     pub fn take_profile(&self) -> Vec<(&'static str, Duration)> {
-        self.lean
-            .as_ref()
-            .map(Lean::take_profile)
-            .unwrap_or_default()
+        match &self.lean {
+            Some(l) => l.take_profile(),
+            None => lock(&self.candle_profile)
+                .as_mut()
+                .map(|p| CANDLE_PHASES.into_iter().zip(std::mem::take(p)).collect())
+                .unwrap_or_default(),
+        }
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -384,8 +456,27 @@ impl Model {
         let cos = self.cos.index_select(&positions, 0)?;
         let sin = self.sin.index_select(&positions, 0)?;
 
-        let scale = 1.0 / (hd as f64).sqrt();
+        let pooled = PooledAttention::plan(batch, kv, cfg, &self.device)?;
+        let batched = match pooled {
+            Some(_) => None,
+            None => BatchedAttention::plan(batch, kv, cfg, self.dtype, &self.device)?,
+        };
+        let spans: Vec<(SeqSpan, usize)> = batch
+            .seqs
+            .iter()
+            .scan(0, |at, s| {
+                *at += s.len;
+                Some((*s, *at - s.len))
+            })
+            .collect();
+        let mut clock = PhaseClock::start(&self.device, lock(&self.candle_profile).take());
+        let scale = if self.q_prescaled {
+            1.0
+        } else {
+            1.0 / (hd as f64).sqrt()
+        };
         for (l, layer) in self.layers.iter().take(num_layers).enumerate() {
+            clock.lap(0)?;
             let residual = &x;
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps as f32)?;
             let mut qkv = layer.qkv.forward(&h)?;
@@ -404,36 +495,42 @@ impl Model {
                 .narrow(1, (nh + nkv) * hd, nkv * hd)?
                 .contiguous()?
                 .reshape((n, nkv, hd))?;
-            let q = (candle_nn::rotary_emb::rope_thd(&q, &cos, &sin)?.squeeze(0)? * scale)?;
+            let q = candle_nn::rotary_emb::rope_thd(&q, &cos, &sin)?.squeeze(0)?;
+            let q = if scale == 1.0 { q } else { (q * scale)? };
             let k = candle_nn::rotary_emb::rope_thd(&k, &cos, &sin)?.squeeze(0)?;
 
-            let mut outs = Vec::with_capacity(batch.seqs.len());
-            let mut start = 0;
-            for s in &batch.seqs {
-                kv.write(
-                    s.slot,
-                    l,
-                    s.offset,
-                    &k.narrow(0, start, s.len)?,
-                    &v.narrow(0, start, s.len)?,
-                )?;
-                let (kc, vc) = kv.view(s.slot, l, s.offset + s.len)?;
-                outs.push(self.attention(&q.narrow(0, start, s.len)?, &kc, &vc, s.offset)?);
-                start += s.len;
-            }
-            let attn = if outs.len() == 1 {
-                outs.pop().expect("one output")
-            } else {
-                Tensor::cat(&outs, 0)?
+            clock.lap(1)?;
+            let attn = match (&pooled, &batched) {
+                (Some(plan), _) => plan.forward(cfg, kv, l, &q, &k, &v)?,
+                (None, Some(plan)) if plan.singles().is_empty() => {
+                    plan.forward(cfg, kv, l, &q, &k, &v)?
+                }
+                (None, Some(plan)) => {
+                    let mut parts = vec![plan.forward(cfg, kv, l, &q, &k, &v)?];
+                    parts.extend(self.attend_each(plan.singles(), kv, l, &q, &k, &v)?);
+                    plan.reorder(&parts)?
+                }
+                (None, None) => {
+                    let mut parts = self.attend_each(&spans, kv, l, &q, &k, &v)?;
+                    if parts.len() == 1 {
+                        parts.pop().expect("one part")
+                    } else {
+                        Tensor::cat(&parts, 0)?
+                    }
+                }
             };
+            clock.lap(2)?;
             x = (residual + layer.o_proj.forward(&attn)?)?;
+            clock.lap(3)?;
 
             let h = candle_nn::ops::rms_norm(&x, &layer.mlp_norm, cfg.rms_norm_eps as f32)?;
             let gu = layer.gate_up.forward(&h)?;
             let i = cfg.intermediate_size;
             let act = (candle_nn::ops::silu(&gu.narrow(1, 0, i)?)? * gu.narrow(1, i, i)?)?;
             x = (x + layer.down.forward(&act)?)?;
+            clock.lap(4)?;
         }
+        *lock(&self.candle_profile) = clock.finish();
         for s in &batch.seqs {
             kv.set_len(s.slot, s.offset + s.len)?;
         }
@@ -442,8 +539,39 @@ impl Model {
         if wanted.len() == n {
             return Ok(x);
         }
+        if wanted.is_empty() {
+            // A view: CUDA refuses zero-byte allocations.
+            return Ok(x.narrow(0, 0, 0)?);
+        }
         let idx = Tensor::new(wanted.as_slice(), &self.device)?;
         Ok(x.index_select(&idx, 0)?)
+    }
+
+    /// Attention sequence by sequence: writes each one's new K/V (rows
+    /// `start..start + len` of the batch) into its slot and attends over its
+    /// cache in place; one output per sequence.
+    fn attend_each(
+        &self,
+        spans: &[(SeqSpan, usize)],
+        kv: &mut KvCache,
+        layer: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Vec<Tensor>, ModelError> {
+        let mut outs = Vec::with_capacity(spans.len());
+        for &(s, start) in spans {
+            kv.write(
+                s.slot,
+                layer,
+                s.offset,
+                &k.narrow(0, start, s.len)?,
+                &v.narrow(0, start, s.len)?,
+            )?;
+            let (kc, vc) = kv.view(s.slot, layer, s.offset + s.len)?;
+            outs.push(self.attention(&q.narrow(0, start, s.len)?, &kc, &vc, s.offset)?);
+        }
+        Ok(outs)
     }
 
     /// Causal attention of one sequence's queries `[len, heads, head_dim]`

@@ -355,12 +355,31 @@ impl Sampler {
         if b == 0 {
             return Ok(empty);
         }
-        let all_plain_greedy = idx
-            .iter()
-            .all(|&r| self.slots[r].plan.is_greedy() && !self.slots[r].plan.uses_history());
-        if all_plain_greedy && !self.any_logprobs && host::on_device(logits) {
-            let tokens = host::device_argmax(logits)?;
-            return Ok(SampleResult { tokens, ..empty });
+        if !self.any_logprobs && host::on_device(logits) {
+            // Plain greedy rows take their argmax where the logits live;
+            // only the other rows' logits cross to the host.
+            let plain_greedy = |r: usize| {
+                let plan = &self.slots[r].plan;
+                plan.is_greedy() && !plan.uses_history()
+            };
+            let others: Vec<u32> = (0..b as u32)
+                .filter(|&i| !plain_greedy(idx[i as usize]))
+                .collect();
+            if others.len() < b {
+                let mut tokens = host::device_argmax(logits)?;
+                if !others.is_empty() {
+                    let rows = Tensor::new(others.as_slice(), logits.device())
+                        .and_then(|rows| logits.index_select(&rows, 0))
+                        .and_then(|l| l.to_device(&candle_core::Device::Cpu))
+                        .map_err(host::tensor_err)?;
+                    let sub_idx: Vec<usize> = others.iter().map(|&i| idx[i as usize]).collect();
+                    let sampled = self.run(&sub_idx, &rows, path)?;
+                    for (&i, t) in others.iter().zip(sampled.tokens) {
+                        tokens[i as usize] = t;
+                    }
+                }
+                return Ok(SampleResult { tokens, ..empty });
+            }
         }
 
         let top_k = if self.any_logprobs {

@@ -12,11 +12,12 @@
 //! The logits are read to the host as f32 once per call (in place when
 //! they already are a contiguous CPU f32 tensor) and every transform runs
 //! in plain Rust over that buffer: no full sort of V ever — top-k and
-//! top-p use partial selection and sort only their candidates. The one
-//! exception: when every row is greedy, no row has penalties, no slot asked
-//! for logprobs and the tensor is not on the CPU, the argmax is taken on
-//! the device and only B ids cross (those rows are not checked for NaN,
-//! and ties follow the device kernel's rule).
+//! top-p use partial selection and sort only their candidates. The
+//! exception is a tensor off the CPU when no slot asked for logprobs: the
+//! rows that are plain greedy (no penalties) take their argmax on the
+//! device and only their ids cross (those rows are not checked for NaN, and
+//! ties follow the device kernel's rule); only the other rows' logits are
+//! copied to the host.
 //!
 //! # Transform chain (per row, Ollama semantics)
 //! penalties (repeat and presence once per distinct token of the window,
