@@ -22,6 +22,11 @@
 //! - `TANDEM_BENCH_THREADS=N` caps the lean kernels' threads;
 //! - `TANDEM_BENCH_PROFILE=1` adds a per-phase breakdown of one more
 //!   decode run per configuration;
+//! - `TANDEM_BENCH_DEVICE=cuda` runs on GPU 0 (a `--features cuda`
+//!   build; formats `bf16`, `f16`, `f32` there; each decode step ends with
+//!   its greedy ids on the host, as in serving);
+//! - `TANDEM_BENCH_MODEL=DIR` benchmarks a Hugging Face model directory's
+//!   own config and weights instead of the random llama-100m;
 //! - `TANDEM_BENCH_AGREEMENT=1` adds, for each non-f32 format, the greedy
 //!   agreement with f32 over 64-token continuations of 8 prompts (fraction
 //!   of identical tokens position by position, and the mean length of the
@@ -62,10 +67,21 @@ fn env_usize(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// Token ids stay below 32 000, the smallest vocabulary benchmarked.
 fn prompt(seq: u32) -> Vec<u32> {
     (0..PROMPT as u32)
         .map(|i| (seq * 7919 + i * 104_729) % 32_000)
         .collect()
+}
+
+/// `TANDEM_BENCH_DEVICE`: the CPU (default) or GPU 0.
+fn bench_device() -> Device {
+    match std::env::var("TANDEM_BENCH_DEVICE").as_deref() {
+        Err(_) | Ok("cpu") => Device::Cpu,
+        Ok("cuda") => Device::new_cuda(0)
+            .expect("TANDEM_BENCH_DEVICE=cuda needs a --features cuda build and a GPU"),
+        Ok(other) => panic!("TANDEM_BENCH_DEVICE: cpu or cuda, got `{other}`"),
+    }
 }
 
 /// One weight format's model.
@@ -74,10 +90,11 @@ struct Config {
     model: Model,
 }
 
-fn load(name: &str, weights: &Weights, cfg: &ModelConfig) -> Config {
+fn load(name: &str, weights: &Weights, cfg: &ModelConfig, device: &Device) -> Config {
     let (dtype, format, lean) = match name {
         "f32" => (DType::F32, WeightFormat::AsCompute, true),
         "f16" => (DType::F16, WeightFormat::AsCompute, true),
+        "bf16" => (DType::BF16, WeightFormat::AsCompute, true),
         "q8_0" => (DType::F32, WeightFormat::Q8_0, true),
         "q4_k" => (DType::F32, WeightFormat::Q4K, true),
         "candle-f32" => (DType::F32, WeightFormat::AsCompute, false),
@@ -88,6 +105,7 @@ fn load(name: &str, weights: &Weights, cfg: &ModelConfig) -> Config {
         dtype,
         weight_format: format,
         lean_cpu: lean,
+        device: device.clone(),
         threads: std::env::var("TANDEM_BENCH_THREADS")
             .ok()
             .and_then(|v| v.parse().ok()),
@@ -112,7 +130,8 @@ fn run(
     profile: bool,
 ) -> (Duration, Duration, Phases, Phases) {
     model.set_profiling(profile);
-    let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, b * (PROMPT + steps));
+    let device = model.device().clone();
+    let mut kv = KvCache::new(model.kv_layout(), device.clone(), b * (PROMPT + steps));
     for s in 0..b as u32 {
         kv.allocate(s, PROMPT + steps).expect("KV room");
     }
@@ -124,31 +143,61 @@ fn run(
         if batch.tokens.len() + PROMPT > UBATCH || s as usize == b - 1 {
             let h = model.forward(&batch, &mut kv).expect("prefill");
             std::hint::black_box(model.unembed(&h).expect("unembed"));
+            device.synchronize().expect("sync");
             batch = Batch::default();
         }
     }
     let prefill = start.elapsed();
     let pre_phases = model.take_profile();
     // Decode: one token per sequence per step (fixed ids: no sampler).
+    // Profiling a GPU run synchronises after each part of the step.
+    let gpu_profile = profile && !device.is_cpu();
+    let mut gpu_phases = [Duration::ZERO; 3];
+    let mut mark = |i: usize, t: &mut Instant| {
+        if gpu_profile {
+            device.synchronize().expect("sync");
+            gpu_phases[i] += t.elapsed();
+            *t = Instant::now();
+        }
+    };
     let start = Instant::now();
     for step in 0..steps {
+        let mut t = Instant::now();
         let mut batch = Batch::default();
         for s in 0..b as u32 {
             let tok = (s * 31 + step as u32 * 17 + 5) % 32_000;
             batch.push(s, PROMPT + step, &[tok], OutputRows::Last);
         }
         let h = model.forward(&batch, &mut kv).expect("decode");
-        std::hint::black_box(model.unembed(&h).expect("unembed"));
+        mark(0, &mut t);
+        let logits = model.unembed(&h).expect("unembed");
+        mark(1, &mut t);
+        if device.is_cpu() {
+            std::hint::black_box(logits);
+        } else {
+            // A GPU step ends when its greedy ids reach the host.
+            let ids: Vec<u32> = logits.argmax(1).and_then(|t| t.to_vec1()).expect("ids");
+            std::hint::black_box(ids);
+        }
+        mark(2, &mut t);
     }
     let decode = start.elapsed();
-    let phases = model.take_profile();
+    let mut phases = model.take_profile();
+    if gpu_profile {
+        phases.push(("unembed", gpu_phases[1]));
+        phases.push(("argmax+ids", gpu_phases[2]));
+    }
     model.set_profiling(false);
     (prefill, decode, pre_phases, phases)
 }
 
 /// Greedy continuations of `prompts` (all decoded in one batch per step).
 fn greedy(model: &Model, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<u32>> {
-    let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, prompts.len() * 1024);
+    let mut kv = KvCache::new(
+        model.kv_layout(),
+        model.device().clone(),
+        prompts.len() * 1024,
+    );
     let mut out = vec![Vec::new(); prompts.len()];
     let mut batch = Batch::default();
     for (i, p) in prompts.iter().enumerate() {
@@ -219,16 +268,60 @@ fn main() {
     let profile = env_usize("TANDEM_BENCH_PROFILE", 0) > 0;
     let agree = env_usize("TANDEM_BENCH_AGREEMENT", 0) > 0;
 
-    let cfg = ModelConfig::from_json(LLAMA_100M).expect("valid config");
-    let weights = Weights::random(&cfg, 0, 0.02).expect("random weights");
-    let configs: Vec<Config> = formats.iter().map(|f| load(f, &weights, &cfg)).collect();
+    let device = bench_device();
+    let (cfg, weights, what) = match std::env::var("TANDEM_BENCH_MODEL") {
+        Ok(dir) => {
+            let dir = std::path::Path::new(&dir);
+            let cfg = ModelConfig::from_dir(dir).expect("TANDEM_BENCH_MODEL: config.json");
+            let weights = Weights::from_dir(dir).expect("TANDEM_BENCH_MODEL: safetensors");
+            (cfg, weights, format!("{}", dir.display()))
+        }
+        Err(_) => {
+            let cfg = ModelConfig::from_json(LLAMA_100M).expect("valid config");
+            let weights = Weights::random(&cfg, 0, 0.02).expect("random weights");
+            (cfg, weights, "llama-100m shape, random weights".to_string())
+        }
+    };
+    let configs: Vec<Config> = formats
+        .iter()
+        .map(|f| load(f, &weights, &cfg, &device))
+        .collect();
     drop(weights);
+    let on = if device.is_cpu() {
+        format!(
+            "CPU, ISA {:?}, threads {}",
+            Isa::detect(),
+            candle_core::utils::get_num_threads()
+        )
+    } else {
+        format!("{device:?}")
+    };
     println!(
-        "llama-100m shape, random weights; ISA {:?}, threads {}; prompt {PROMPT}, {steps} decode steps, {reps} reps (medians)",
-        Isa::detect(),
-        candle_core::utils::get_num_threads(),
+        "{what} ({:.0} M parameters); {on}; prompt {PROMPT}, {steps} decode steps, {reps} reps (medians)",
+        cfg.num_parameters() as f64 / 1e6
     );
 
+    if !device.is_cpu() {
+        // What one candle op costs on this device when the arithmetic is
+        // nil: the floor under a step of a few hundred ops.
+        let x =
+            candle_core::Tensor::zeros((1, cfg.hidden_size), DType::F32, &device).expect("tensor");
+        let mut y = x.clone();
+        for _ in 0..100 {
+            y = y.affine(1.0, 1.0).expect("op");
+        }
+        device.synchronize().expect("sync");
+        let ops = 2000;
+        let start = Instant::now();
+        for _ in 0..ops {
+            y = y.affine(1.0, 1.0).expect("op");
+        }
+        device.synchronize().expect("sync");
+        println!(
+            "one tiny candle op (launch + allocation): {:.1} us",
+            1e6 * start.elapsed().as_secs_f64() / ops as f64
+        );
+    }
     // Warm-up: first-use costs (buffers, page faults) stay out of the figures.
     for c in &configs {
         run(&c.model, batches[0], 2, false);

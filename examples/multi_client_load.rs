@@ -31,6 +31,7 @@ use tandem::engine::{
 use tandem::model::{LoadOptions, Model, ModelConfig, MtpHead, Weights};
 use tandem::sampler::SamplingOptions;
 use tandem::scheduler::{SchedulerConfig, ShutdownMode};
+use tandem::server::load::{parse_dtype, DeviceKind};
 use tandem::tiny::{tiny_model_cpu, TinyPreset};
 use tandem::tokenizer::{word_level_tokenizer, Tokenizer};
 use tandem::TandemHandle;
@@ -41,7 +42,15 @@ struct Args {
     /// Concurrent clients (one request each).
     #[arg(long, default_value_t = 32)]
     clients: usize,
-    /// Hugging Face model directory (default: the embedded model).
+    /// Compute device: cpu, cuda or metal (GPU backends need a build with `--features cuda` / `metal`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Weights and compute dtype: f32, f16, bf16 (GPU), q8_0 or q4_k (CPU, quantised at load).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Hugging Face model directory (default: the embedded model). Without
+    /// a tokenizer.json, a word-level vocabulary of the model's size stands
+    /// in (the workload's prompts are token ids).
     #[arg(long, conflicts_with = "shape")]
     model: Option<PathBuf>,
     /// Directory with a config.json to instantiate with random weights.
@@ -124,6 +133,7 @@ fn build_engine(
     kv_tokens: usize,
 ) -> anyhow_like::Result<(Engine, Tokenizer)> {
     let (model, tokenizer, name) = load(args)?;
+    let vocab = model.config().vocab_size as u32;
     let head: Option<Box<dyn DraftHead>> = match draft {
         None => None,
         Some(Draft::EarlyExit(l)) if *l == 0 || *l > model.config().num_layers => {
@@ -165,26 +175,56 @@ fn build_engine(
         }
         None => engine,
     };
+    let mut engine = engine;
+    warm_up(&mut engine, vocab);
     Ok((engine, tokenizer))
 }
 
+/// Runs two short requests so that first-use costs (on a GPU: kernel
+/// modules, cuBLAS handles, the memory pool) stay out of the figures.
+fn warm_up(engine: &mut Engine, vocab: u32) {
+    let jobs: Vec<Job> = [5usize, 9]
+        .iter()
+        .map(|&len| Job {
+            prompt: (0..len as u32).map(|i| 3 + i % (vocab - 3)).collect(),
+            sampling: SamplingOptions::greedy(),
+            max_tokens: 4,
+            kind: "warm-up",
+        })
+        .collect();
+    engine_baseline(engine, &jobs, 512);
+}
+
 fn load(args: &Args) -> anyhow_like::Result<(Model, Tokenizer, String)> {
+    let (dtype, weight_format) = parse_dtype(&args.dtype)?;
+    let opts = LoadOptions {
+        dtype,
+        weight_format,
+        device: args.device.parse::<DeviceKind>()?.open()?,
+        ..LoadOptions::default()
+    };
+    let tokenizer = |dir: &std::path::Path, cfg: &ModelConfig| -> anyhow_like::Result<Tokenizer> {
+        Ok(if dir.join("tokenizer.json").exists() {
+            Tokenizer::from_dir(dir)?
+        } else {
+            word_level_tokenizer(cfg.vocab_size, 0)?
+        })
+    };
     if let Some(dir) = &args.model {
-        let model = Model::from_dir(dir, &LoadOptions::default())?;
-        let tok = Tokenizer::from_dir(dir)?;
+        let model = Model::from_dir(dir, &opts)?;
+        let tok = tokenizer(dir, model.config())?;
         return Ok((model, tok, dir.display().to_string()));
     }
     if let Some(dir) = &args.shape {
         let cfg = ModelConfig::from_dir(dir)?;
-        let tok = if dir.join("tokenizer.json").exists() {
-            Tokenizer::from_dir(dir)?
-        } else {
-            word_level_tokenizer(cfg.vocab_size, 0)?
-        };
+        let tok = tokenizer(dir, &cfg)?;
         let name = format!("{} (random weights)", dir.display());
         let weights = Weights::random(&cfg, 0, 0.02)?;
-        let model = Model::load(cfg, &weights, &LoadOptions::default())?;
+        let model = Model::load(cfg, &weights, &opts)?;
         return Ok((model, tok, name));
+    }
+    if !opts.device.is_cpu() || args.dtype != "f32" {
+        return Err("the embedded model runs on the CPU in f32; pass --model or --shape".into());
     }
     let (model, tok) = tiny_model_cpu(TinyPreset::Default)?;
     Ok((model, tok, TinyPreset::Default.name().to_string()))
@@ -352,6 +392,7 @@ fn main() -> anyhow_like::Result<()> {
                 eos_ids: vec![],
             },
         );
+        warm_up(&mut engine, vocab);
         let tps = engine_baseline(&mut engine, &jobs, args.step_tokens);
         println!("engine baseline (no actors, same workload): {tps:.1} tokens/s; actor path / engine = {:.1} %", 100.0 * actor_tps / tps);
     }
