@@ -67,10 +67,11 @@ fn env_usize(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// Token ids stay below 32 000, the smallest vocabulary benchmarked.
-fn prompt(seq: u32) -> Vec<u32> {
+/// A prompt of ids below `vocab` (the same ids for every model of at
+/// least 32 000 tokens).
+fn prompt(seq: u32, vocab: u32) -> Vec<u32> {
     (0..PROMPT as u32)
-        .map(|i| (seq * 7919 + i * 104_729) % 32_000)
+        .map(|i| (seq * 7919 + i * 104_729) % 32_000 % vocab)
         .collect()
 }
 
@@ -131,6 +132,7 @@ fn run(
 ) -> (Duration, Duration, Phases, Phases) {
     model.set_profiling(profile);
     let device = model.device().clone();
+    let vocab = model.config().vocab_size as u32;
     let mut kv = KvCache::new(model.kv_layout(), device.clone(), b * (PROMPT + steps));
     for s in 0..b as u32 {
         kv.allocate(s, PROMPT + steps).expect("KV room");
@@ -139,7 +141,7 @@ fn run(
     let start = Instant::now();
     let mut batch = Batch::default();
     for s in 0..b as u32 {
-        batch.push(s, 0, &prompt(s), OutputRows::Last);
+        batch.push(s, 0, &prompt(s, vocab), OutputRows::Last);
         if batch.tokens.len() + PROMPT > UBATCH || s as usize == b - 1 {
             let h = model.forward(&batch, &mut kv).expect("prefill");
             std::hint::black_box(model.unembed(&h).expect("unembed"));
@@ -165,7 +167,7 @@ fn run(
         let mut t = Instant::now();
         let mut batch = Batch::default();
         for s in 0..b as u32 {
-            let tok = (s * 31 + step as u32 * 17 + 5) % 32_000;
+            let tok = (s * 31 + step as u32 * 17 + 5) % vocab;
             batch.push(s, PROMPT + step, &[tok], OutputRows::Last);
         }
         let h = model.forward(&batch, &mut kv).expect("decode");
@@ -229,7 +231,8 @@ fn agreement(configs: &[Config]) {
         println!("\n(agreement needs f32 in TANDEM_BENCH_FORMATS)");
         return;
     };
-    let prompts: Vec<Vec<u32>> = (0..8u32).map(|s| prompt(s)[..16].to_vec()).collect();
+    let vocab = reference.model.config().vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..8u32).map(|s| prompt(s, vocab)[..16].to_vec()).collect();
     let want = greedy(&reference.model, &prompts, 64);
     println!("\ngreedy agreement with f32 (8 prompts x 64 tokens):");
     for c in configs.iter().filter(|c| c.name != "f32") {
