@@ -233,12 +233,14 @@ impl Model {
         let ldqkv = qw + 2 * kvw;
         let eps = cfg.rms_norm_eps as f32;
         let (isa, threads) = (lean.isa, lean.threads);
-        let mut profile = ws.profile.take();
+        // Phase times of this step; added to the profile only on success.
+        let profiling = ws.profile.is_some();
+        let mut times = [Duration::ZERO; PHASES.len()];
         let mut clock = Instant::now();
         let mut tick = |phase: usize| {
-            if let Some(p) = profile.as_mut() {
+            if profiling {
                 let now = Instant::now();
-                p[phase] += now - clock;
+                times[phase] += now - clock;
                 clock = now;
             }
         };
@@ -331,7 +333,11 @@ impl Model {
         for &r in &wanted {
             out.extend_from_slice(&x[r as usize * hsz..(r as usize + 1) * hsz]);
         }
-        ws.profile = profile;
+        if let Some(p) = ws.profile.as_mut() {
+            for (p, t) in p.iter_mut().zip(times) {
+                *p += t;
+            }
+        }
         let out = Tensor::from_vec(out, (wanted.len(), hsz), &self.device)?;
         Ok(out.to_dtype(self.dtype)?)
     }
