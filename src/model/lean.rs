@@ -234,12 +234,14 @@ impl Model {
         let ldqkv = qw + 2 * kvw;
         let eps = cfg.rms_norm_eps as f32;
         let (isa, threads) = (lean.isa, lean.threads);
-        let mut profile = ws.profile.take();
+        // Phase times of this step; added to the profile only on success.
+        let profiling = ws.profile.is_some();
+        let mut times = [Duration::ZERO; PHASES.len()];
         let mut clock = Instant::now();
         let mut tick = |phase: usize| {
-            if let Some(p) = profile.as_mut() {
+            if profiling {
                 let now = Instant::now();
-                p[phase] += now - clock;
+                times[phase] += now - clock;
                 clock = now;
             }
         };
@@ -284,16 +286,22 @@ impl Model {
                     &lean.cos[p * half..(p + 1) * half],
                     &lean.sin[p * half..(p + 1) * half],
                 );
-                rope(&mut row[..qw + kvw], hd, cos, sin, 1.0);
-                for q in row[..qw].iter_mut() {
-                    *q *= scale;
-                }
+                // Queries carry the softmax scale (after rotation, as the
+                // candle path rounds it).
+                rope(&mut row[..qw], hd, cos, sin, scale);
+                rope(&mut row[qw..qw + kvw], hd, cos, sin, 1.0);
             }
+            // Each sequence's cache of this layer, shared by the writes and
+            // the attention below.
+            let views = batch
+                .seqs
+                .iter()
+                .map(|s| kv.view(s.slot, l, s.offset + s.len))
+                .collect::<Result<Vec<_>, _>>()?;
             let mut start = 0;
-            for s in &batch.seqs {
-                let (kc, vc) = kv.view(s.slot, l, s.offset + s.len)?;
+            for (s, (kc, vc)) in batch.seqs.iter().zip(&views) {
                 let rows = &qkv[start * ldqkv..(start + s.len) * ldqkv];
-                for (t, col) in [(&kc, qw), (&vc, qw + kvw)] {
+                for (t, col) in [(kc, qw), (vc, qw + kvw)] {
                     t.inplace_op1(&WriteRows {
                         src: &rows[col..],
                         ld: ldqkv,
@@ -306,7 +314,17 @@ impl Model {
             }
             tick(3);
             let attn = grow(&mut ws.attn, n * qw);
-            self.attention_lean(isa, threads, heads, batch, kv, l, qkv, ldqkv, attn)?;
+            attention_lean(
+                isa,
+                threads,
+                heads,
+                batch,
+                &views,
+                kv.layout().dtype,
+                qkv,
+                ldqkv,
+                attn,
+            )?;
             tick(4);
             layer.o_proj.forward_cpu(isa, threads, attn, n, x, true)?;
             tick(5);
@@ -336,7 +354,11 @@ impl Model {
         for &r in &wanted {
             out.extend_from_slice(&x[r as usize * hsz..(r as usize + 1) * hsz]);
         }
-        ws.profile = profile;
+        if let Some(p) = ws.profile.as_mut() {
+            for (p, t) in p.iter_mut().zip(times) {
+                *p += t;
+            }
+        }
         let out = Tensor::from_vec(out, (wanted.len(), hsz), &self.device)?;
         Ok(out.to_dtype(self.dtype)?)
     }
@@ -369,74 +391,6 @@ impl Model {
         Ok(())
     }
 
-    /// Attention of every sequence over its cache for layer `l`.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_lean(
-        &self,
-        isa: Isa,
-        threads: usize,
-        heads: Heads,
-        batch: &Batch,
-        kv: &KvCache,
-        l: usize,
-        qkv: &[f32],
-        ldqkv: usize,
-        out: &mut [f32],
-    ) -> Result<(), ModelError> {
-        let views = batch
-            .seqs
-            .iter()
-            .map(|s| kv.view(s.slot, l, s.offset + s.len))
-            .collect::<Result<Vec<_>, _>>()?;
-        let guards: Vec<_> = views
-            .iter()
-            .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()))
-            .collect();
-        let ldo = heads.num_heads * heads.head_dim;
-        let o = SharedMut(out.as_mut_ptr());
-        type Guard<'a> = (candle_core::StorageRef<'a>, &'a Layout);
-        fn seqs<T: candle_core::WithDType>(
-            batch: &Batch,
-            guards: &[(Guard, Guard)],
-            qkv: &[f32],
-            ldqkv: usize,
-            o: SharedMut<f32>,
-            ldo: usize,
-        ) -> candle_core::Result<Vec<SeqAttn<T>>> {
-            let mut out = Vec::with_capacity(batch.seqs.len());
-            let mut start = 0;
-            for (s, ((ks, kl), (vs, vl))) in batch.seqs.iter().zip(guards) {
-                out.push(SeqAttn {
-                    q: qkv[start * ldqkv..].as_ptr(),
-                    ldq: ldqkv,
-                    // SAFETY (at use): rows start..start+len belong to this sequence.
-                    out: SharedMut(unsafe { o.at(start * ldo) }),
-                    ldo,
-                    offset: s.offset,
-                    len: s.len,
-                    k: cpu_ptr::<T>(ks, kl)?,
-                    v: cpu_ptr::<T>(vs, vl)?,
-                });
-                start += s.len;
-            }
-            Ok(out)
-        }
-        match kv.layout().dtype {
-            DType::F32 => {
-                let s = seqs::<f32>(batch, &guards, qkv, ldqkv, o, ldo)?;
-                // SAFETY: every pointer comes from a live guard or buffer of
-                // the shape the batch describes (checked before the step).
-                unsafe { attention(isa, threads, heads, &s) };
-            }
-            DType::F16 => {
-                let s = seqs::<f16>(batch, &guards, qkv, ldqkv, o, ldo)?;
-                unsafe { attention(isa, threads, heads, &s) };
-            }
-            other => return Err(ModelError::UnsupportedDType(format!("{other:?} KV cache"))),
-        }
-        Ok(())
-    }
-
     /// [`Model::unembed`] on the lean CPU path.
     pub(super) fn unembed_lean(&self, lean: &Lean, hidden: &Tensor) -> Result<Tensor, ModelError> {
         let start = Instant::now();
@@ -460,4 +414,67 @@ impl Model {
         }
         Ok(Tensor::from_vec(logits, (rows, vocab), &self.device)?)
     }
+}
+
+/// Attention of every sequence over its cache (`views`: K and V of the
+/// layer, one pair per sequence in batch order, in `kv_dtype`).
+#[allow(clippy::too_many_arguments)]
+fn attention_lean(
+    isa: Isa,
+    threads: usize,
+    heads: Heads,
+    batch: &Batch,
+    views: &[(Tensor, Tensor)],
+    kv_dtype: DType,
+    qkv: &[f32],
+    ldqkv: usize,
+    out: &mut [f32],
+) -> Result<(), ModelError> {
+    let guards: Vec<_> = views
+        .iter()
+        .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()))
+        .collect();
+    let ldo = heads.num_heads * heads.head_dim;
+    let o = SharedMut(out.as_mut_ptr());
+    type Guard<'a> = (candle_core::StorageRef<'a>, &'a Layout);
+    fn seqs<T: candle_core::WithDType>(
+        batch: &Batch,
+        guards: &[(Guard, Guard)],
+        qkv: &[f32],
+        ldqkv: usize,
+        o: SharedMut<f32>,
+        ldo: usize,
+    ) -> candle_core::Result<Vec<SeqAttn<T>>> {
+        let mut out = Vec::with_capacity(batch.seqs.len());
+        let mut start = 0;
+        for (s, ((ks, kl), (vs, vl))) in batch.seqs.iter().zip(guards) {
+            out.push(SeqAttn {
+                q: qkv[start * ldqkv..].as_ptr(),
+                ldq: ldqkv,
+                // SAFETY (at use): rows start..start+len belong to this sequence.
+                out: SharedMut(unsafe { o.at(start * ldo) }),
+                ldo,
+                offset: s.offset,
+                len: s.len,
+                k: cpu_ptr::<T>(ks, kl)?,
+                v: cpu_ptr::<T>(vs, vl)?,
+            });
+            start += s.len;
+        }
+        Ok(out)
+    }
+    match kv_dtype {
+        DType::F32 => {
+            let s = seqs::<f32>(batch, &guards, qkv, ldqkv, o, ldo)?;
+            // SAFETY: every pointer comes from a live guard or buffer of
+            // the shape the batch describes (checked before the step).
+            unsafe { attention(isa, threads, heads, &s) };
+        }
+        DType::F16 => {
+            let s = seqs::<f16>(batch, &guards, qkv, ldqkv, o, ldo)?;
+            unsafe { attention(isa, threads, heads, &s) };
+        }
+        other => return Err(ModelError::UnsupportedDType(format!("{other:?} KV cache"))),
+    }
+    Ok(())
 }

@@ -217,22 +217,19 @@ mod x86 {
                     let vt = if lanes == 8 {
                         T::load8(v.add(t * ldv + d))
                     } else {
-                        let mut tmp = [0f32; 8];
-                        for (l, x) in tmp.iter_mut().enumerate().take(lanes) {
-                            *x = (*v.add(t * ldv + d + l)).to_f32();
-                        }
-                        _mm256_loadu_ps(tmp.as_ptr())
+                        T::load8_partial(v.add(t * ldv + d), lanes)
                     };
                     for (j, a) in acc.iter_mut().enumerate().take(nj) {
                         let pj = _mm256_set1_ps(*p.add((j0 + j) * keys + t));
                         *a = _mm256_fmadd_ps(pj, vt, *a);
                     }
                 }
+                let mask = _mm256_cmpgt_epi32(
+                    _mm256_set1_epi32(lanes as i32),
+                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                );
                 for (j, a) in acc.iter().enumerate().take(nj) {
-                    let mut tmp = [0f32; 8];
-                    _mm256_storeu_ps(tmp.as_mut_ptr(), *a);
-                    let o = out.add((j0 + j) * hd + d);
-                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), o, lanes);
+                    _mm256_maskstore_ps(out.add((j0 + j) * hd + d), mask, *a);
                 }
                 j0 += nj;
             }
@@ -293,11 +290,7 @@ mod x86 {
                     let vt = if lanes == 16 {
                         T::load16(v.add(t * ldv + d))
                     } else {
-                        let mut tmp = [0f32; 16];
-                        for (l, x) in tmp.iter_mut().enumerate().take(lanes) {
-                            *x = (*v.add(t * ldv + d + l)).to_f32();
-                        }
-                        _mm512_loadu_ps(tmp.as_ptr())
+                        T::load16_masked(v.add(t * ldv + d), mask)
                     };
                     for (j, a) in acc.iter_mut().enumerate().take(nj) {
                         let pj = _mm512_set1_ps(*p.add((j0 + j) * keys + t));

@@ -9,7 +9,7 @@
 //! the memory roofline at one row on the llama-100m shape). Here every
 //! weight is read from memory exactly once per call, for all rows at once:
 //! work units are blocks of 16 weight rows; inside a unit, 4 weight rows are
-//! held against up to 6 (AVX-512) input rows in registers, the activation
+//! held against up to 5 (AVX-512) input rows in registers, the activation
 //! rows being re-read from cache. That one loop nest serves 1 row and 128.
 //!
 //! # Numerics
@@ -30,9 +30,17 @@ pub(crate) trait WElem: Copy + Send + Sync + 'static {
     /// 16 elements at `p` as f32 (AVX-512 tier only).
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+    /// The elements of `p` selected by `mask` (others 0) as f32; never
+    /// touches unselected memory (AVX-512 tier only).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16_masked(p: *const Self, mask: u16) -> std::arch::x86_64::__m512;
     /// 8 elements at `p` as f32 (AVX2 tier and up).
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// The first `n < 8` elements at `p` as f32, the rest 0, without a
+    /// call (AVX2 tier and up).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8_partial(p: *const Self, n: usize) -> std::arch::x86_64::__m256;
 }
 
 impl WElem for f32 {
@@ -48,8 +56,21 @@ impl WElem for f32 {
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
+    unsafe fn load16_masked(p: *const f32, mask: u16) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_maskz_loadu_ps(mask, p)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
     unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
         std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8_partial(p: *const f32, n: usize) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lanes);
+        _mm256_maskload_ps(p, mask)
     }
 }
 
@@ -67,9 +88,46 @@ impl WElem for f16 {
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
+    unsafe fn load16_masked(p: *const f16, mask: u16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p as *const i16))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
     unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
         _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8_partial(p: *const f16, n: usize) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // Raw bits inserted one by one and converted in-register: a copy
+        // loop becomes a memcpy call and `f16::to_f32` a dispatched one.
+        let bits = |i: usize| (*p.add(i)).to_bits() as i32;
+        let mut v = _mm_setzero_si128();
+        if n > 0 {
+            v = _mm_insert_epi16::<0>(v, bits(0));
+        }
+        if n > 1 {
+            v = _mm_insert_epi16::<1>(v, bits(1));
+        }
+        if n > 2 {
+            v = _mm_insert_epi16::<2>(v, bits(2));
+        }
+        if n > 3 {
+            v = _mm_insert_epi16::<3>(v, bits(3));
+        }
+        if n > 4 {
+            v = _mm_insert_epi16::<4>(v, bits(4));
+        }
+        if n > 5 {
+            v = _mm_insert_epi16::<5>(v, bits(5));
+        }
+        if n > 6 {
+            v = _mm_insert_epi16::<6>(v, bits(6));
+        }
+        _mm256_cvtph_ps(v)
     }
 }
 
@@ -275,16 +333,6 @@ mod x86 {
 
     use super::{group_rows, store4, Job, WElem};
 
-    /// The last `k - from` (< lanes) elements of a weight row, zero-padded.
-    #[inline(always)]
-    unsafe fn tail<W: WElem, const L: usize>(p: *const W, from: usize, k: usize) -> [f32; L] {
-        let mut t = [0f32; L];
-        for (i, v) in t.iter_mut().enumerate().take(k - from) {
-            *v = (*p.add(from + i)).to_f32();
-        }
-        t
-    }
-
     /// Sums of a, b, c, d (one per lane of the result).
     #[inline(always)]
     pub(super) unsafe fn reduce4_512(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
@@ -362,21 +410,27 @@ mod x86 {
             kk += 16;
         }
         if full < k {
+            // Masked loads: no call on this path, since a call would make
+            // LLVM keep a stack copy of every accumulator (zmm registers
+            // are caller-saved) inside the loop above.
             let mask: __mmask16 = (1u32 << (k - full)) as u16 - 1;
-            let wt = w.map(|p| tail::<W, 16>(p, full, k));
+            let wv: [__m512; NR] = std::array::from_fn(|j| W::load16_masked(w[j].add(full), mask));
             for (i, ai) in a.iter_mut().enumerate() {
                 let xv = _mm512_maskz_loadu_ps(mask, x.add(i * ldx + full));
-                for (aij, wj) in ai.iter_mut().zip(&wt) {
-                    *aij = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wj.as_ptr()), *aij);
+                for (aij, &wj) in ai.iter_mut().zip(&wv) {
+                    *aij = _mm512_fmadd_ps(xv, wj, *aij);
                 }
             }
         }
+        // Constant indices only: an accumulator reached through a runtime
+        // index or a slice makes LLVM mirror the whole tile on the stack in
+        // the loop above (measured: half the FLOP rate).
         for (i, ai) in a.iter().enumerate() {
-            for c in (0..NR).step_by(4) {
-                if c < nw {
-                    let s = reduce4_512(ai[c], ai[c + 1], ai[c + 2], ai[c + 3]);
-                    store_m128(o.add(i * job.ldo + c), s, nw - c, job.accumulate);
-                }
+            let s = reduce4_512(ai[0], ai[1], ai[2], ai[3]);
+            store_m128(o.add(i * job.ldo), s, nw, job.accumulate);
+            if NR > 4 && nw > 4 {
+                let s = reduce4_512(ai[4 % NR], ai[5 % NR], ai[6 % NR], ai[7 % NR]);
+                store_m128(o.add(i * job.ldo + 4), s, nw - 4, job.accumulate);
             }
         }
     }
@@ -404,12 +458,13 @@ mod x86 {
             kk += 8;
         }
         if full < k {
-            let wt = w.map(|p| tail::<W, 8>(p, full, k));
-            for (i, ai) in a.iter_mut().enumerate() {
-                let xt = tail::<f32, 8>(x.add(i * ldx), full, k);
-                let xv = _mm256_loadu_ps(xt.as_ptr());
-                for (aij, wj) in ai.iter_mut().zip(&wt) {
-                    *aij = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wj.as_ptr()), *aij);
+            // No calls here (see tile16).
+            let n = k - full;
+            for j in 0..4 {
+                let wv = W::load8_partial(w[j].add(full), n);
+                for (i, ai) in a.iter_mut().enumerate() {
+                    let xv = f32::load8_partial(x.add(i * ldx + full), n);
+                    ai[j] = _mm256_fmadd_ps(xv, wv, ai[j]);
                 }
             }
         }
@@ -444,9 +499,11 @@ mod x86 {
             let mut r = xr.start;
             while r < xr.end {
                 let o = job.out.at(r * job.ldo + j0);
-                let step = (xr.end - r).min(6);
+                // 5 × 4 accumulators + 4 weights + 1 activation leave room in
+                // the 32 registers; at 6 rows LLVM mirrors the tile on the
+                // stack every iteration (measured: half the FLOP rate).
+                let step = (xr.end - r).min(5);
                 match step {
-                    6 => tile16::<6, 4, W>(job, r, w, o, nw),
                     5 => tile16::<5, 4, W>(job, r, w, o, nw),
                     4 => tile16::<4, 4, W>(job, r, w, o, nw),
                     3 => tile16::<3, 4, W>(job, r, w, o, nw),

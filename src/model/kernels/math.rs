@@ -109,12 +109,14 @@ pub(crate) fn exp_shifted_sum(isa: Isa, s: &mut [f32], max: f32) -> f32 {
 /// pairing of dimension i with i + head_dim/2, then multiplies by `scale`.
 pub(crate) fn rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32], scale: f32) {
     let half = head_dim / 2;
+    let (cos, sin) = (&cos[..half], &sin[..half]);
     for head in x.chunks_exact_mut(head_dim) {
         let (a, b) = head.split_at_mut(half);
-        for i in 0..half {
-            let (x0, x1) = (a[i], b[i]);
-            a[i] = (x0 * cos[i] - x1 * sin[i]) * scale;
-            b[i] = (x1 * cos[i] + x0 * sin[i]) * scale;
+        // Zipped iterators: no bounds checks, so the loop vectorises.
+        for (((x0, x1), &c), &s) in a.iter_mut().zip(b.iter_mut()).zip(cos).zip(sin) {
+            let (u, v) = (*x0, *x1);
+            *x0 = (u * c - v * s) * scale;
+            *x1 = (v * c + u * s) * scale;
         }
     }
 }
