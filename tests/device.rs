@@ -9,10 +9,9 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-
 use candle_core::{DType, Device, Tensor};
 use support::engine_driver::{run_tokens, Req};
+use support::reference::{stories260k, Stories};
 use tandem::engine::{Engine, EngineConfig, GeneratedToken};
 use tandem::kv::KvCache;
 use tandem::model::{Batch, LoadOptions, Model, ModelConfig, OutputRows, Weights};
@@ -38,18 +37,6 @@ fn options(device: &Device, dtype: DType) -> LoadOptions {
         device: device.clone(),
         lean_cpu: false,
         ..LoadOptions::default()
-    }
-}
-
-fn shared(rel: &str) -> Option<PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared")
-        .join(rel);
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("SKIP: {} is absent", p.display());
-        None
     }
 }
 
@@ -266,24 +253,6 @@ fn pooled_kv_reuses_and_compacts_ranges() {
     }
 }
 
-fn stories_reference(dir: &Path) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
-    let list = reference["prompts"].as_array().unwrap();
-    (
-        list.iter().map(|p| ids(&p["prompt_ids"])).collect(),
-        list.iter().map(|p| ids(&p["generated_ids"])).collect(),
-    )
-}
-
 fn engine_for(model: Model) -> Engine {
     Engine::new(
         model,
@@ -303,11 +272,15 @@ fn ids(tokens: &[GeneratedToken]) -> Vec<u32> {
 /// engine (pooled KV on a GPU, device argmax), solo and batched.
 #[test]
 fn stories260k_reference_on_the_device() {
-    let Some(dir) = shared("models/stories260k") else {
+    let Some(Stories {
+        dir,
+        prompts,
+        generated: want,
+    }) = stories260k()
+    else {
         return;
     };
     let device = test_device();
-    let (prompts, want) = stories_reference(&dir);
     let model = Model::from_dir(&dir, &options(&device, DType::F32)).unwrap();
     let mut engine = engine_for(model);
     let reqs: Vec<Req> = prompts
@@ -332,13 +305,12 @@ fn stories260k_reference_on_the_device() {
 /// test device (the sampler's host and device paths side by side).
 #[test]
 fn mixed_options_batched_equal_solo_on_the_device() {
-    let Some(dir) = shared("models/stories260k") else {
+    let Some(Stories { dir, prompts, .. }) = stories260k() else {
         return;
     };
     let device = test_device();
     let model = Model::from_dir(&dir, &options(&device, DType::F32)).unwrap();
     let mut engine = engine_for(model);
-    let (prompts, _) = stories_reference(&dir);
     let sampling = [
         SamplingOptions::greedy(),
         SamplingOptions {
@@ -381,11 +353,15 @@ fn mixed_options_batched_equal_solo_on_the_device() {
 /// only f16.
 #[test]
 fn half_precision_agrees_with_f32() {
-    let Some(dir) = shared("models/stories260k") else {
+    let Some(Stories {
+        dir,
+        prompts,
+        generated: want,
+    }) = stories260k()
+    else {
         return;
     };
     let device = test_device();
-    let (prompts, want) = stories_reference(&dir);
     let dtypes: &[DType] = if device.is_cpu() {
         &[DType::F16]
     } else {

@@ -5,10 +5,10 @@
 mod support;
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::Arc;
 
 use support::engine_driver::{run_tokens, Req};
+use support::reference::stories260k;
 
 use tandem::engine::*;
 use tandem::model::{LoadOptions, Model};
@@ -32,48 +32,27 @@ fn engine_for(model: Model, kv: usize) -> Engine {
 
 #[test]
 fn stories260k_reference_through_the_engine() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/models/stories260k");
-    if !dir.exists() {
-        eprintln!("SKIP: {} is absent", dir.display());
+    let Some(stories) = stories260k() else {
         return;
-    }
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    let as_ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
     };
-    let reqs: Vec<Req> = reference["prompts"]
-        .as_array()
-        .unwrap()
+    let reqs: Vec<Req> = stories
+        .prompts
         .iter()
         .map(|p| Req {
-            prompt: as_ids(&p["prompt_ids"]),
+            prompt: p.clone(),
             sampling: SamplingOptions::greedy(),
             max_new: 64,
             spec: None,
         })
         .collect();
-    let want: Vec<Vec<u32>> = reference["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| as_ids(&p["generated_ids"]))
-        .collect();
-    let mut engine = engine_for(
-        Model::from_dir(&dir, &LoadOptions::default()).unwrap(),
-        4096,
-    );
+    let (dir, want) = (&stories.dir, &stories.generated);
+    let mut engine = engine_for(Model::from_dir(dir, &LoadOptions::default()).unwrap(), 4096);
     for chunk in [1, 3, 512] {
         let got: Vec<Vec<u32>> = run_tokens(&mut engine, &reqs, chunk)
             .iter()
             .map(|t| ids(t))
             .collect();
-        assert_eq!(got, want, "chunk {chunk}");
+        assert_eq!(&got, want, "chunk {chunk}");
         assert_eq!(
             engine.kv_reserved_tokens(),
             0,

@@ -1,23 +1,14 @@
 //! Foundation tests: ragged batched forward, chunked prefill, speculation,
 //! the stories260k reference, and loading errors.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
+use support::reference::{shared, stories260k, Stories};
 use tandem::kv::KvCache;
 use tandem::model::{Batch, LoadOptions, Model, ModelConfig, ModelError, OutputRows, Weights};
-
-fn shared(rel: &str) -> Option<PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared")
-        .join(rel);
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("SKIP: {} is absent", p.display());
-        None
-    }
-}
 
 /// A small random GQA model (2 KV heads shared by 4 query heads).
 fn small_model(sliding_window: Option<usize>) -> Model {
@@ -314,32 +305,15 @@ fn greedy_batched(model: &Model, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<
 
 #[test]
 fn stories260k_reproduces_reference_greedy_ids() {
-    let Some(dir) = shared("models/stories260k") else {
+    let Some(Stories {
+        dir,
+        prompts,
+        generated: expected,
+    }) = stories260k()
+    else {
         return;
     };
     let model = Model::from_dir(&dir, &LoadOptions::default()).unwrap();
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
-    let prompts: Vec<Vec<u32>> = reference["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| ids(&p["prompt_ids"]))
-        .collect();
-    let expected: Vec<Vec<u32>> = reference["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| ids(&p["generated_ids"]))
-        .collect();
     assert!(prompts.len() >= 3);
     for (p, want) in prompts.iter().zip(&expected) {
         let got = greedy_batched(&model, std::slice::from_ref(p), want.len());

@@ -5,11 +5,10 @@
 
 mod support;
 
-use std::path::Path;
-
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use support::engine_driver::{run, Req};
+use support::reference::stories260k;
 use tandem::engine::*;
 use tandem::kv::KvCache;
 use tandem::model::{LoadOptions, Model, ModelConfig, ModelError, MtpHead, Weights};
@@ -377,50 +376,35 @@ fn sampled_mtp_preserves_the_target_distribution() {
 
 #[test]
 fn stories260k_early_exit_reproduces_the_reference() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/models/stories260k");
-    if !dir.exists() {
-        eprintln!("SKIP: {} is absent", dir.display());
+    let Some(stories) = stories260k() else {
         return;
-    }
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
     };
+    let dir = &stories.dir;
     let spec = Some(SpecOptions {
         initial_draft: 2,
         max_draft: 6,
         schedule: DraftSchedule::Heuristic,
         enabled: true,
     });
-    let prompts = reference["prompts"].as_array().unwrap();
-    let reqs: Vec<Req> = prompts
+    let reqs: Vec<Req> = stories
+        .prompts
         .iter()
         .map(|p| Req {
-            prompt: ids(&p["prompt_ids"]),
+            prompt: p.clone(),
             sampling: SamplingOptions::greedy(),
             max_new: 64,
             spec,
         })
         .collect();
     for layers in [3, 4] {
-        let model = Model::from_dir(&dir, &LoadOptions::default()).unwrap();
+        let model = Model::from_dir(dir, &LoadOptions::default()).unwrap();
         let got = run(
             &mut engine(model, Some(Box::new(EarlyExitDraft { layers })), vec![]),
             &reqs,
             512,
         );
-        for (i, p) in prompts.iter().enumerate() {
-            assert_eq!(
-                got.ids(i),
-                ids(&p["generated_ids"]),
-                "early-exit {layers}: prompt {i}"
-            );
+        for (i, want) in stories.generated.iter().enumerate() {
+            assert_eq!(&got.ids(i), want, "early-exit {layers}: prompt {i}");
         }
         let (d, a): (usize, usize) = (got.drafted.iter().sum(), got.accepted.iter().sum());
         eprintln!("stories260k early-exit after layer {layers} of 5: acceptance {:.3} ({a}/{d}), {} steps", a as f64 / d as f64, got.steps.len());
