@@ -35,10 +35,14 @@ TANDEM_BENCH_DEVICE=cuda TANDEM_BENCH_MODEL="$MODEL" TANDEM_BENCH_FORMATS=bf16 \
   TANDEM_BENCH_BATCHES=1,16,64 TANDEM_BENCH_REPS=3 TANDEM_BENCH_PROFILE=1 "$BIN/forward-bench" --bench
 
 echo "=== (c) load example"
-for c in 1 16 64; do
-  "$BIN/multi_client_load" --device cuda --dtype bf16 --model "$MODEL" --clients "$c" \
-    --uniform --prompt-tokens 128 --max-tokens 128 --max-seqs 64 --engine-baseline 2>&1 \
-    | grep -v '^\s*$' | tail -25
+# 128 new tokens is the bench's workload; 512 makes runs long enough (a few
+# seconds) for the actor / engine ratio to settle.
+for tokens in 128 512; do
+  for c in 1 16 64; do
+    "$BIN/multi_client_load" --device cuda --dtype bf16 --model "$MODEL" --clients "$c" \
+      --uniform --prompt-tokens 128 --max-tokens "$tokens" --max-seqs 64 --engine-baseline 2>&1 \
+      | grep -v '^\s*$' | tail -25
+  done
 done
 
 echo "=== (d) PyTorch anchor"
