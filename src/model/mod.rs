@@ -13,6 +13,10 @@
 //!   with the kernels of `kernels` (decode-fast linear, attention in place
 //!   over the KV cache, RMSNorm/RoPE/SiLU), runtime-dispatched to AVX-512,
 //!   AVX2 or portable code.
+//! - `batched_attention` and `pooled_attention`: attention for a whole
+//!   batch over pooled KV (the GPU default): padded candle ops on any
+//!   device, Tandem's own kernels (`cuda/*.cu`, built by `build.rs`) on
+//!   CUDA.
 //!
 //! All tensor code lives under `model/`, `kv/` and `sampler/`, so another
 //! backend only has to replace these modules.
