@@ -193,38 +193,6 @@ fn run(
     (prefill, decode, pre_phases, phases)
 }
 
-/// Greedy continuations of `prompts` (all decoded in one batch per step).
-fn greedy(model: &Model, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<u32>> {
-    let mut kv = KvCache::new(
-        model.kv_layout(),
-        model.device().clone(),
-        prompts.len() * 1024,
-    );
-    let mut out = vec![Vec::new(); prompts.len()];
-    let mut batch = Batch::default();
-    for (i, p) in prompts.iter().enumerate() {
-        kv.allocate(i as u32, p.len() + steps).expect("KV room");
-        batch.push(i as u32, 0, p, OutputRows::Last);
-    }
-    for _ in 0..steps {
-        let h = model.forward(&batch, &mut kv).expect("forward");
-        let next: Vec<u32> = model
-            .unembed(&h)
-            .expect("unembed")
-            .argmax(1)
-            .expect("argmax")
-            .to_vec1()
-            .expect("ids");
-        batch = Batch::default();
-        for (i, &t) in next.iter().enumerate() {
-            out[i].push(t);
-            let len = kv.len(i as u32).expect("slot");
-            batch.push(i as u32, len, &[t], OutputRows::Last);
-        }
-    }
-    out
-}
-
 /// Prints each format's greedy agreement with the f32 configuration.
 fn agreement(configs: &[Config]) {
     let Some(reference) = configs.iter().find(|c| c.name == "f32") else {
@@ -233,10 +201,10 @@ fn agreement(configs: &[Config]) {
     };
     let vocab = reference.model.config().vocab_size as u32;
     let prompts: Vec<Vec<u32>> = (0..8u32).map(|s| prompt(s, vocab)[..16].to_vec()).collect();
-    let want = greedy(&reference.model, &prompts, 64);
+    let want = reference.model.greedy(&prompts, 64).expect("greedy");
     println!("\ngreedy agreement with f32 (8 prompts x 64 tokens):");
     for c in configs.iter().filter(|c| c.name != "f32") {
-        let got = greedy(&c.model, &prompts, 64);
+        let got = c.model.greedy(&prompts, 64).expect("greedy");
         let (mut same, mut prefix) = (0usize, 0usize);
         for (g, w) in got.iter().zip(&want) {
             same += g.iter().zip(w).filter(|(a, b)| a == b).count();

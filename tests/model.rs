@@ -280,29 +280,6 @@ fn bad_batches_are_errors_not_panics() {
     );
 }
 
-/// Greedy decoding of several sequences, batched in one forward pass per step.
-fn greedy_batched(model: &Model, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<u32>> {
-    let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, 4096);
-    let mut out = vec![Vec::new(); prompts.len()];
-    let mut batch = Batch::default();
-    for (i, p) in prompts.iter().enumerate() {
-        kv.allocate(i as u32, p.len() + steps).unwrap();
-        batch.push(i as u32, 0, p, OutputRows::Last);
-    }
-    for _ in 0..steps {
-        let logits = model
-            .unembed(&model.forward(&batch, &mut kv).unwrap())
-            .unwrap();
-        let next: Vec<u32> = logits.argmax(1).unwrap().to_vec1().unwrap();
-        batch = Batch::default();
-        for (i, &t) in next.iter().enumerate() {
-            out[i].push(t);
-            batch.push(i as u32, kv.len(i as u32).unwrap(), &[t], OutputRows::Last);
-        }
-    }
-    out
-}
-
 #[test]
 fn stories260k_reproduces_reference_greedy_ids() {
     let Some(Stories {
@@ -316,10 +293,10 @@ fn stories260k_reproduces_reference_greedy_ids() {
     let model = Model::from_dir(&dir, &LoadOptions::default()).unwrap();
     assert!(prompts.len() >= 3);
     for (p, want) in prompts.iter().zip(&expected) {
-        let got = greedy_batched(&model, std::slice::from_ref(p), want.len());
+        let got = model.greedy(std::slice::from_ref(p), want.len()).unwrap();
         assert_eq!(&got[0], want, "solo decode of prompt {p:?}");
     }
-    let got = greedy_batched(&model, &prompts, 64);
+    let got = model.greedy(&prompts, 64).unwrap();
     assert_eq!(got, expected, "all prompts in one batch");
 }
 

@@ -200,30 +200,6 @@ fn lean_f16_and_q8_stay_close_to_f32() {
     }
 }
 
-/// Greedy continuations of `prompts`, all in one batch per step.
-pub(crate) fn greedy(model: &Model, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<u32>> {
-    let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, prompts.len() * 1024);
-    let mut out = vec![Vec::new(); prompts.len()];
-    let mut batch = Batch::default();
-    for (i, p) in prompts.iter().enumerate() {
-        kv.allocate(i as u32, p.len() + steps).expect("room");
-        batch.push(i as u32, 0, p, OutputRows::Last);
-    }
-    for _ in 0..steps {
-        let logits = model
-            .unembed(&model.forward(&batch, &mut kv).expect("forward"))
-            .expect("unembed");
-        let next: Vec<u32> = logits.argmax(1).expect("argmax").to_vec1().expect("ids");
-        batch = Batch::default();
-        for (i, &t) in next.iter().enumerate() {
-            out[i].push(t);
-            let len = kv.len(i as u32).expect("slot");
-            batch.push(i as u32, len, &[t], OutputRows::Last);
-        }
-    }
-    out
-}
-
 /// Fraction of positions where two continuations agree.
 pub(crate) fn agreement(a: &[Vec<u32>], b: &[Vec<u32>]) -> f64 {
     let (mut same, mut total) = (0usize, 0usize);
@@ -263,11 +239,9 @@ fn stories260k_greedy_agreement_with_f32() {
                 .collect()
         })
         .collect();
-    let f32_ids = greedy(
-        &load(&cfg, &w, DType::F32, WeightFormat::AsCompute, true),
-        &prompts,
-        64,
-    );
+    let f32_ids = load(&cfg, &w, DType::F32, WeightFormat::AsCompute, true)
+        .greedy(&prompts, 64)
+        .expect("greedy");
     let expected: Vec<Vec<u32>> = reference["prompts"]
         .as_array()
         .expect("prompts")
@@ -287,7 +261,9 @@ fn stories260k_greedy_agreement_with_f32() {
         (DType::F32, WeightFormat::Q8_0, 0.5),
         (DType::F32, WeightFormat::Q4K, 0.2),
     ] {
-        let ids = greedy(&load(&cfg, &w, dtype, format, true), &prompts, 64);
+        let ids = load(&cfg, &w, dtype, format, true)
+            .greedy(&prompts, 64)
+            .expect("greedy");
         let a = agreement(&ids, &f32_ids);
         eprintln!(
             "stories260k {dtype:?}/{format:?}: greedy agreement with f32 {:.3}",

@@ -733,4 +733,28 @@ impl Model {
         let hidden = self.forward(&batch, &mut kv)?;
         Ok(self.unembed(&hidden)?.i(0)?.to_vec1()?)
     }
+
+    /// Greedy continuations of `prompts`, decoded together (one forward
+    /// pass per step, argmax of the logits), for tests and tools: `steps`
+    /// ids per prompt. Uses a temporary KV cache on the model's device.
+    pub fn greedy(&self, prompts: &[Vec<u32>], steps: usize) -> Result<Vec<Vec<u32>>, ModelError> {
+        let need: usize = prompts.iter().map(|p| p.len() + steps).sum();
+        let mut kv = KvCache::new(self.kv_layout(), self.device.clone(), need);
+        let mut out = vec![Vec::with_capacity(steps); prompts.len()];
+        let mut batch = Batch::default();
+        for (i, p) in prompts.iter().enumerate() {
+            kv.allocate(i as u32, p.len() + steps)?;
+            batch.push(i as u32, 0, p, OutputRows::Last);
+        }
+        for _ in 0..steps {
+            let logits = self.unembed(&self.forward(&batch, &mut kv)?)?;
+            let next: Vec<u32> = logits.argmax(1)?.to_vec1()?;
+            batch = Batch::default();
+            for (i, &t) in next.iter().enumerate() {
+                out[i].push(t);
+                batch.push(i as u32, kv.len(i as u32)?, &[t], OutputRows::Last);
+            }
+        }
+        Ok(out)
+    }
 }
