@@ -18,7 +18,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::{Batch, ModelConfig, ModelError, SeqSpan};
+use super::{ModelConfig, ModelError, SeqSpan};
 use crate::kv::KvCache;
 
 /// Largest padded score matrix (elements, all sequences and KV heads'
@@ -57,37 +57,29 @@ pub(super) struct BatchedAttention {
 }
 
 impl BatchedAttention {
-    /// The plan for `batch`, or `None` when the cache is not pooled or no
-    /// two sequences are worth padding together.
+    /// The plan for a batch of `n` tokens whose sequences are `spans`
+    /// (each with its first row), or `None` when the cache is not pooled or
+    /// no two sequences are worth padding together.
     pub(super) fn plan(
-        batch: &Batch,
+        spans: &[(SeqSpan, usize)],
+        n: usize,
         kv: &KvCache,
         cfg: &ModelConfig,
         dtype: DType,
         device: &Device,
     ) -> Result<Option<Self>, ModelError> {
-        if !kv.is_pooled() || batch.seqs.len() < 2 {
+        if !kv.is_pooled() || spans.len() < 2 {
             return Ok(None);
         }
-        let n = batch.tokens.len();
         let g = cfg.group_size();
-        let starts: Vec<usize> = batch
-            .seqs
-            .iter()
-            .scan(0, |at, s| {
-                let start = *at;
-                *at += s.len;
-                Some(start)
-            })
-            .collect();
         // The group: the most sequences, shortest first, whose padding at
         // most doubles their tokens and whose mask stays small.
-        let mut by_len: Vec<usize> = (0..batch.seqs.len()).collect();
-        by_len.sort_by_key(|&i| batch.seqs[i].len);
+        let mut by_len: Vec<usize> = (0..spans.len()).collect();
+        by_len.sort_by_key(|&i| spans[i].0.len);
         let (mut size, mut tokens, mut keys) = (0, 0, 0);
         let (mut best, mut best_keys) = (0, 0);
         for &i in &by_len {
-            let s = &batch.seqs[i];
+            let s = &spans[i].0;
             size += 1;
             tokens += s.len;
             keys = keys.max(s.offset + s.len);
@@ -99,14 +91,14 @@ impl BatchedAttention {
             return Ok(None); // one sequence attends over its own range more cheaply
         }
         let keys = best_keys;
-        let mut in_group = vec![false; batch.seqs.len()];
+        let mut in_group = vec![false; spans.len()];
         for &i in &by_len[..best] {
             in_group[i] = true;
         }
-        let group: Vec<usize> = (0..batch.seqs.len()).filter(|&i| in_group[i]).collect();
+        let group: Vec<usize> = (0..spans.len()).filter(|&i| in_group[i]).collect();
         let seqs = group.len();
-        let max_queries = group.iter().map(|&i| batch.seqs[i].len).max().unwrap_or(0);
-        let group_tokens: usize = group.iter().map(|&i| batch.seqs[i].len).sum();
+        let max_queries = group.iter().map(|&i| spans[i].0.len).max().unwrap_or(0);
+        let group_tokens: usize = group.iter().map(|&i| spans[i].0.len).sum();
 
         let mut group_rows = Vec::with_capacity(group_tokens);
         let mut key_rows = Vec::with_capacity(seqs * keys);
@@ -115,10 +107,10 @@ impl BatchedAttention {
         let mut q_rows = Vec::with_capacity(seqs * max_queries);
         let mut out_rows = Vec::with_capacity(group_tokens);
         for (gi, &i) in group.iter().enumerate() {
-            let s = &batch.seqs[i];
+            let (s, start) = &spans[i];
             let base = kv.pool_base(s.slot)?;
             let total = s.offset + s.len;
-            group_rows.extend((starts[i]..starts[i] + s.len).map(|r| r as u32));
+            group_rows.extend((*start..start + s.len).map(|r| r as u32));
             key_rows.extend((0..keys).map(|c| (base + if c < total { c } else { 0 }) as u32));
             for j in 0..max_queries {
                 let pos = s.offset + j;
@@ -136,16 +128,16 @@ impl BatchedAttention {
                     any_hidden |= first > 0 || pos + 1 < keys;
                 }
                 if j < s.len {
-                    q_rows.push((starts[i] + j) as u32);
+                    q_rows.push((start + j) as u32);
                     out_rows.push((gi * max_queries + j) as u32);
                 } else {
                     q_rows.push(n as u32);
                 }
             }
         }
-        let singles: Vec<(SeqSpan, usize)> = (0..batch.seqs.len())
+        let singles: Vec<(SeqSpan, usize)> = (0..spans.len())
             .filter(|&i| !in_group[i])
-            .map(|i| (batch.seqs[i], starts[i]))
+            .map(|i| spans[i])
             .collect();
         // Batch row → row of [group output; singles' outputs].
         let order = (!singles.is_empty()).then(|| {
@@ -163,7 +155,7 @@ impl BatchedAttention {
             order
         });
         let write_rows = pool_write_rows(
-            group.iter().map(|&i| &batch.seqs[i]),
+            group.iter().map(|&i| &spans[i].0),
             kv,
             cfg,
             group_tokens,
@@ -280,7 +272,7 @@ impl BatchedAttention {
 /// Scatter indices `[tokens, kv_heads·head_dim]` (u32) of the new K/V rows
 /// of `seqs` (in order, `tokens` in all) in the pool: each token's row,
 /// repeated along the row.
-pub(super) fn pool_write_rows<'a>(
+fn pool_write_rows<'a>(
     seqs: impl Iterator<Item = &'a SeqSpan>,
     kv: &KvCache,
     cfg: &ModelConfig,
@@ -302,7 +294,7 @@ pub(super) fn pool_write_rows<'a>(
 /// Writes new K/V rows (`[n, kv_heads, head_dim]`; only the rows
 /// `selected`, when given) into layer `layer`'s pool at `write_rows`;
 /// returns the pool's (K, V) buffers.
-pub(super) fn write_pool<'a>(
+fn write_pool<'a>(
     kv: &'a KvCache,
     layer: usize,
     write_rows: &Tensor,

@@ -456,11 +456,7 @@ impl Model {
         let cos = self.cos.index_select(&positions, 0)?;
         let sin = self.sin.index_select(&positions, 0)?;
 
-        let pooled = PooledAttention::plan(batch, kv, cfg, &self.device)?;
-        let batched = match pooled {
-            Some(_) => None,
-            None => BatchedAttention::plan(batch, kv, cfg, self.dtype, &self.device)?,
-        };
+        // Each sequence's span with its first row in the batch.
         let spans: Vec<(SeqSpan, usize)> = batch
             .seqs
             .iter()
@@ -469,12 +465,12 @@ impl Model {
                 Some((*s, *at - s.len))
             })
             .collect();
-        let mut clock = PhaseClock::start(&self.device, lock(&self.candle_profile).take());
-        let scale = if self.q_prescaled {
-            1.0
-        } else {
-            1.0 / (hd as f64).sqrt()
+        let pooled = PooledAttention::plan(batch, kv, cfg, &self.device)?;
+        let batched = match pooled {
+            Some(_) => None,
+            None => BatchedAttention::plan(&spans, n, kv, cfg, self.dtype, &self.device)?,
         };
+        let mut clock = PhaseClock::start(&self.device, lock(&self.candle_profile).take());
         for (l, layer) in self.layers.iter().take(num_layers).enumerate() {
             clock.lap(0)?;
             let residual = &x;
@@ -496,7 +492,11 @@ impl Model {
                 .contiguous()?
                 .reshape((n, nkv, hd))?;
             let q = candle_nn::rotary_emb::rope_thd(&q, &cos, &sin)?.squeeze(0)?;
-            let q = if scale == 1.0 { q } else { (q * scale)? };
+            let q = if self.q_prescaled {
+                q
+            } else {
+                (q * (1.0 / (hd as f64).sqrt()))?
+            };
             let k = candle_nn::rotary_emb::rope_thd(&k, &cos, &sin)?.squeeze(0)?;
 
             clock.lap(1)?;

@@ -53,7 +53,7 @@ impl PooledAttention {
         cfg: &ModelConfig,
         device: &Device,
     ) -> Result<Option<Self>, ModelError> {
-        if !cfg!(feature = "cuda") || !device.is_cuda() || !kv.is_pooled() {
+        if !device.is_cuda() || !kv.is_pooled() {
             return Ok(None);
         }
         let n = batch.tokens.len();
@@ -179,7 +179,7 @@ mod kernel {
             (src, sl): (&CudaStorage, &Layout),
             (meta, ml): (&CudaStorage, &Layout),
         ) -> candle_core::Result<()> {
-            let (rows, heads, dim) = pl.shape().dims3()?;
+            let (_, heads, dim) = pl.shape().dims3()?;
             let (n, src_heads, src_dim) = sl.shape().dims3()?;
             if (heads, dim) != (src_heads, src_dim) || !pl.is_contiguous() || !sl.is_contiguous() {
                 candle_core::bail!(
@@ -188,7 +188,6 @@ mod kernel {
                     pl.shape()
                 );
             }
-            let _ = rows;
             let dev = pool.device().clone();
             let func = dev.get_or_load_custom_func(name, "tandem_pooled_attention", PTX)?;
             let meta = meta_slice(meta, ml)?;
