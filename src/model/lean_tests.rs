@@ -226,35 +226,27 @@ fn stories260k_greedy_agreement_with_f32() {
         &std::fs::read_to_string(dir.join("reference.json")).expect("reference.json"),
     )
     .expect("json");
-    let prompts: Vec<Vec<u32>> = reference["prompts"]
-        .as_array()
-        .expect("prompts")
-        .iter()
-        .map(|p| {
-            p["prompt_ids"]
-                .as_array()
-                .expect("ids")
-                .iter()
-                .map(|x| x.as_u64().expect("id") as u32)
-                .collect()
-        })
-        .collect();
+    // One id list per prompt entry, under `key`.
+    let list = |key: &str| -> Vec<Vec<u32>> {
+        reference["prompts"]
+            .as_array()
+            .expect("prompts")
+            .iter()
+            .map(|p| {
+                p[key]
+                    .as_array()
+                    .expect("ids")
+                    .iter()
+                    .map(|x| x.as_u64().expect("id") as u32)
+                    .collect()
+            })
+            .collect()
+    };
+    let prompts = list("prompt_ids");
     let f32_ids = load(&cfg, &w, DType::F32, WeightFormat::AsCompute, true)
         .greedy(&prompts, 64)
         .expect("greedy");
-    let expected: Vec<Vec<u32>> = reference["prompts"]
-        .as_array()
-        .expect("prompts")
-        .iter()
-        .map(|p| {
-            p["generated_ids"]
-                .as_array()
-                .expect("ids")
-                .iter()
-                .map(|x| x.as_u64().expect("id") as u32)
-                .collect()
-        })
-        .collect();
+    let expected = list("generated_ids");
     assert_eq!(f32_ids, expected, "lean f32 reproduces the reference ids");
     for (dtype, format, floor) in [
         (DType::F16, WeightFormat::AsCompute, 0.9),
