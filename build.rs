@@ -1,5 +1,6 @@
-//! With the `cuda` feature, compiles Tandem's own CUDA kernels
-//! (`src/model/cuda/*.cu`) to PTX with nvcc; the default build needs nothing.
+//! With the `cuda` feature, compiles Tandem's own CUDA kernels (attention in
+//! `src/model/cuda/`, sampling in `src/sampler/cuda/`) to PTX with nvcc; the
+//! default build needs nothing.
 //!
 //! nvcc is `$NVCC`, else `$CUDA_HOME/bin/nvcc`, else `nvcc` on the PATH; the
 //! PTX targets `compute_$CUDA_COMPUTE_CAP` (default 80), which the driver
@@ -26,8 +27,8 @@ fn main() {
         .unwrap_or_else(|| PathBuf::from("nvcc"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
-    for kernel in ["attention"] {
-        let src = format!("src/model/cuda/{kernel}.cu");
+    for (dir, kernel) in [("model", "attention"), ("sampler", "sampling")] {
+        let src = format!("src/{dir}/cuda/{kernel}.cu");
         println!("cargo:rerun-if-changed={src}");
         let status = Command::new(&nvcc)
             .args(["--ptx", "-O3", "-std=c++17"])

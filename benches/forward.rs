@@ -24,7 +24,9 @@
 //!   decode run per configuration;
 //! - `TANDEM_BENCH_DEVICE=cuda` runs on GPU 0 (a `--features cuda`
 //!   build; formats `bf16`, `f16`, `f32` there; each decode step ends with
-//!   its greedy ids on the host, as in serving);
+//!   its greedy ids on the host, as in serving), and times one sampler
+//!   call per batch size with top-p and penalties on the device against
+//!   the same call after copying the logits to the host;
 //! - `TANDEM_BENCH_MODEL=DIR` benchmarks a Hugging Face model directory's
 //!   own config and weights instead of the random llama-100m;
 //! - `TANDEM_BENCH_AGREEMENT=1` adds, for each non-f32 format, the greedy
@@ -219,6 +221,56 @@ fn agreement(configs: &[Config]) {
     }
 }
 
+/// One sampler call (temperature, top-p, repeat penalty over 64 tokens)
+/// on `[B, vocab]` logits on the device, against the same call on a host
+/// copy of them (what a host sampler costs, the copy included).
+fn sampler_cost(device: &Device, vocab: usize, batches: &[usize]) {
+    use tandem::sampler::{Sampler, SamplingOptions};
+    let options = SamplingOptions {
+        temperature: 0.8,
+        top_p: 0.9,
+        repeat_penalty: 1.1,
+        repeat_last_n: 64,
+        seed: Some(1),
+        ..Default::default()
+    };
+    println!("sampler call, temperature 0.8, top-p 0.9, repeat penalty over 64 tokens, V={vocab}:");
+    for &b in batches {
+        let logits = candle_core::Tensor::randn(0f32, 3.0, (b, vocab), device).expect("logits");
+        let slots: Vec<u32> = (0..b as u32).collect();
+        let mut times = Vec::new();
+        for on_host in [false, true] {
+            let mut sampler = Sampler::with_seed(4096, 1);
+            for &s in &slots {
+                let prior: Vec<u32> = (0..64)
+                    .map(|i| (s * 977 + i * 131) % vocab as u32)
+                    .collect();
+                sampler.add(s, options, &prior).expect("add");
+            }
+            let call = |sampler: &mut Sampler| {
+                let input = if on_host {
+                    logits.to_device(&Device::Cpu).expect("copy")
+                } else {
+                    logits.clone()
+                };
+                sampler.sample(&slots, &input).expect("sample");
+            };
+            call(&mut sampler);
+            let reps = 20;
+            let start = Instant::now();
+            for _ in 0..reps {
+                call(&mut sampler);
+            }
+            times.push(start.elapsed().as_secs_f64() / reps as f64);
+        }
+        println!(
+            "  B={b:<3} on the device {:>8.0} us, on the host {:>8.0} us (copy included)",
+            1e6 * times[0],
+            1e6 * times[1]
+        );
+    }
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -292,6 +344,9 @@ fn main() {
             "one tiny candle op (launch + allocation): {:.1} us",
             1e6 * start.elapsed().as_secs_f64() / ops as f64
         );
+    }
+    if !device.is_cpu() {
+        sampler_cost(&device, cfg.vocab_size, &batches);
     }
     // Warm-up: first-use costs (buffers, page faults) stay out of the figures.
     for c in &configs {

@@ -15,7 +15,7 @@ use support::reference::{stories260k, Stories};
 use tandem::engine::{Engine, EngineConfig, GeneratedToken};
 use tandem::kv::KvCache;
 use tandem::model::{Batch, LoadOptions, Model, ModelConfig, OutputRows, Weights};
-use tandem::sampler::SamplingOptions;
+use tandem::sampler::{Sampler, SamplerError, SamplingOptions};
 
 /// GPU 0 when this build and machine have one, else the CPU.
 fn test_device() -> Device {
@@ -330,8 +330,8 @@ fn mixed_options_batched_equal_solo_on_the_device() {
             ..Default::default()
         },
     ];
-    // With a logprobs request every row goes to the host; without one the
-    // greedy rows take their argmax on the device beside host-sampled rows.
+    // With and without a logprobs request (which adds the log-softmax and
+    // top lists to the device sampler's work).
     for kinds in [&sampling[..], &[sampling[0], sampling[1], sampling[3]]] {
         let reqs: Vec<Req> = (0..8)
             .map(|i| {
@@ -385,4 +385,212 @@ fn half_precision_agrees_with_f32() {
         eprintln!("{dtype:?} greedy agreement with the f32 reference: {agreement:.3}");
         assert!(agreement >= 0.5, "{dtype:?}: agreement {agreement:.3}");
     }
+}
+
+/// Pseudo-random logits `[rows, vocab]`: roughly normal with spread
+/// `scale`; `quantum > 0` rounds them to multiples of it (ties).
+fn random_logits(seed: u64, rows: usize, vocab: usize, scale: f32, quantum: f32) -> Vec<f32> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    (0..rows * vocab)
+        .map(|_| {
+            let x: f32 = (0..4).map(|_| rng.random::<f32>() - 0.5).sum::<f32>() * scale;
+            if quantum > 0.0 {
+                (x / quantum).round() * quantum
+            } else {
+                x
+            }
+        })
+        .collect()
+}
+
+/// The same call on a host sampler and on a device sampler: equal tokens,
+/// logprobs and histories.
+fn sample_both(
+    host: &mut Sampler,
+    dev: &mut Sampler,
+    device: &Device,
+    slots: &[u32],
+    logits: Vec<f32>,
+    vocab: usize,
+    what: &str,
+) {
+    let cpu = Tensor::from_vec(logits, (slots.len(), vocab), &Device::Cpu).unwrap();
+    let on_device = cpu.to_device(device).unwrap();
+    let want = host.sample(slots, &cpu).unwrap();
+    let got = dev.sample(slots, &on_device).unwrap();
+    assert_eq!(got.tokens, want.tokens, "{what}: tokens");
+    match (&got.logprobs, &want.logprobs) {
+        (Some(g), Some(w)) => assert!(max_abs_diff(g, w) < 1e-4, "{what}: {g:?} vs {w:?}"),
+        (g, w) => assert_eq!(g.is_some(), w.is_some(), "{what}: logprobs presence"),
+    }
+    match (&got.top_logprobs, &want.top_logprobs) {
+        (Some(g), Some(w)) => {
+            for (gr, wr) in g.iter().zip(w) {
+                let ids = |r: &[(u32, f32)]| r.iter().map(|p| p.0).collect::<Vec<_>>();
+                let lps = |r: &[(u32, f32)]| r.iter().map(|p| p.1).collect::<Vec<_>>();
+                assert_eq!(ids(gr), ids(wr), "{what}: top ids");
+                assert!(
+                    max_abs_diff(&lps(gr), &lps(wr)) < 1e-4,
+                    "{what}: top logprobs"
+                );
+            }
+        }
+        (g, w) => assert_eq!(g.is_some(), w.is_some(), "{what}: top list presence"),
+    }
+    for &s in slots {
+        assert_eq!(
+            dev.history(s),
+            host.history(s),
+            "{what}: history of slot {s}"
+        );
+    }
+}
+
+/// On a GPU the sampler runs as one kernel launch per call (only ids and
+/// logprobs come back) and keeps the penalty rings on the device. It must
+/// draw exactly what the host sampler draws from the same logits and RNG
+/// states: every transform alone and combined, ties, penalties over many
+/// steps with rings wrapping, logprobs, subsets out of order, slots leaving
+/// and joining, and commits between calls.
+#[test]
+fn device_sampler_equals_host_sampler() {
+    let device = test_device();
+    let vocab = 3001;
+    let o = |t: f32, k: i32, p: f32, min_p: f32, seed: u64| SamplingOptions {
+        temperature: t,
+        top_k: k,
+        top_p: p,
+        min_p,
+        seed: Some(seed),
+        ..Default::default()
+    };
+    let penalised = |base: SamplingOptions, window: i32| SamplingOptions {
+        repeat_penalty: 1.3,
+        presence_penalty: 0.4,
+        frequency_penalty: 0.2,
+        repeat_last_n: window,
+        ..base
+    };
+    let options = [
+        SamplingOptions::greedy(),
+        penalised(SamplingOptions::greedy(), 8),
+        o(0.9, 40, 1.0, 0.0, 1),
+        o(1.1, 0, 0.8, 0.0, 2),
+        o(0.7, 20, 0.95, 0.05, 3),
+        o(1.0, 0, 1.0, 0.1, 4),
+        o(1.0, 0, 1.0, 0.0, 5),
+        penalised(o(0.8, 0, 0.9, 0.0, 6), 6),
+        SamplingOptions {
+            logprobs: true,
+            top_logprobs: 5,
+            ..o(0.6, 50, 1.0, 0.0, 7)
+        },
+        o(1.5, 1, 1.0, 0.0, 8),
+        penalised(o(1.2, 7, 0.7, 0.02, 9), 32),
+    ];
+    let mut host = Sampler::with_seed(64, 11);
+    let mut dev = Sampler::with_seed(64, 11);
+    let mut slots: Vec<u32> = Vec::new();
+    for (i, opt) in options.iter().enumerate() {
+        let prior = prompt(i as u32, 20, vocab as u32);
+        host.add(i as u32, *opt, &prior).unwrap();
+        dev.add(i as u32, *opt, &prior).unwrap();
+        slots.push(i as u32);
+    }
+    for step in 0..14u64 {
+        if step == 4 {
+            for s in [&mut host, &mut dev] {
+                assert!(s.remove(2));
+                s.add(100, penalised(o(0.9, 0, 0.85, 0.0, 12), 4), &[1, 2, 3, 1])
+                    .unwrap();
+            }
+            slots.retain(|&s| s != 2);
+            slots.push(100);
+        }
+        if step == 7 {
+            for s in [&mut host, &mut dev] {
+                s.commit(7, &[5, 6, 5]).unwrap();
+                s.commit(1, &[9]).unwrap();
+            }
+        }
+        // Every other call names a subset, out of order.
+        let mut named = slots.clone();
+        if step % 2 == 1 {
+            named.reverse();
+            named.remove(step as usize % named.len());
+        }
+        // Some calls have ties everywhere (logits in steps of 0.5).
+        let quantum = if step % 3 == 2 { 0.5 } else { 0.0 };
+        let logits = random_logits(step, named.len(), vocab, 6.0, quantum);
+        sample_both(
+            &mut host,
+            &mut dev,
+            &device,
+            &named,
+            logits,
+            vocab,
+            &format!("step {step}"),
+        );
+    }
+}
+
+/// Bad rows fail the device call with the host sampler's errors, and a
+/// failed call changes nothing: the next good call draws what it would
+/// have drawn without the failure.
+#[test]
+fn device_sampler_reports_bad_rows_and_commits_nothing() {
+    let device = test_device();
+    let vocab = 500;
+    let sampled = SamplingOptions {
+        temperature: 1.0,
+        repeat_penalty: 1.2,
+        repeat_last_n: 8,
+        seed: Some(3),
+        ..Default::default()
+    };
+    let fresh = || {
+        let mut s = Sampler::with_seed(64, 1);
+        s.add(10, SamplingOptions::greedy(), &[]).unwrap();
+        s.add(11, sampled, &[4, 5]).unwrap();
+        s
+    };
+    let to_device = |v: Vec<f32>| {
+        Tensor::from_vec(v, (2, vocab), &Device::Cpu)
+            .unwrap()
+            .to_device(&device)
+            .unwrap()
+    };
+    let good = random_logits(1, 2, vocab, 4.0, 0.0);
+    let mut untouched = fresh();
+    let want = untouched
+        .sample(&[10, 11], &to_device(good.clone()))
+        .unwrap();
+
+    let mut s = fresh();
+    let mut nan = good.clone();
+    nan[vocab + 17] = f32::NAN;
+    assert_eq!(
+        s.sample(&[10, 11], &to_device(nan)),
+        Err(SamplerError::NonFiniteLogits { slot: 11, row: 1 })
+    );
+    let mut dead = good.clone();
+    dead[..vocab].fill(f32::NEG_INFINITY);
+    assert_eq!(
+        s.sample(&[10, 11], &to_device(dead)),
+        Err(SamplerError::NoFiniteLogit { slot: 10, row: 0 })
+    );
+    let got = s.sample(&[10, 11], &to_device(good.clone())).unwrap();
+    assert_eq!(got.tokens, want.tokens, "failed calls changed nothing");
+    assert_eq!(s.history(11), untouched.history(11));
+
+    s.commit(11, &[vocab as u32 + 3]).unwrap();
+    assert_eq!(
+        s.sample(&[11, 10], &to_device(good)),
+        Err(SamplerError::VocabMismatch {
+            slot: 11,
+            token: vocab as u32 + 3,
+            vocab
+        })
+    );
 }

@@ -45,6 +45,11 @@ for tokens in 128 512; do
   done
 done
 
+# Mixed clients (greedy, top-p, penalties, logprobs; lengths vary): every
+# row sampled on the device.
+"$BIN/multi_client_load" --device cuda --dtype bf16 --model "$MODEL" --clients 64 \
+  --max-tokens 128 --max-seqs 64 --engine-baseline 2>&1 | grep -v '^\s*$' | tail -25
+
 echo "=== (d) PyTorch anchor"
 PYTHONUNBUFFERED=1 python3 bench/gpu/hf_anchor.py bench "$MODEL" --batches 1,16,64
 echo "=== done"

@@ -4,9 +4,10 @@
 use std::collections::HashMap;
 
 use candle_core::Tensor;
-use rand::{RngCore, SeedableRng};
+use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::device::{self, DeviceHistory};
 use super::history::HistoryPool;
 use super::host;
 use super::transform::{self, Plan, RowFault, RowJob, RowScratch};
@@ -90,6 +91,8 @@ pub struct Sampler {
     call_seen: Vec<bool>,
     call_rows: Vec<RowOut>,
     call_top: Vec<(u32, f32)>,
+    /// The penalty rings on the device of the last device call.
+    device_history: Option<DeviceHistory>,
 }
 
 impl std::fmt::Debug for Sampler {
@@ -135,6 +138,7 @@ impl Sampler {
             call_seen: Vec::new(),
             call_rows: Vec::new(),
             call_top: Vec::new(),
+            device_history: None,
         }
     }
 
@@ -355,6 +359,9 @@ impl Sampler {
         if b == 0 {
             return Ok(empty);
         }
+        if logits.device().is_cuda() {
+            return self.run_on_device(idx, logits, vocab, path);
+        }
         if !self.any_logprobs && host::on_device(logits) {
             // Plain greedy rows take their argmax where the logits live;
             // only the other rows' logits cross to the host.
@@ -444,6 +451,92 @@ impl Sampler {
         self.call_rows = rows;
         self.call_top = top;
         result
+    }
+}
+
+impl Sampler {
+    /// The whole call as one kernel launch where the logits live (CUDA):
+    /// only the output rows cross to the host. Same RNG use, history
+    /// writes and all-or-nothing commit as the host path.
+    fn run_on_device(
+        &mut self,
+        idx: &[usize],
+        logits: &Tensor,
+        vocab: usize,
+        path: SamplePath,
+    ) -> Result<SampleResult, SamplerError> {
+        let top_k = if self.any_logprobs {
+            self.max_top_logprobs.min(vocab)
+        } else {
+            0
+        };
+        let mut rngs = Vec::with_capacity(idx.len());
+        let mut params = Vec::with_capacity(idx.len() * device::PARAM_WIDTH);
+        for &r in idx {
+            let slot = &self.slots[r];
+            let mut rng = slot.rng.clone();
+            let uniform = (!slot.plan.is_greedy()).then(|| rng.random::<f64>());
+            params.extend_from_slice(&device::row_params(slot, r, uniform, self.any_logprobs));
+            rngs.push(rng);
+        }
+        let history =
+            DeviceHistory::synced(self.device_history.take(), &self.pool, logits.device())?;
+        let launch = match device::sample(logits, &params, &history, top_k) {
+            Ok(launch) => launch,
+            Err(e) => {
+                self.device_history = Some(history);
+                return Err(e);
+            }
+        };
+        let width = device::out_width(top_k);
+        // Every status first: a failing call commits nothing.
+        for (row, out) in launch.out.chunks_exact(width).enumerate() {
+            let row_fault = match out[1] {
+                device::S_OK => continue,
+                device::S_NON_FINITE => RowFault::NonFinite,
+                device::S_NO_FINITE_LOGIT => RowFault::NoFiniteLogit,
+                device::S_TOKEN_OUT_OF_VOCAB => RowFault::TokenOutOfVocab(out[2]),
+                other => {
+                    return Err(SamplerError::Tensor(format!(
+                        "device sampler: unknown status {other} for row {row}"
+                    )))
+                }
+            };
+            self.device_history = Some(history);
+            return Err(fault(row_fault, self.slots[idx[row]].id, row, vocab));
+        }
+        let mut result = SampleResult {
+            tokens: Vec::with_capacity(idx.len()),
+            logprobs: self.any_logprobs.then(Vec::new),
+            top_logprobs: (top_k > 0).then(Vec::new),
+            path,
+        };
+        for ((out, &r), rng) in launch.out.chunks_exact(width).zip(idx).zip(rngs) {
+            let token = out[0];
+            let slot = &mut self.slots[r];
+            slot.rng = rng;
+            if slot.plan.uses_history() {
+                self.pool
+                    .write(r, slot.plan.penalty.window, slot.len, token);
+                slot.len += 1;
+            }
+            result.tokens.push(token);
+            if let Some(lp) = result.logprobs.as_mut() {
+                lp.push(f32::from_bits(out[3]));
+            }
+            if let Some(top) = result.top_logprobs.as_mut() {
+                top.push(
+                    out[4..]
+                        .chunks_exact(2)
+                        .map(|c| (c[0], f32::from_bits(c[1])))
+                        .collect(),
+                );
+            }
+        }
+        // The host pool is committed; should the device append fail, the
+        // next call uploads the pool instead of trusting a stale copy.
+        self.device_history = device::write_history(history, &launch, self.pool.version()).ok();
+        Ok(result)
     }
 }
 

@@ -20,6 +20,9 @@ pub(crate) struct HistoryPool {
     width: usize,
     /// Row-major `[rows, width]`.
     data: Vec<u32>,
+    /// Bumped by every change, so a copy elsewhere (the device sampler's)
+    /// knows whether it is stale.
+    version: u64,
 }
 
 impl HistoryPool {
@@ -31,6 +34,16 @@ impl HistoryPool {
     /// Number of rows (equals the registered slot count when `width > 0`).
     pub(crate) fn rows(&self) -> usize {
         self.data.len().checked_div(self.width).unwrap_or(0)
+    }
+
+    /// Changes so far; equal versions mean equal contents.
+    pub(crate) fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The whole matrix, row-major `[rows, width]`.
+    pub(crate) fn as_slice(&self) -> &[u32] {
+        &self.data
     }
 
     /// The whole row `r`.
@@ -46,6 +59,7 @@ impl HistoryPool {
         if self.width == 0 && window == 0 {
             return 0;
         }
+        self.version += 1;
         if window > self.width {
             // Zero rows for earlier slots keep rows aligned with slots when
             // the pool is allocated by its first penalty slot.
@@ -69,6 +83,7 @@ impl HistoryPool {
         if self.width == 0 {
             return;
         }
+        self.version += 1;
         self.data.drain(r * self.width..(r + 1) * self.width);
         if new_width == 0 {
             self.width = 0;
@@ -83,6 +98,7 @@ impl HistoryPool {
     pub(crate) fn write(&mut self, r: usize, window: usize, len: u64, token: u32) {
         let pos = (len % window as u64) as usize;
         self.data[r * self.width + pos] = token;
+        self.version += 1;
     }
 
     /// The filled part of row `r` for a ring of `window` holding `len`

@@ -9,15 +9,22 @@
 //! is shared.
 //!
 //! # Where the work happens
-//! The logits are read to the host as f32 once per call (in place when
-//! they already are a contiguous CPU f32 tensor) and every transform runs
-//! in plain Rust over that buffer: no full sort of V ever — top-k and
-//! top-p use partial selection and sort only their candidates. The
-//! exception is a tensor off the CPU when no slot asked for logprobs: the
-//! rows that are plain greedy (no penalties) take their argmax on the
-//! device and only their ids cross (those rows are not checked for NaN, and
-//! ties follow the device kernel's rule); only the other rows' logits are
-//! copied to the host.
+//! - **Logits on a CUDA GPU**: the whole call is one kernel launch
+//!   (`device.rs`, `cuda/sampling.cu`, one block per row, no sort) over
+//!   every row whatever its options; the penalty rings have a copy on the
+//!   device, and only the output rows (token, status, requested logprobs)
+//!   cross to the host. The host still draws each row's uniform from the
+//!   slot's RNG, so seeds mean the same thing on both sides, and the kernel
+//!   picks what the host chain picks from the same logits (ties and
+//!   rounding at a boundary aside, where parallel sums may differ in the
+//!   last bit).
+//! - **Anywhere else** the logits are read to the host as f32 once per call
+//!   (in place when they already are a contiguous CPU f32 tensor) and every
+//!   transform runs in plain Rust over that buffer: no full sort of V ever
+//!   — top-k and top-p use partial selection and sort only their
+//!   candidates. On another GPU backend (Metal) without logprob requests,
+//!   the plain greedy rows take their argmax on the device and only the
+//!   other rows' logits are copied to the host.
 //!
 //! # Transform chain (per row, Ollama semantics)
 //! penalties (repeat and presence once per distinct token of the window,
@@ -83,8 +90,11 @@
 //!   `math.rs`: vectorised kernels (exp, max, sums; AVX2 when available,
 //!   bit-identical to the baseline build).
 //! - `history.rs`: the pooled ring buffer.  `host.rs`: tensor → host.
+//! - `device.rs` + `cuda/sampling.cu`: the one-launch path for CUDA logits
+//!   and the device copy of the rings.
 
 mod batched;
+mod device;
 mod draw;
 mod history;
 mod host;

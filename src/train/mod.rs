@@ -356,7 +356,7 @@ impl<'a> Trainer<'a> {
         let grads = loss.backward()?;
         let warmup = (self.config.steps / 20).max(1);
         let lr = self.config.lr * ((self.step + 1) as f64 / warmup as f64).min(1.0);
-        self.adam.step(&self.head.var_map(), &grads, lr)?;
+        self.adam.step(self.head.var_map(), &grads, lr)?;
         let loss = loss.to_scalar::<f32>()? as f64;
         self.losses.push(loss);
         self.step += 1;
@@ -454,10 +454,10 @@ impl<'a> Trainer<'a> {
         }
         while self.step < self.config.steps {
             let loss = self.train_step()?;
-            if self.step % self.config.eval_every == 0 || self.step == self.config.steps {
+            if self.step.is_multiple_of(self.config.eval_every) || self.step == self.config.steps {
                 self.evaluate()?;
             }
-            if self.config.checkpoint_every > 0 && self.step % self.config.checkpoint_every == 0 {
+            if self.config.checkpoint_every > 0 && self.step.is_multiple_of(self.config.checkpoint_every) {
                 self.save_checkpoint(out)?;
             }
             progress(self.step, loss, self.evals.last());
