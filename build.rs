@@ -27,7 +27,11 @@ fn main() {
         .unwrap_or_else(|| PathBuf::from("nvcc"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
-    for (dir, kernel) in [("model", "attention"), ("sampler", "sampling")] {
+    for (dir, kernel) in [
+        ("model", "attention"),
+        ("model", "fused"),
+        ("sampler", "sampling"),
+    ] {
         let src = format!("src/{dir}/cuda/{kernel}.cu");
         println!("cargo:rerun-if-changed={src}");
         let status = Command::new(&nvcc)

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, IndexOp, Tensor};
 
 use super::batched_attention::BatchedAttention;
+use super::fused;
 use super::lean::Lean;
 use super::linear::{Linear, WeightFormat};
 use super::pooled_attention::PooledAttention;
@@ -36,7 +37,13 @@ use super::{Batch, ModelConfig, ModelError, OutputRows, SeqSpan, Weights};
 use crate::kv::{KvCache, KvLayout};
 
 /// Phases of the candle path's profile, in step order.
-const CANDLE_PHASES: [&str; 5] = ["other", "norm+qkv+rope", "attention", "o_proj", "mlp"];
+const CANDLE_PHASES: [&str; 5] = [
+    "other",
+    "qkv+rope",
+    "attention",
+    "o_proj+add+norm",
+    "mlp+add+norm",
+];
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -447,15 +454,6 @@ impl Model {
         let cfg = &self.cfg;
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
 
-        let positions: Vec<u32> = batch
-            .seqs
-            .iter()
-            .flat_map(|s| (s.offset..s.offset + s.len).map(|p| p as u32))
-            .collect();
-        let positions = Tensor::new(positions.as_slice(), &self.device)?;
-        let cos = self.cos.index_select(&positions, 0)?;
-        let sin = self.sin.index_select(&positions, 0)?;
-
         // Each sequence's span with its first row in the batch.
         let spans: Vec<(SeqSpan, usize)> = batch
             .seqs
@@ -470,64 +468,94 @@ impl Model {
             Some(_) => None,
             None => BatchedAttention::plan(&spans, n, kv, cfg, self.dtype, &self.device)?,
         };
+        // The pooled kernels rotate by position themselves; the candle path
+        // takes the batch's rows of the tables.
+        let rope_rows = match pooled {
+            Some(_) => None,
+            None => {
+                let positions: Vec<u32> = batch
+                    .seqs
+                    .iter()
+                    .flat_map(|s| (s.offset..s.offset + s.len).map(|p| p as u32))
+                    .collect();
+                let positions = Tensor::new(positions.as_slice(), &self.device)?;
+                Some((
+                    self.cos.index_select(&positions, 0)?,
+                    self.sin.index_select(&positions, 0)?,
+                ))
+            }
+        };
+        let q_scale = if self.q_prescaled {
+            1.0
+        } else {
+            1.0 / (hd as f64).sqrt()
+        };
+        let eps = cfg.rms_norm_eps as f32;
         let mut clock = PhaseClock::start(&self.device, lock(&self.candle_profile).take());
-        for (l, layer) in self.layers.iter().take(num_layers).enumerate() {
+        let layers = &self.layers[..num_layers.min(self.layers.len())];
+        // `h` is the normed input of the next block; each residual add is
+        // fused with the norm that follows it.
+        let mut h = match layers.first() {
+            Some(first) => candle_nn::ops::rms_norm(&x, &first.attn_norm, eps)?,
+            None => x.clone(),
+        };
+        for (l, layer) in layers.iter().enumerate() {
             clock.lap(0)?;
-            let residual = &x;
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps as f32)?;
             let mut qkv = layer.qkv.forward(&h)?;
             if let Some(b) = &layer.qkv_bias {
                 qkv = qkv.broadcast_add(b)?;
             }
-            let q = qkv
-                .narrow(1, 0, nh * hd)?
-                .contiguous()?
-                .reshape((1, n, nh, hd))?;
-            let k = qkv
-                .narrow(1, nh * hd, nkv * hd)?
-                .contiguous()?
-                .reshape((1, n, nkv, hd))?;
-            let v = qkv
-                .narrow(1, (nh + nkv) * hd, nkv * hd)?
-                .contiguous()?
-                .reshape((n, nkv, hd))?;
-            let q = candle_nn::rotary_emb::rope_thd(&q, &cos, &sin)?.squeeze(0)?;
-            let q = if self.q_prescaled {
-                q
+            let attn = if let Some(plan) = &pooled {
+                clock.lap(1)?;
+                plan.forward(cfg, kv, l, &qkv, (&self.cos, &self.sin), q_scale as f32)?
             } else {
-                (q * (1.0 / (hd as f64).sqrt()))?
-            };
-            let k = candle_nn::rotary_emb::rope_thd(&k, &cos, &sin)?.squeeze(0)?;
-
-            clock.lap(1)?;
-            let attn = match (&pooled, &batched) {
-                (Some(plan), _) => plan.forward(cfg, kv, l, &q, &k, &v)?,
-                (None, Some(plan)) if plan.singles().is_empty() => {
-                    plan.forward(cfg, kv, l, &q, &k, &v)?
-                }
-                (None, Some(plan)) => {
-                    let mut parts = vec![plan.forward(cfg, kv, l, &q, &k, &v)?];
-                    parts.extend(self.attend_each(plan.singles(), kv, l, &q, &k, &v)?);
-                    plan.reorder(&parts)?
-                }
-                (None, None) => {
-                    let mut parts = self.attend_each(&spans, kv, l, &q, &k, &v)?;
-                    if parts.len() == 1 {
-                        parts.pop().expect("one part")
-                    } else {
-                        Tensor::cat(&parts, 0)?
+                let (cos, sin) = rope_rows.as_ref().expect("tables for the candle path");
+                let q = qkv
+                    .narrow(1, 0, nh * hd)?
+                    .contiguous()?
+                    .reshape((1, n, nh, hd))?;
+                let k = qkv
+                    .narrow(1, nh * hd, nkv * hd)?
+                    .contiguous()?
+                    .reshape((1, n, nkv, hd))?;
+                let v = qkv
+                    .narrow(1, (nh + nkv) * hd, nkv * hd)?
+                    .contiguous()?
+                    .reshape((n, nkv, hd))?;
+                let q = candle_nn::rotary_emb::rope_thd(&q, cos, sin)?.squeeze(0)?;
+                let q = if self.q_prescaled { q } else { (q * q_scale)? };
+                let k = candle_nn::rotary_emb::rope_thd(&k, cos, sin)?.squeeze(0)?;
+                clock.lap(1)?;
+                match &batched {
+                    Some(plan) if plan.singles().is_empty() => {
+                        plan.forward(cfg, kv, l, &q, &k, &v)?
+                    }
+                    Some(plan) => {
+                        let mut parts = vec![plan.forward(cfg, kv, l, &q, &k, &v)?];
+                        parts.extend(self.attend_each(plan.singles(), kv, l, &q, &k, &v)?);
+                        plan.reorder(&parts)?
+                    }
+                    None => {
+                        let mut parts = self.attend_each(&spans, kv, l, &q, &k, &v)?;
+                        if parts.len() == 1 {
+                            parts.pop().expect("one part")
+                        } else {
+                            Tensor::cat(&parts, 0)?
+                        }
                     }
                 }
             };
             clock.lap(2)?;
-            x = (residual + layer.o_proj.forward(&attn)?)?;
+            let o = layer.o_proj.forward(&attn)?;
+            (x, h) = fused::add_rms_norm(&x, &o, &layer.mlp_norm, eps)?;
             clock.lap(3)?;
 
-            let h = candle_nn::ops::rms_norm(&x, &layer.mlp_norm, cfg.rms_norm_eps as f32)?;
             let gu = layer.gate_up.forward(&h)?;
-            let i = cfg.intermediate_size;
-            let act = (candle_nn::ops::silu(&gu.narrow(1, 0, i)?)? * gu.narrow(1, i, i)?)?;
-            x = (x + layer.down.forward(&act)?)?;
+            let down = layer.down.forward(&fused::silu_mul(&gu, cfg.intermediate_size)?)?;
+            match layers.get(l + 1) {
+                Some(next) => (x, h) = fused::add_rms_norm(&x, &down, &next.attn_norm, eps)?,
+                None => x = (x + down)?,
+            }
             clock.lap(4)?;
         }
         *lock(&self.candle_profile) = clock.finish();

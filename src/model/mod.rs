@@ -24,6 +24,7 @@
 pub mod batch;
 mod batched_attention;
 pub mod config;
+mod fused;
 pub(crate) mod kernels;
 mod lean;
 #[cfg(test)]

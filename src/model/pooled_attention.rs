@@ -1,12 +1,16 @@
-//! Attention over pooled KV in three kernel launches per layer (CUDA builds).
+//! Attention over pooled KV in three kernel launches per layer (CUDA builds),
+//! straight from the fused q/k/v projection.
 //!
 //! Tandem's own kernels (`cuda/attention.cu`, compiled to PTX by
-//! `build.rs`): one writes the batch's new K (or V) rows into the pool; the
-//! other runs one thread block per query token and query head and reads
-//! the token's keys and values straight from the layer's pool at its
-//! sequence's range: no gather, no padding, no mask, whatever mix of
-//! decodes, draft verifications and prefill chunks the batch holds. Per
-//! layer the step costs three launches instead of the dozen of
+//! `build.rs`): one writes the batch's new K rows into the pool, rotated
+//! (RoPE) on the way, one the V rows; the third runs one thread block per
+//! query token and query head, rotates and scales the token's q as it loads
+//! it, and reads the token's keys and values straight from the layer's pool
+//! at its sequence's range: no gather, no padding, no mask, whatever mix of
+//! decodes, draft verifications and prefill chunks the batch holds. All
+//! three read the `[n, (heads + 2·kv_heads)·head_dim]` projection rows as
+//! they are, so the q/k/v split copies and the RoPE launches of the candle
+//! path do not exist here: three launches per layer instead of the dozen of
 //! [`super::batched_attention`] (which stays the path of other devices and
 //! of contexts too long for a block's shared memory). candle's own scatter
 //! could do the write, but it walks a batch's rows one after the other.
@@ -25,10 +29,16 @@ use crate::kv::KvCache;
 /// Ampere: about 24 000 keys.
 const SHARED_BYTES: usize = 96 * 1024;
 
+/// Warps per attention block (the kernel's block is 32 × this threads).
+const WARPS: usize = 4;
+/// Largest head dimension the kernel covers (8 per lane).
+const MAX_HEAD_DIM: usize = 256;
+
 /// Shared bytes a block needs for a query that sees `keys` keys: the
-/// query, reduction scratch and one score per key.
+/// query, reduction scratch, one partial output row per warp and one score
+/// per key.
 fn shared_bytes(cfg: &ModelConfig, keys: usize) -> usize {
-    4 * (cfg.head_dim + 32 + keys)
+    4 * (cfg.head_dim + 32 + WARPS * cfg.head_dim + keys)
 }
 
 /// The per-pass part: where each query token's keys are.
@@ -53,7 +63,8 @@ impl PooledAttention {
         cfg: &ModelConfig,
         device: &Device,
     ) -> Result<Option<Self>, ModelError> {
-        if !device.is_cuda() || !kv.is_pooled() {
+        let head_fits = cfg.head_dim <= MAX_HEAD_DIM && cfg.head_dim % 2 == 0;
+        if !device.is_cuda() || !kv.is_pooled() || !head_fits {
             return Ok(None);
         }
         let n = batch.tokens.len();
@@ -83,53 +94,66 @@ impl PooledAttention {
         }))
     }
 
-    /// Writes layer `layer`'s new K/V (`[n, kv_heads, head_dim]`) into the
-    /// pool and returns the attention output `[n, heads·head_dim]` of `q`
-    /// (`[n, heads, head_dim]`, RoPE applied and scaled).
+    /// Writes layer `layer`'s new K (rotated) and V rows of `qkv` (the
+    /// projection, `[n, (heads + 2·kv_heads)·head_dim]`, before RoPE) into
+    /// the pool and returns the attention output `[n, heads·head_dim]` of
+    /// its q rows, rotated by `rope` (`(cos, sin)`, `[positions,
+    /// head_dim / 2]`) and scaled by `q_scale`.
     pub(super) fn forward(
         &self,
         cfg: &ModelConfig,
         kv: &KvCache,
         layer: usize,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        qkv: &Tensor,
+        rope: (&Tensor, &Tensor),
+        q_scale: f32,
     ) -> Result<Tensor, ModelError> {
         let (k_pool, v_pool) = kv
             .pool_layer(layer)
             .ok_or_else(|| ModelError::InvalidBatch("KV pool has no such layer".into()))?;
-        let n = q.dim(0)?;
-        let out = run_kernels(q, k, v, k_pool, v_pool, self, cfg)?;
+        let n = qkv.dim(0)?;
+        let out = run_kernels(qkv, rope, q_scale, k_pool, v_pool, self, cfg)?;
         Ok(out.reshape((n, cfg.num_heads * cfg.head_dim))?)
     }
 }
 
 #[cfg(feature = "cuda")]
 fn run_kernels(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    qkv: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    q_scale: f32,
     k_pool: &Tensor,
     v_pool: &Tensor,
     plan: &PooledAttention,
     cfg: &ModelConfig,
 ) -> Result<Tensor, ModelError> {
-    let write = kernel::PoolWriteOp;
-    k_pool.inplace_op3(&k.contiguous()?, &plan.meta, &write)?;
-    v_pool.inplace_op3(&v.contiguous()?, &plan.meta, &write)?;
+    let qkv = qkv.contiguous()?;
+    let write = |first_head: usize, rope: bool| kernel::PoolWriteOp {
+        cos,
+        sin,
+        heads: cfg.num_heads,
+        first_head,
+        rope,
+    };
+    k_pool.inplace_op3(&qkv, &plan.meta, &write(cfg.num_heads, true))?;
+    v_pool.inplace_op3(&qkv, &plan.meta, &write(cfg.num_heads + cfg.num_kv_heads, false))?;
     let op = kernel::PooledAttentionOp {
         meta: &plan.meta,
+        cos,
+        sin,
+        q_scale,
         shared_bytes: shared_bytes(cfg, plan.max_keys),
+        heads: cfg.num_heads,
         kv_heads: cfg.num_kv_heads,
     };
-    Ok(q.contiguous()?.apply_op3_no_bwd(k_pool, v_pool, &op)?)
+    Ok(qkv.apply_op3_no_bwd(k_pool, v_pool, &op)?)
 }
 
 #[cfg(not(feature = "cuda"))]
 fn run_kernels(
     _: &Tensor,
-    _: &Tensor,
-    _: &Tensor,
+    _: (&Tensor, &Tensor),
+    _: f32,
     _: &Tensor,
     _: &Tensor,
     _: &PooledAttention,
@@ -143,79 +167,137 @@ fn run_kernels(
 #[cfg(feature = "cuda")]
 mod kernel {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{
         CpuStorage, CudaStorage, CustomOp3, DType, InplaceOp3, Layout, Shape, Storage, Tensor,
     };
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
-    /// Threads per attention block (4 warps).
-    const THREADS: u32 = 128;
+    /// Threads per attention block.
+    const THREADS: u32 = 32 * super::WARPS as u32;
 
+    /// `qkv.apply_op3_no_bwd(k_pool, v_pool, &PooledAttentionOp)`.
     pub(super) struct PooledAttentionOp<'a> {
         pub(super) meta: &'a Tensor,
+        pub(super) cos: &'a Tensor,
+        pub(super) sin: &'a Tensor,
+        pub(super) q_scale: f32,
         pub(super) shared_bytes: usize,
+        pub(super) heads: usize,
         pub(super) kv_heads: usize,
     }
 
-    /// The K or V rows of a batch into a pool, in place:
-    /// `pool.inplace_op3(rows, meta, &PoolWriteOp)`.
-    pub(super) struct PoolWriteOp;
-
-    /// The metadata's device slice (`[3, n]` u32).
-    fn meta_slice<'a>(
-        meta: &'a CudaStorage,
-        layout: &Layout,
-    ) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, u32>> {
-        Ok(meta.as_cuda_slice::<u32>()?.slice(layout.start_offset()..))
+    /// The K (rotated) or V heads of the projection rows into a pool, in
+    /// place: `pool.inplace_op3(qkv, meta, &PoolWriteOp)`.
+    pub(super) struct PoolWriteOp<'a> {
+        pub(super) cos: &'a Tensor,
+        pub(super) sin: &'a Tensor,
+        pub(super) heads: usize,
+        /// Head index within a qkv row where the written heads start.
+        pub(super) first_head: usize,
+        pub(super) rope: bool,
     }
 
-    impl PoolWriteOp {
-        fn launch<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+    /// A device slice of a storage at its layout's offset.
+    fn view<'a, T: CudaDType + DeviceRepr>(
+        storage: &'a CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<CudaView<'a, T>> {
+        if !layout.is_contiguous() {
+            candle_core::bail!("pooled attention needs contiguous operands");
+        }
+        Ok(storage.as_cuda_slice::<T>()?.slice(layout.start_offset()..))
+    }
+
+    /// Runs `f` with device views of the captured tensors (meta as u32, the
+    /// RoPE tables as `T`).
+    fn with_tables<T: CudaDType + DeviceRepr, R>(
+        meta: Option<&Tensor>,
+        cos: &Tensor,
+        sin: &Tensor,
+        f: impl FnOnce(Option<CudaView<'_, u32>>, CudaView<'_, T>, CudaView<'_, T>) -> candle_core::Result<R>,
+    ) -> candle_core::Result<R> {
+        let guards: Vec<_> = [meta, Some(cos), Some(sin)]
+            .into_iter()
+            .flatten()
+            .map(|t| t.storage_and_layout())
+            .collect();
+        let mut cuda = Vec::with_capacity(guards.len());
+        for (storage, layout) in &guards {
+            let Storage::Cuda(c) = &**storage else {
+                candle_core::bail!("pooled attention operands are not on the GPU");
+            };
+            cuda.push((c, *layout));
+        }
+        let mut it = cuda.into_iter();
+        let meta = match meta {
+            Some(_) => {
+                let (c, l) = it.next().expect("meta guard");
+                Some(view::<u32>(c, l)?)
+            }
+            None => None,
+        };
+        let (c, l) = it.next().expect("cos guard");
+        let cos = view::<T>(c, l)?;
+        let (c, l) = it.next().expect("sin guard");
+        let sin = view::<T>(c, l)?;
+        f(meta, cos, sin)
+    }
+
+    impl PoolWriteOp<'_> {
+        fn launch<T: CudaDType + DeviceRepr>(
             &self,
             name: &str,
             (pool, pl): (&mut CudaStorage, &Layout),
-            (src, sl): (&CudaStorage, &Layout),
+            (qkv, ql): (&CudaStorage, &Layout),
             (meta, ml): (&CudaStorage, &Layout),
         ) -> candle_core::Result<()> {
-            let (_, heads, dim) = pl.shape().dims3()?;
-            let (n, src_heads, src_dim) = sl.shape().dims3()?;
-            if (heads, dim) != (src_heads, src_dim) || !pl.is_contiguous() || !sl.is_contiguous() {
+            let (_, kv_heads, head_dim) = pl.shape().dims3()?;
+            let (n, width) = ql.shape().dims2()?;
+            if width != (self.heads + 2 * kv_heads) * head_dim || !pl.is_contiguous() {
                 candle_core::bail!(
-                    "pool write: rows {:?} into pool {:?}",
-                    sl.shape(),
+                    "pool write: projection rows {:?} into pool {:?}",
+                    ql.shape(),
                     pl.shape()
                 );
             }
             let dev = pool.device().clone();
             let func = dev.get_or_load_custom_func(name, "tandem_pooled_attention", PTX)?;
-            let meta = meta_slice(meta, ml)?;
-            let src = src.as_cuda_slice::<T>()?.slice(sl.start_offset()..);
+            let meta = view::<u32>(meta, ml)?;
+            let qkv = view::<T>(qkv, ql)?;
             let start = pl.start_offset();
             let pool = pool.as_cuda_slice_mut::<T>()?;
             let mut pool = pool.slice_mut(start..);
-            let (n32, width) = (n as u32, (heads * dim) as u32);
-            let total = n * heads * dim;
+            let args = [n, self.heads, kv_heads, head_dim, self.first_head, self.rope as usize]
+                .map(|x| x as u32);
+            let total = n * kv_heads * head_dim / 2;
             let cfg = LaunchConfig {
                 grid_dim: (total.div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut b = func.builder();
-            b.arg(&mut pool);
-            b.arg(&src);
-            b.arg(&meta);
-            b.arg(&n32);
-            b.arg(&width);
-            // SAFETY: argument types match the kernel; the plan keeps every
-            // row inside its slot's range of the pool.
-            unsafe { b.launch(cfg) }.w()?;
-            Ok(())
+            with_tables::<T, _>(None, self.cos, self.sin, |_, cos, sin| {
+                let mut b = func.builder();
+                b.arg(&mut pool);
+                b.arg(&qkv);
+                b.arg(&meta);
+                b.arg(&cos);
+                b.arg(&sin);
+                for a in &args {
+                    b.arg(a);
+                }
+                // SAFETY: argument types match the kernel; the plan keeps
+                // every row inside its slot's range of the pool.
+                unsafe { b.launch(cfg) }.w()?;
+                Ok(())
+            })
         }
     }
 
-    impl InplaceOp3 for PoolWriteOp {
+    impl InplaceOp3 for PoolWriteOp<'_> {
         fn name(&self) -> &'static str {
             "pool-write"
         }
@@ -236,13 +318,13 @@ mod kernel {
             &self,
             pool: &mut CudaStorage,
             pl: &Layout,
-            src: &CudaStorage,
-            sl: &Layout,
+            qkv: &CudaStorage,
+            ql: &Layout,
             meta: &CudaStorage,
             ml: &Layout,
         ) -> candle_core::Result<()> {
-            let args = ((pool, pl), (src, sl), (meta, ml));
-            match src.dtype() {
+            let args = ((pool, pl), (qkv, ql), (meta, ml));
+            match qkv.dtype() {
                 DType::F32 => self.launch::<f32>("pooled_write_f32", args.0, args.1, args.2),
                 DType::F16 => self.launch::<half::f16>("pooled_write_f16", args.0, args.1, args.2),
                 DType::BF16 => {
@@ -254,26 +336,20 @@ mod kernel {
     }
 
     impl PooledAttentionOp<'_> {
-        fn launch<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+        fn launch<T: CudaDType + DeviceRepr>(
             &self,
             name: &str,
-            (q, ql): (&CudaStorage, &Layout),
+            (qkv, ql): (&CudaStorage, &Layout),
             (k, kl): (&CudaStorage, &Layout),
             (v, vl): (&CudaStorage, &Layout),
         ) -> candle_core::Result<(CudaStorage, Shape)> {
-            let dev = q.device().clone();
-            let (n, heads, head_dim) = ql.shape().dims3()?;
-            if !(ql.is_contiguous() && kl.is_contiguous() && vl.is_contiguous()) {
-                candle_core::bail!("pooled attention needs contiguous q and pools");
-            }
-            let (meta_storage, meta_layout) = self.meta.storage_and_layout();
-            let Storage::Cuda(meta_storage) = &*meta_storage else {
-                candle_core::bail!("pooled attention metadata is not on the GPU");
-            };
-            let meta = meta_slice(meta_storage, meta_layout)?;
-            let q = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
-            let k = k.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
-            let v = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
+            let dev = qkv.device().clone();
+            let (n, _) = ql.shape().dims2()?;
+            let (_, kv_heads, head_dim) = kl.shape().dims3()?;
+            let heads = self.heads;
+            let qkv = view::<T>(qkv, ql)?;
+            let k = view::<T>(k, kl)?;
+            let v = view::<T>(v, vl)?;
             // SAFETY: every element is written by the kernel below.
             let out = unsafe { dev.alloc::<T>(n * heads * head_dim)? };
             let func = dev.get_or_load_custom_func(name, "tandem_pooled_attention", PTX)?;
@@ -286,30 +362,32 @@ mod kernel {
                 )
                 .w()?;
             }
-            let (n32, h32, kvh32, hd32) = (
-                n as u32,
-                heads as u32,
-                self.kv_heads as u32,
-                head_dim as u32,
-            );
+            debug_assert_eq!(kv_heads, self.kv_heads);
+            let dims = [n, heads, kv_heads, head_dim].map(|x| x as u32);
             let cfg = LaunchConfig {
-                grid_dim: (n32, h32, 1),
+                grid_dim: (dims[0], dims[1], 1),
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: self.shared_bytes as u32,
             };
-            let mut b = func.builder();
-            b.arg(&q);
-            b.arg(&k);
-            b.arg(&v);
-            b.arg(&meta);
-            b.arg(&out);
-            b.arg(&n32);
-            b.arg(&h32);
-            b.arg(&kvh32);
-            b.arg(&hd32);
-            // SAFETY: argument types and counts match the kernel's
-            // signature; the metadata keeps every read inside the pools.
-            unsafe { b.launch(cfg) }.w()?;
+            with_tables::<T, _>(Some(self.meta), self.cos, self.sin, |meta, cos, sin| {
+                let meta = meta.expect("meta view");
+                let mut b = func.builder();
+                b.arg(&qkv);
+                b.arg(&k);
+                b.arg(&v);
+                b.arg(&meta);
+                b.arg(&cos);
+                b.arg(&sin);
+                b.arg(&out);
+                for d in &dims {
+                    b.arg(d);
+                }
+                b.arg(&self.q_scale);
+                // SAFETY: argument types and counts match the kernel's
+                // signature; the metadata keeps every read inside the pools.
+                unsafe { b.launch(cfg) }.w()?;
+                Ok(())
+            })?;
             Ok((
                 CudaStorage::wrap_cuda_slice(out, dev),
                 Shape::from((n, heads, head_dim)),
@@ -336,15 +414,15 @@ mod kernel {
 
         fn cuda_fwd(
             &self,
-            q: &CudaStorage,
+            qkv: &CudaStorage,
             ql: &Layout,
             k: &CudaStorage,
             kl: &Layout,
             v: &CudaStorage,
             vl: &Layout,
         ) -> candle_core::Result<(CudaStorage, Shape)> {
-            let args = ((q, ql), (k, kl), (v, vl));
-            match q.dtype() {
+            let args = ((qkv, ql), (k, kl), (v, vl));
+            match qkv.dtype() {
                 DType::F32 => self.launch::<f32>("pooled_attention_f32", args.0, args.1, args.2),
                 DType::F16 => {
                     self.launch::<half::f16>("pooled_attention_f16", args.0, args.1, args.2)

@@ -7,7 +7,13 @@
 // own position (causal) and `first` the start of its sliding window. No
 // gather, no padding, no mask: the batch may be any mix of decodes, draft
 // verifications and prefill chunks. Scores live in shared memory (the
-// caller keeps keys within its budget); q arrives scaled.
+// caller keeps keys within its budget).
+//
+// q, k and v come straight from the fused projection's rows `qkv`
+// ([n, (heads + 2 kv_heads) * head_dim]: q heads, then k heads, then v
+// heads): the writes rotate K (RoPE, half-split layout, tables [positions,
+// head_dim / 2]) on their way into the pool, and the attention rotates and
+// scales q as it loads it, so no split, copy or separate RoPE launch exists.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -37,6 +43,9 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
+// Head dimensions a lane covers (head_dim <= 32 * this; the host checks).
+#define MAX_DIMS_PER_LANE 8
+
 // Reduces over the block (blockDim.x a multiple of 32); every thread gets
 // the result. `red` holds at least 32 floats.
 template <bool MAX>
@@ -55,42 +64,72 @@ __device__ float block_reduce(float x, float *red) {
     return r;
 }
 
-// One block per (query token, query head). q, out: [n, heads, head_dim];
-// k, v: [rows, kv_heads, head_dim]; meta: [3, n] u32 = (pool row of the
-// sequence's position 0, first visible position, last visible position)
-// per query token.
-//
-// Scores: one thread per key (the keys of a block are independent, so
-// their loads overlap). Softmax over the block. Output: one thread per
-// dimension, coalesced across the V row.
+// Rotates the pair (x1, x2) = (x[d], x[d + head_dim / 2]) of a row at
+// position `pos` by the RoPE tables.
 template <typename T>
-__device__ void pooled_attention(const T *q, const T *k, const T *v, const uint32_t *meta,
-                                 T *out, uint32_t n, uint32_t heads, uint32_t kv_heads,
-                                 uint32_t head_dim) {
+__device__ __forceinline__ void rope_pair(const T *x, const T *cos, const T *sin, uint32_t pos,
+                                          uint32_t half, uint32_t d, float *o1, float *o2) {
+    const float x1 = to_f32(x[d]), x2 = to_f32(x[d + half]);
+    const float c = to_f32(cos[(size_t)pos * half + d]), s = to_f32(sin[(size_t)pos * half + d]);
+    *o1 = x1 * c - x2 * s;
+    *o2 = x1 * s + x2 * c;
+}
+
+// One block per (query token, query head). qkv as above; out: [n, heads,
+// head_dim]; k, v: [rows, kv_heads, head_dim]; meta: [3, n] u32 = (pool
+// row of the sequence's position 0, first visible position, last visible
+// position, which is the token's own) per query token.
+//
+// Scores: one warp per key, lanes across dimensions. Softmax over the
+// block. Output: warps split the keys, lanes the dimensions, and the
+// warps' partial rows are summed in shared memory.
+template <typename T>
+__device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uint32_t *meta,
+                                 const T *cos, const T *sin, T *out, uint32_t n, uint32_t heads,
+                                 uint32_t kv_heads, uint32_t head_dim, float q_scale) {
     extern __shared__ float smem[];
     const uint32_t tok = blockIdx.x, h = blockIdx.y;
     const uint32_t kvh = h / (heads / kv_heads);
     const uint32_t base = meta[tok], first = meta[n + tok], last = meta[2 * n + tok];
     const uint32_t keys = last + 1 - first;
-    float *qs = smem;              // head_dim
-    float *red = qs + head_dim;    // 32
-    float *scores = red + 32;      // keys
+    float *qs = smem;                             // head_dim
+    float *red = qs + head_dim;                   // 32
+    float *partial = red + 32;                    // warps * head_dim
+    float *scores = partial + (blockDim.x >> 5) * head_dim;  // keys
 
-    const T *qrow = q + ((size_t)tok * heads + h) * head_dim;
-    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = to_f32(qrow[d]);
+    const T *qrow = qkv + (size_t)tok * (heads + 2 * kv_heads) * head_dim + (size_t)h * head_dim;
+    const uint32_t half = head_dim / 2;
+    for (uint32_t d = threadIdx.x; d < half; d += blockDim.x) {
+        float o1, o2;
+        rope_pair(qrow, cos, sin, last, half, d, &o1, &o2);
+        qs[d] = o1 * q_scale;
+        qs[d + half] = o2 * q_scale;
+    }
     __syncthreads();
 
     const size_t stride = (size_t)kv_heads * head_dim;
     const T *kbase = k + (size_t)(base + first) * stride + (size_t)kvh * head_dim;
     const T *vbase = v + (size_t)(base + first) * stride + (size_t)kvh * head_dim;
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const uint32_t warps = blockDim.x >> 5;
+    const uint32_t per_lane = (head_dim + 31) / 32;  // <= MAX_DIMS_PER_LANE
+
+    // Scores: a warp per key, its lanes across the dimensions (coalesced
+    // row reads), the dot closed by a warp tree.
     float local = -INFINITY;
-    for (uint32_t c = threadIdx.x; c < keys; c += blockDim.x) {
+    for (uint32_t c = warp; c < keys; c += warps) {
         const T *krow = kbase + (size_t)c * stride;
         float acc = 0.f;
-        for (uint32_t d = 0; d < head_dim; ++d) acc += qs[d] * to_f32(krow[d]);
-        scores[c] = acc;
+#pragma unroll
+        for (uint32_t j = 0; j < MAX_DIMS_PER_LANE; ++j) {
+            const uint32_t d = lane + 32 * j;
+            if (j < per_lane && d < head_dim) acc += qs[d] * to_f32(krow[d]);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) scores[c] = acc;
         local = fmaxf(local, acc);
     }
+    __syncthreads();
     const float m = block_reduce<true>(local, red);
     local = 0.f;
     for (uint32_t c = threadIdx.x; c < keys; c += blockDim.x) {
@@ -100,37 +139,79 @@ __device__ void pooled_attention(const T *q, const T *k, const T *v, const uint3
     }
     const float inv = 1.f / block_reduce<false>(local, red);
 
+    // Weighted values: each warp sums a share of the keys for every
+    // dimension (lanes across dimensions), then the warps' partial rows
+    // are added in warp order.
+    float acc[MAX_DIMS_PER_LANE];
+#pragma unroll
+    for (uint32_t j = 0; j < MAX_DIMS_PER_LANE; ++j) acc[j] = 0.f;
+    for (uint32_t c = warp; c < keys; c += warps) {
+        const T *vrow = vbase + (size_t)c * stride;
+        const float p = scores[c];
+#pragma unroll
+        for (uint32_t j = 0; j < MAX_DIMS_PER_LANE; ++j) {
+            const uint32_t d = lane + 32 * j;
+            if (j < per_lane && d < head_dim) acc[j] += p * to_f32(vrow[d]);
+        }
+    }
+#pragma unroll
+    for (uint32_t j = 0; j < MAX_DIMS_PER_LANE; ++j) {
+        const uint32_t d = lane + 32 * j;
+        if (j < per_lane && d < head_dim) partial[warp * head_dim + d] = acc[j];
+    }
+    __syncthreads();
     T *orow = out + ((size_t)tok * heads + h) * head_dim;
     for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float acc = 0.f;
-        for (uint32_t c = 0; c < keys; ++c) acc += scores[c] * to_f32(vbase[(size_t)c * stride + d]);
-        orow[d] = from_f32<T>(acc * inv);
+        float sum = 0.f;
+        for (uint32_t w = 0; w < warps; ++w) sum += partial[w * head_dim + d];
+        orow[d] = from_f32<T>(sum * inv);
     }
 }
 
-// Writes the batch's new K (or V) rows `src` ([n, width]) into the pool
-// ([rows, width]) at row base + position of each token (meta as above).
+// Writes the batch's new K (rotated) or V rows into the pool ([rows,
+// kv_heads, head_dim]) at row base + position of each token (meta as
+// above): heads `first_head ..` of each qkv row, one thread per pair.
 template <typename T>
-__device__ void pooled_write(T *pool, const T *src, const uint32_t *meta, uint32_t n,
-                             uint32_t width) {
-    const size_t total = (size_t)n * width;
+__device__ void pooled_write(T *pool, const T *qkv, const uint32_t *meta, const T *cos,
+                             const T *sin, uint32_t n, uint32_t heads, uint32_t kv_heads,
+                             uint32_t head_dim, uint32_t first_head, uint32_t rope) {
+    const uint32_t half = head_dim / 2;
+    const size_t total = (size_t)n * kv_heads * half;
+    const size_t qkv_stride = (size_t)(heads + 2 * kv_heads) * head_dim;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
          i += (size_t)blockDim.x * gridDim.x) {
-        const size_t t = i / width, e = i % width;
-        const size_t row = (size_t)meta[t] + meta[2 * n + t];
-        pool[row * width + e] = src[i];
+        const uint32_t d = i % half;
+        const uint32_t kvh = (i / half) % kv_heads;
+        const size_t t = i / ((size_t)half * kv_heads);
+        const uint32_t pos = meta[2 * n + t];
+        const T *src = qkv + t * qkv_stride + (size_t)(first_head + kvh) * head_dim;
+        T *dst = pool + ((size_t)meta[t] + pos) * kv_heads * head_dim + (size_t)kvh * head_dim;
+        if (rope) {
+            float o1, o2;
+            rope_pair(src, cos, sin, pos, half, d, &o1, &o2);
+            dst[d] = from_f32<T>(o1);
+            dst[d + half] = from_f32<T>(o2);
+        } else {
+            dst[d] = src[d];
+            dst[d + half] = src[d + half];
+        }
     }
 }
 
 #define POOLED_KERNELS(SUFFIX, T)                                                             \
     extern "C" __global__ void pooled_attention_##SUFFIX(                                     \
-        const T *q, const T *k, const T *v, const uint32_t *meta, T *out, uint32_t n,         \
-        uint32_t heads, uint32_t kv_heads, uint32_t head_dim) {                               \
-        pooled_attention<T>(q, k, v, meta, out, n, heads, kv_heads, head_dim);                \
+        const T *qkv, const T *k, const T *v, const uint32_t *meta, const T *cos, const T *sin, \
+        T *out, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim,             \
+        float q_scale) {                                                                      \
+        pooled_attention<T>(qkv, k, v, meta, cos, sin, out, n, heads, kv_heads, head_dim,     \
+                            q_scale);                                                         \
     }                                                                                         \
-    extern "C" __global__ void pooled_write_##SUFFIX(T *pool, const T *src, const uint32_t *meta, \
-                                                     uint32_t n, uint32_t width) {            \
-        pooled_write<T>(pool, src, meta, n, width);                                           \
+    extern "C" __global__ void pooled_write_##SUFFIX(                                         \
+        T *pool, const T *qkv, const uint32_t *meta, const T *cos, const T *sin, uint32_t n,  \
+        uint32_t heads, uint32_t kv_heads, uint32_t head_dim, uint32_t first_head,            \
+        uint32_t rope) {                                                                      \
+        pooled_write<T>(pool, qkv, meta, cos, sin, n, heads, kv_heads, head_dim, first_head,  \
+                        rope);                                                                \
     }
 
 POOLED_KERNELS(f32, float)

@@ -10,10 +10,10 @@
 //   maximum) or temperature and an inverse-CDF draw in id order from the
 //   uniform the host drew from the slot's RNG.
 //
-// No sort: the cut-off of the kept prefix is found by bisection over the
-// order-preserving bit pattern of the scores (32 passes over the row, each a
-// count and a mass), then the tie group at the cut-off is split by id with a
-// block prefix count. Every reduction is a fixed tree (warp shuffles, then one
+// No sort: the cut-off of the kept prefix is found by an 8-ary search over
+// the order-preserving bit pattern of the scores (11 passes over the row,
+// each counting the tokens above 7 thresholds and their mass), then the tie
+// group at the cut-off is split by id with a block prefix count. Every reduction is a fixed tree (warp shuffles, then one
 // warp over the warp results): the result never depends on scheduling, so a
 // seeded request draws the same token on every run.
 //
@@ -146,6 +146,50 @@ __device__ T block_exclusive_scan(T v, T* total, Reduce& red) {
     return slot<T>(red, warp) + incl - v;
 }
 
+// Totals of the search's ARITY - 1 (count, mass) pairs.
+#define ARITY 8
+struct Multi {
+    uint32_t part_count[MAX_WARPS][ARITY - 1];
+    float part_mass[MAX_WARPS][ARITY - 1];
+    uint32_t count[ARITY - 1];
+    float mass[ARITY - 1];
+};
+
+// Every thread gets the block sums of each pair in `multi.count/mass`
+// (fixed order: warp trees, then warps in index order).
+__device__ void block_reduce_many(uint32_t (&count)[ARITY - 1], float (&mass)[ARITY - 1],
+                                  Multi& multi) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+#pragma unroll
+    for (int j = 0; j < ARITY - 1; ++j) {
+        for (int off = 16; off > 0; off >>= 1) {
+            count[j] += __shfl_down_sync(0xffffffffu, count[j], off);
+            mass[j] += __shfl_down_sync(0xffffffffu, mass[j], off);
+        }
+    }
+    __syncthreads();  // the previous totals have been read
+    if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < ARITY - 1; ++j) {
+            multi.part_count[warp][j] = count[j];
+            multi.part_mass[warp][j] = mass[j];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < ARITY - 1) {
+        uint32_t c = 0;
+        float m = 0.0f;
+        for (int w = 0; w < warps; ++w) {
+            c += multi.part_count[w][threadIdx.x];
+            m += multi.part_mass[w][threadIdx.x];
+        }
+        multi.count[threadIdx.x] = c;
+        multi.mass[threadIdx.x] = m;
+    }
+    __syncthreads();
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
     const float* __restrict__ logits,
     float* __restrict__ scratch,
@@ -156,6 +200,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
     uint32_t history_width,
     uint32_t top_logprobs) {
     __shared__ Reduce red;
+    __shared__ Multi multi;
     __shared__ uint32_t shared_u;
 
     const uint32_t row = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
@@ -165,14 +210,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
     uint32_t* o = out + (size_t)row * (4 + 2 * top_logprobs);
     const uint32_t flags = p[P_FLAGS];
 
-    // Raw maximum, NaN / +inf check, working copy.
+    // Raw maximum, NaN / +inf check, working copy (which a greedy row
+    // without penalties does not need: it reads the raw row).
+    const uint32_t filled = p[P_FILLED];
+    const bool penalised = (flags & F_HISTORY) && filled > 0;
+    const bool copy = penalised || !(flags & F_GREEDY);
     float local_max = -INFINITY;
     uint32_t bad = 0;
     for (uint32_t i = tid; i < vocab; i += nt) {
         float x = raw[i];
         bad |= (isnan(x) || x == INFINITY) ? 1u : 0u;
         local_max = fmaxf(local_max, x);
-        s[i] = x;
+        if (copy) s[i] = x;
     }
     bad = block_reduce(bad, OpMaxU(), 0u, red);
     const float raw_max = block_reduce(local_max, OpMax(), -INFINITY, red);
@@ -183,8 +232,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
 
     // Penalties over the filled part of the slot's ring.
     float m = raw_max;
-    const uint32_t filled = p[P_FILLED];
-    if ((flags & F_HISTORY) && filled > 0) {
+    if (penalised) {
         const uint32_t* h = history + (size_t)p[P_POOL_ROW] * history_width;
         unsigned long long worst = 0;
         for (uint32_t j = tid; j < filled; j += nt) {
@@ -233,9 +281,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
 
     uint32_t token;
     if (flags & F_GREEDY) {
+        const float* scores = copy ? s : raw;
         uint32_t first = 0xffffffffu;
         for (uint32_t i = tid; i < vocab; i += nt) {
-            if (s[i] == m && i < first) first = i;
+            if (scores[i] == m && i < first) first = i;
         }
         token = block_reduce(first, OpMinU(), 0xffffffffu, red);
     } else {
@@ -254,25 +303,45 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
             // starts within the kept prefix: fewer than top_k tokens rank
             // above it and their mass is below top_p. The predicate only
             // changes at scores present in the row.
+            // Each pass tests ARITY - 1 thresholds splitting [lo, hi] evenly
+            // (an ARITY-ary search: 11 passes over the row, not 32).
             uint32_t lo = 0, hi = ord_of(m);
             while (lo < hi) {
-                const uint32_t mid = lo + (hi - lo) / 2;
-                uint32_t count = 0;
-                float mass = 0.0f;
+                uint32_t t[ARITY - 1], count[ARITY - 1];
+                float mass[ARITY - 1];
+#pragma unroll
+                for (int j = 0; j < ARITY - 1; ++j) {
+                    t[j] = lo + (uint32_t)(((uint64_t)(hi - lo) * (uint64_t)(j + 1)) / ARITY);
+                    count[j] = 0;
+                    mass[j] = 0.0f;
+                }
                 for (uint32_t i = tid; i < vocab; i += nt) {
                     const float x = s[i];
-                    if (ord_of(x) > mid) {
-                        count += 1;
-                        mass += __expf(x - m);
+                    const uint32_t k = ord_of(x);
+                    const float e = __expf(x - m);
+#pragma unroll
+                    for (int j = 0; j < ARITY - 1; ++j) {
+                        if (k > t[j]) {
+                            count[j] += 1;
+                            mass[j] += e;
+                        }
                     }
                 }
-                count = block_reduce(count, OpSumU(), 0u, red);
-                mass = block_reduce(mass, OpSumF(), 0.0f, red) * inv_z;
-                if (count < top_k && (!use_top_p || mass < top_p)) {
-                    hi = mid;
-                } else {
-                    lo = mid + 1;
+                block_reduce_many(count, mass, multi);
+                // cond(t) is monotone (true at hi): keep the first true.
+                uint32_t next_lo = lo, next_hi = hi;
+#pragma unroll
+                for (int j = 0; j < ARITY - 1; ++j) {
+                    if (next_hi != hi) continue;
+                    const float above = multi.mass[j] * inv_z;
+                    if (multi.count[j] < top_k && (!use_top_p || above < top_p)) {
+                        next_hi = t[j];
+                    } else {
+                        next_lo = t[j] + 1;
+                    }
                 }
+                lo = next_lo;
+                hi = next_hi;
             }
             // The last kept score: the smallest present at or above `lo`.
             uint32_t local_cut = 0xffffffffu;
@@ -300,11 +369,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
                 // How many of the tie group (ids ascending) stay: position
                 // above + i needs i < top_k - above and an exclusive mass
                 // below top_p.
+                // The first tie is kept by construction (the search's
+                // predicate held at `cut`).
                 uint32_t keep = min(ties, top_k - above);
                 if (use_top_p) {
                     const float each = __expf(float_of_ord(cut) - m) * inv_z;
-                    float cum = mass;
-                    uint32_t i = 0;
+                    float cum = mass + each;
+                    uint32_t i = 1;
                     while (i < keep && cum < top_p) {
                         i += 1;
                         cum += each;

@@ -1,0 +1,87 @@
+// Fused element-wise steps of Tandem's GPU forward pass (see
+// src/model/fused.rs): each replaces two candle launches by one, and rounds
+// once where the two ops rounded twice.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+template <typename T> __device__ __forceinline__ float to_f32(T x);
+template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_f32<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 x) {
+    return __bfloat162float(x);
+}
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+    return __float2bfloat16(x);
+}
+
+// Sum over the block (blockDim.x a multiple of 32); every thread gets it.
+__device__ float block_sum(float x, float *red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    if (lane == 0) red[warp] = x;
+    __syncthreads();
+    x = (threadIdx.x < (blockDim.x >> 5)) ? red[threadIdx.x] : 0.f;
+    if (warp == 0) {
+        for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+        if (lane == 0) red[0] = x;
+    }
+    __syncthreads();
+    return red[0];
+}
+
+// One block per row: out[0] = x + y (the residual stream, rounded to T),
+// out[1] = RMSNorm(out[0]) * w, with candle's rms_norm arithmetic (f32 sum
+// of squares, scale * x * w).
+template <typename T>
+__device__ void add_rms_norm(const T *x, const T *y, const T *w, T *out, uint32_t n, uint32_t d,
+                             float eps) {
+    __shared__ float red[32];
+    const size_t row = blockIdx.x;
+    const T *xr = x + row * d, *yr = y + row * d;
+    T *sum = out + row * d, *normed = out + (size_t)n * d + row * d;
+    float local = 0.f;
+    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
+        const T s = from_f32<T>(to_f32(xr[i]) + to_f32(yr[i]));
+        sum[i] = s;
+        const float f = to_f32(s);
+        local += f * f;
+    }
+    const float scale = rsqrtf(block_sum(local, red) / (float)d + eps);
+    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
+        normed[i] = from_f32<T>(scale * to_f32(sum[i]) * to_f32(w[i]));
+    }
+}
+
+// out[t, j] = silu(gu[t, j]) * gu[t, inter + j] for the fused gate/up rows.
+template <typename T>
+__device__ void silu_mul(const T *gu, T *out, uint32_t n, uint32_t inter) {
+    const size_t total = (size_t)n * inter;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)blockDim.x * gridDim.x) {
+        const size_t t = i / inter, j = i % inter;
+        const float g = to_f32(gu[t * 2 * inter + j]);
+        const float u = to_f32(gu[t * 2 * inter + inter + j]);
+        out[i] = from_f32<T>(g / (1.f + expf(-g)) * u);
+    }
+}
+
+#define FUSED_KERNELS(SUFFIX, T)                                                               \
+    extern "C" __global__ void add_rms_norm_##SUFFIX(const T *x, const T *y, const T *w,       \
+                                                     T *out, uint32_t n, uint32_t d,           \
+                                                     float eps) {                              \
+        add_rms_norm<T>(x, y, w, out, n, d, eps);                                              \
+    }                                                                                          \
+    extern "C" __global__ void silu_mul_##SUFFIX(const T *gu, T *out, uint32_t n,              \
+                                                 uint32_t inter) {                             \
+        silu_mul<T>(gu, out, n, inter);                                                        \
+    }
+
+FUSED_KERNELS(f32, float)
+FUSED_KERNELS(f16, __half)
+FUSED_KERNELS(bf16, __nv_bfloat16)
