@@ -12,7 +12,9 @@ mod support;
 use candle_core::{DType, Device, Tensor};
 use support::engine_driver::{run_tokens, Req};
 use support::reference::{stories260k, Stories};
-use tandem::engine::{Engine, EngineConfig, GeneratedToken};
+use tandem::engine::{
+    DraftSchedule, EarlyExitDraft, Engine, EngineConfig, GeneratedToken, SpecConfig, SpecOptions,
+};
 use tandem::kv::KvCache;
 use tandem::model::{Batch, LoadOptions, Model, ModelConfig, OutputRows, Weights};
 use tandem::sampler::{Sampler, SamplerError, SamplingOptions};
@@ -344,6 +346,56 @@ fn mixed_options_batched_equal_solo_on_the_device() {
             let solo = run_tokens(&mut engine, std::slice::from_ref(r), 512);
             assert_eq!(ids(&batched[i]), ids(&solo[0]), "request {i}");
         }
+    }
+}
+
+/// Speculative decoding on the device: greedy MTP with early-exit drafts
+/// gives exactly the plain greedy tokens, for plain greedy sequences (which
+/// draft and verify from ids alone, one launch each on a GPU) and penalised
+/// ones (which go through the sampler's distributions) in one batch.
+#[test]
+fn greedy_mtp_equals_plain_greedy_on_the_device() {
+    let Some(Stories { dir, prompts, .. }) = stories260k() else {
+        return;
+    };
+    let device = test_device();
+    let model = || Model::from_dir(&dir, &options(&device, DType::F32)).unwrap();
+    let spec = SpecOptions {
+        initial_draft: 3,
+        max_draft: 4,
+        schedule: DraftSchedule::Constant,
+        enabled: true,
+    };
+    let sampling = [
+        SamplingOptions::greedy(),
+        SamplingOptions {
+            repeat_penalty: 1.3,
+            repeat_last_n: 8,
+            ..Default::default()
+        },
+    ];
+    let plain_reqs: Vec<Req> = (0..6)
+        .map(|i| Req::new(prompts[i % prompts.len()].clone(), sampling[i % 2], 24))
+        .collect();
+    let spec_reqs: Vec<Req> = plain_reqs
+        .iter()
+        .map(|r| Req {
+            spec: Some(spec),
+            ..r.clone()
+        })
+        .collect();
+    let plain = run_tokens(&mut engine_for(model()), &plain_reqs, 512);
+    let layers = model().config().num_layers / 2;
+    let mut mtp = engine_for(model()).with_draft(
+        Box::new(EarlyExitDraft { layers }),
+        SpecConfig {
+            max_batch: 64,
+            ..Default::default()
+        },
+    );
+    let got = run_tokens(&mut mtp, &spec_reqs, 512);
+    for i in 0..plain.len() {
+        assert_eq!(ids(&got[i]), ids(&plain[i]), "request {i}");
     }
 }
 

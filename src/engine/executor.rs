@@ -389,17 +389,40 @@ impl Engine {
                     break;
                 }
             };
+            // Plain greedy members draft the first maximum of their row:
+            // one call for all of them, only ids leave the device.
+            let plain: Vec<usize> = (0..members.len())
+                .filter(|&row| self.sampler.is_plain_greedy(planned[members[row]].slot))
+                .collect();
+            let mut plain_ids = Vec::new();
+            if !plain.is_empty() {
+                let slots: Vec<SlotId> = plain
+                    .iter()
+                    .map(|&row| planned[members[row]].slot)
+                    .collect();
+                let idx: Vec<u32> = plain.iter().map(|&row| row as u32).collect();
+                let rows = Tensor::new(idx.as_slice(), logits.device())
+                    .and_then(|idx| logits.index_select(&idx, 0))
+                    .map_err(tensor_err)?;
+                plain_ids = self.sampler.argmax_rows(&slots, &rows)?;
+            }
+            let mut plain_next = plain.iter().zip(&plain_ids).peekable();
             for (row, &i) in members.iter().enumerate() {
                 let p = &mut planned[i];
-                let greedy = self.slots[&p.slot].sampling.is_greedy();
-                let row_logits = logits.narrow(0, row, 1).map_err(tensor_err)?;
-                let q = self
-                    .sampler
-                    .draft_distributions(p.slot, &row_logits, &p.drafts.tokens, round)?
-                    .remove(0);
-                let token = spec::pick(&mut self.sampler, p.slot, greedy, &q)?;
-                p.drafts.tokens.push(token);
-                p.drafts.probs.push(q);
+                if let Some((_, &token)) = plain_next.next_if(|(&r, _)| r == row) {
+                    p.drafts.tokens.push(token);
+                    p.drafts.probs.push(Vec::new());
+                } else {
+                    let greedy = self.slots[&p.slot].sampling.is_greedy();
+                    let row_logits = logits.narrow(0, row, 1).map_err(tensor_err)?;
+                    let q = self
+                        .sampler
+                        .draft_distributions(p.slot, &row_logits, &p.drafts.tokens, round)?
+                        .remove(0);
+                    let token = spec::pick(&mut self.sampler, p.slot, greedy, &q)?;
+                    p.drafts.tokens.push(token);
+                    p.drafts.probs.push(q);
+                }
                 if round == 0 && p.keep_hidden {
                     // The head consumed these pairs into its own KV.
                     if let Some(state) = self.slots.get_mut(&p.slot) {

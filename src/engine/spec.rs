@@ -306,7 +306,8 @@ impl SeqSpec {
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Drafts {
     pub tokens: Vec<u32>,
-    /// `q_i`: what draft i was drawn from (one-hot for greedy requests).
+    /// `q_i`: what draft i was drawn from (one-hot for greedy requests;
+    /// empty for plain greedy ones, which verify from ids alone).
     pub probs: Vec<Vec<f32>>,
 }
 
@@ -347,6 +348,27 @@ pub(crate) fn verify(
     drafts: &Drafts,
     unchecked: bool,
 ) -> Result<(usize, u32), SamplerError> {
+    if greedy && sampler.is_plain_greedy(slot) {
+        // p_i is one-hot on row i's first maximum a_i and q_i one-hot on
+        // d_i, so the rule reduces to: accept while d_i == a_i, then a_i.
+        // Only the ids are needed (on a GPU only they leave the device).
+        let rows = logits
+            .dim(0)
+            .map_err(|e| SamplerError::Tensor(e.to_string()))?;
+        let ids = sampler.argmax_rows(&vec![slot; rows], logits)?;
+        let k = drafts.tokens.len();
+        let accepted = if unchecked {
+            k
+        } else {
+            drafts
+                .tokens
+                .iter()
+                .zip(&ids)
+                .take_while(|(d, a)| d == a)
+                .count()
+        };
+        return Ok((accepted, ids[accepted]));
+    }
     let p = sampler.speculative_distributions(slot, logits, &drafts.tokens)?;
     if unchecked {
         let k = drafts.tokens.len();

@@ -114,7 +114,10 @@ mod kernel {
                 // SAFETY: argument types match the kernel; one block per row.
                 unsafe { b.launch(cfg) }.w()?;
             }
-            Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((2, n, d))))
+            Ok((
+                CudaStorage::wrap_cuda_slice(out, dev),
+                Shape::from((2, n, d)),
+            ))
         }
     }
 
@@ -185,7 +188,10 @@ mod kernel {
                 // SAFETY: argument types match the kernel.
                 unsafe { b.launch(cfg) }.w()?;
             }
-            Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((n, self.inter))))
+            Ok((
+                CudaStorage::wrap_cuda_slice(out, dev),
+                Shape::from((n, self.inter)),
+            ))
         }
     }
 

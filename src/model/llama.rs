@@ -551,7 +551,9 @@ impl Model {
             clock.lap(3)?;
 
             let gu = layer.gate_up.forward(&h)?;
-            let down = layer.down.forward(&fused::silu_mul(&gu, cfg.intermediate_size)?)?;
+            let down = layer
+                .down
+                .forward(&fused::silu_mul(&gu, cfg.intermediate_size)?)?;
             match layers.get(l + 1) {
                 Some(next) => (x, h) = fused::add_rms_norm(&x, &down, &next.attn_norm, eps)?,
                 None => x = (x + down)?,

@@ -136,7 +136,11 @@ fn run_kernels(
         rope,
     };
     k_pool.inplace_op3(&qkv, &plan.meta, &write(cfg.num_heads, true))?;
-    v_pool.inplace_op3(&qkv, &plan.meta, &write(cfg.num_heads + cfg.num_kv_heads, false))?;
+    v_pool.inplace_op3(
+        &qkv,
+        &plan.meta,
+        &write(cfg.num_heads + cfg.num_kv_heads, false),
+    )?;
     let op = kernel::PooledAttentionOp {
         meta: &plan.meta,
         cos,
@@ -218,7 +222,11 @@ mod kernel {
         meta: Option<&Tensor>,
         cos: &Tensor,
         sin: &Tensor,
-        f: impl FnOnce(Option<CudaView<'_, u32>>, CudaView<'_, T>, CudaView<'_, T>) -> candle_core::Result<R>,
+        f: impl FnOnce(
+            Option<CudaView<'_, u32>>,
+            CudaView<'_, T>,
+            CudaView<'_, T>,
+        ) -> candle_core::Result<R>,
     ) -> candle_core::Result<R> {
         let guards: Vec<_> = [meta, Some(cos), Some(sin)]
             .into_iter()
@@ -271,8 +279,15 @@ mod kernel {
             let start = pl.start_offset();
             let pool = pool.as_cuda_slice_mut::<T>()?;
             let mut pool = pool.slice_mut(start..);
-            let args = [n, self.heads, kv_heads, head_dim, self.first_head, self.rope as usize]
-                .map(|x| x as u32);
+            let args = [
+                n,
+                self.heads,
+                kv_heads,
+                head_dim,
+                self.first_head,
+                self.rope as usize,
+            ]
+            .map(|x| x as u32);
             let total = n * kv_heads * head_dim / 2;
             let cfg = LaunchConfig {
                 grid_dim: (total.div_ceil(256).clamp(1, 65_535) as u32, 1, 1),

@@ -238,6 +238,82 @@ impl Sampler {
         self.pool.width()
     }
 
+    /// Whether `slot` samples greedily with no penalty: its next token is
+    /// the first maximum of its raw logits, whatever came before.
+    pub fn is_plain_greedy(&self, slot: SlotId) -> bool {
+        self.index.get(&slot).is_some_and(|&r| {
+            let plan = &self.slots[r].plan;
+            plan.is_greedy() && !plan.uses_history()
+        })
+    }
+
+    /// The first maximum of every row of `logits` (`[rows, V]`): what
+    /// [`Sampler::sample`] returns for a plain greedy slot (see
+    /// [`Sampler::is_plain_greedy`]) on the same device, ties included,
+    /// without touching any slot's state. Row `i` belongs to `slots[i]`,
+    /// which names it in errors. Speculative decoding uses it to verify and
+    /// draft for plain greedy sequences from ids alone: on a CUDA device it
+    /// is one launch of the sampling kernel and only the ids cross.
+    pub fn argmax_rows(
+        &mut self,
+        slots: &[SlotId],
+        logits: &Tensor,
+    ) -> Result<Vec<u32>, SamplerError> {
+        let (rows, vocab) = host::check_shape(logits, slots.len())?;
+        if let Some(&unknown) = slots.iter().find(|s| !self.index.contains_key(s)) {
+            return Err(SamplerError::UnknownSlot(unknown));
+        }
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        if logits.device().is_cuda() {
+            let params = device::greedy_params(rows);
+            let history =
+                DeviceHistory::synced(self.device_history.take(), &self.pool, logits.device())?;
+            let launch = device::sample(logits, &params, &history, 0);
+            self.device_history = Some(history);
+            let launch = launch?;
+            let width = device::out_width(0);
+            let mut ids = Vec::with_capacity(rows);
+            for (row, out) in launch.out.chunks_exact(width).enumerate() {
+                let row_fault = match out[1] {
+                    device::S_OK => {
+                        ids.push(out[0]);
+                        continue;
+                    }
+                    device::S_NON_FINITE => RowFault::NonFinite,
+                    _ => RowFault::NoFiniteLogit,
+                };
+                return Err(fault(row_fault, slots[row], row, vocab));
+            }
+            return Ok(ids);
+        }
+        let plan = Plan::from_normalized(&SamplingOptions::greedy().normalized(self.num_ctx));
+        // Greedy rows draw nothing from it.
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let scratch = match self.scratch.first_mut() {
+            Some(s) => s,
+            None => {
+                self.scratch.push(RowScratch::default());
+                &mut self.scratch[0]
+            }
+        };
+        host::with_host_f32(logits, |data| {
+            data.chunks_exact(vocab)
+                .enumerate()
+                .map(|(row, logits)| {
+                    let job = RowJob {
+                        logits,
+                        plan: &plan,
+                        window: &[],
+                    };
+                    transform::sample_row(job, &mut rng, scratch)
+                        .map_err(|f| fault(f, slots[row], row, vocab))
+                })
+                .collect()
+        })
+    }
+
     /// Which path a call naming `slots` (in this order) would take.
     pub fn path_for(&self, slots: &[SlotId]) -> Result<SamplePath, SamplerError> {
         let mut idx = Vec::with_capacity(slots.len());

@@ -145,6 +145,14 @@ pub(crate) fn row_params(
     p
 }
 
+/// Parameter rows for `rows` plain greedy rows (first maximum, no
+/// penalty, no logprobs).
+pub(crate) fn greedy_params(rows: usize) -> Vec<u32> {
+    let mut row = [0u32; PARAM_WIDTH];
+    row[P_FLAGS] = F_GREEDY;
+    row.repeat(rows)
+}
+
 /// One launch's results: the output rows on the host, and what the history
 /// write needs on the device.
 pub(crate) struct Launch {

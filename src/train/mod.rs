@@ -457,7 +457,9 @@ impl<'a> Trainer<'a> {
             if self.step.is_multiple_of(self.config.eval_every) || self.step == self.config.steps {
                 self.evaluate()?;
             }
-            if self.config.checkpoint_every > 0 && self.step.is_multiple_of(self.config.checkpoint_every) {
+            if self.config.checkpoint_every > 0
+                && self.step.is_multiple_of(self.config.checkpoint_every)
+            {
                 self.save_checkpoint(out)?;
             }
             progress(self.step, loss, self.evals.last());
