@@ -12,7 +12,10 @@
 //! when every draft is accepted a bonus token is drawn from the last `p`.
 //! For greedy requests `p` and `q` are one-hot, so this reduces to "accept
 //! the longest argmax-matching prefix, then the target's token", with no
-//! randomness at all: greedy output is exactly plain greedy output.
+//! randomness at all: greedy output is exactly plain greedy output. Plain
+//! greedy requests (no penalty) take that shortcut literally: their drafts
+//! and their verification come from [`Sampler::argmax_rows`] (ids only,
+//! one kernel launch on a GPU) instead of full distributions.
 //!
 //! Draft heads may write into the target's KV cache at the positions they
 //! draft (the early-exit head does, for its layers); the engine rolls each

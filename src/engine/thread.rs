@@ -6,7 +6,7 @@
 //! The thread never touches an async runtime, so a long forward pass cannot
 //! stall the actors. It exits when told to, or when every sender is gone.
 //!
-//! Between steps it polls for the next plan for up to [`POLL`] (yielding
+//! Between steps it polls for the next plan for up to `POLL` (yielding
 //! its core each time) before it parks: the scheduler answers an outcome
 //! with the next plan within tens of microseconds, while a parked thread
 //! pays a wake-up and starts the step on a cold core. On a GPU, where a
