@@ -14,6 +14,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    println!("cargo:rerun-if-changed=src/model/cuda/dtype.cuh");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }

@@ -5,8 +5,8 @@
 //! (`cuda/fused.cu`) instead of two candle launches: a small-batch GPU step
 //! is bound by launches, not arithmetic, so every launch saved per layer is
 //! time saved per token. The kernels round once where the candle pair
-//! rounded twice (in f16/bf16). Every other device runs the candle ops,
-//! exactly as before.
+//! rounded twice (in f16/bf16). Every other device, and every build
+//! without the `cuda` feature, runs the candle ops.
 
 use candle_core::Tensor;
 
@@ -17,6 +17,7 @@ pub(super) fn add_rms_norm(
     w: &Tensor,
     eps: f32,
 ) -> candle_core::Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
     if x.device().is_cuda() && x.dim(0)? > 0 {
         let both = x.apply_op3_no_bwd(y, w, &kernel::AddRmsNorm { eps })?;
         return Ok((both.get(0)?, both.get(1)?));
@@ -29,6 +30,7 @@ pub(super) fn add_rms_norm(
 /// `silu(gu[:, ..inter]) · gu[:, inter..]` for the fused gate/up rows
 /// `[n, 2·inter]`.
 pub(super) fn silu_mul(gu: &Tensor, inter: usize) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
     if gu.device().is_cuda() && gu.dim(0)? > 0 {
         return gu.apply_op1_no_bwd(&kernel::SiluMul { inter });
     }
@@ -215,49 +217,6 @@ mod kernel {
                 DType::BF16 => self.launch::<half::bf16>(gu, gl),
                 other => candle_core::bail!("silu_mul has no {other:?} kernel"),
             }
-        }
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-mod kernel {
-    use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Shape};
-
-    pub(super) struct AddRmsNorm {
-        pub(super) eps: f32,
-    }
-
-    pub(super) struct SiluMul {
-        pub(super) inter: usize,
-    }
-
-    impl CustomOp3 for AddRmsNorm {
-        fn name(&self) -> &'static str {
-            "add-rms-norm"
-        }
-
-        fn cpu_fwd(
-            &self,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-        ) -> candle_core::Result<(CpuStorage, Shape)> {
-            let _ = self.eps;
-            candle_core::bail!("add_rms_norm's kernel needs a --features cuda build")
-        }
-    }
-
-    impl CustomOp1 for SiluMul {
-        fn name(&self) -> &'static str {
-            "silu-mul"
-        }
-
-        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-            let _ = self.inter;
-            candle_core::bail!("silu_mul's kernel needs a --features cuda build")
         }
     }
 }
