@@ -469,8 +469,24 @@ fn sample_both(
 ) {
     let cpu = Tensor::from_vec(logits, (slots.len(), vocab), &Device::Cpu).unwrap();
     let on_device = cpu.to_device(device).unwrap();
+    // What speculative decoding asks of plain greedy rows: the first
+    // maximum of each row, the same on both sides (ties included).
+    let argmax = dev.argmax_rows(slots, &on_device).unwrap();
+    assert_eq!(
+        argmax,
+        host.argmax_rows(slots, &cpu).unwrap(),
+        "{what}: argmax rows"
+    );
     let want = host.sample(slots, &cpu).unwrap();
     let got = dev.sample(slots, &on_device).unwrap();
+    for (row, &s) in slots.iter().enumerate() {
+        if host.is_plain_greedy(s) {
+            assert_eq!(
+                argmax[row], want.tokens[row],
+                "{what}: plain greedy slot {s}"
+            );
+        }
+    }
     assert_eq!(got.tokens, want.tokens, "{what}: tokens");
     match (&got.logprobs, &want.logprobs) {
         (Some(g), Some(w)) => assert!(max_abs_diff(g, w) < 1e-4, "{what}: {g:?} vs {w:?}"),
@@ -625,6 +641,12 @@ fn device_sampler_reports_bad_rows_and_commits_nothing() {
     assert_eq!(
         s.sample(&[10, 11], &to_device(nan)),
         Err(SamplerError::NonFiniteLogits { slot: 11, row: 1 })
+    );
+    let mut nan_first = good.clone();
+    nan_first[3] = f32::NAN;
+    assert_eq!(
+        s.argmax_rows(&[10, 11], &to_device(nan_first)),
+        Err(SamplerError::NonFiniteLogits { slot: 10, row: 0 })
     );
     let mut dead = good.clone();
     dead[..vocab].fill(f32::NEG_INFINITY);
