@@ -4,8 +4,11 @@
 // step reads by this, measured right next to the decode run.
 //   gcc -O2 -mavx512f -fopenmp bench/cpu/read_bandwidth.c -o /tmp/bw
 //   OMP_NUM_THREADS=2 /tmp/bw [passes, default 7]
+// HUGE=1 asks for 2 MiB pages (MADV_HUGEPAGE) as Tandem does for its CPU
+// weights.
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <omp.h>
 #include <immintrin.h>
 
@@ -18,7 +21,8 @@ int main(int argc, char **argv) {
     int passes = argc > 1 ? atoi(argv[1]) : 7;
     if (passes < 1 || passes > 1000) passes = 7;
     size_t n = (size_t)1 << 27; /* 512 MB of floats */
-    float *a = aligned_alloc(64, n * 4);
+    float *a = aligned_alloc(1 << 21, n * 4);
+    if (getenv("HUGE")) madvise(a, n * 4, MADV_HUGEPAGE);
     double *gbs = malloc(sizeof(double) * passes);
 #pragma omp parallel for
     for (size_t i = 0; i < n; i++) a[i] = 1.0f;
