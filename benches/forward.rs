@@ -112,7 +112,6 @@ fn load(name: &str, weights: &Weights, cfg: &ModelConfig, device: &Device) -> Co
         threads: std::env::var("TANDEM_BENCH_THREADS")
             .ok()
             .and_then(|v| v.parse().ok()),
-        ..LoadOptions::default()
     };
     let model = Model::load(cfg.clone(), weights, &opts).expect("model loads");
     Config {

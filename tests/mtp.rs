@@ -135,10 +135,10 @@ fn greedy_mtp_equals_plain_greedy_with_every_draft_kind() {
     for head in heads {
         let name = head.name();
         let got = run(&mut engine(test_model(), Some(head), vec![]), &reqs, 16);
-        for i in 0..reqs.len() {
+        for (i, req) in reqs.iter().enumerate() {
             assert_eq!(got.ids(i), plain.ids(i), "{name}: request {i}");
             assert_eq!(got.finish[i], Some(SeqFinish::Length));
-            let spec_on = reqs[i].spec.is_some_and(|s| s.enabled);
+            let spec_on = req.spec.is_some_and(|s| s.enabled);
             assert_eq!(
                 got.drafted[i] > 0,
                 spec_on,

@@ -63,7 +63,7 @@ impl PooledAttention {
         cfg: &ModelConfig,
         device: &Device,
     ) -> Result<Option<Self>, ModelError> {
-        let head_fits = cfg.head_dim <= MAX_HEAD_DIM && cfg.head_dim % 2 == 0;
+        let head_fits = cfg.head_dim <= MAX_HEAD_DIM && cfg.head_dim.is_multiple_of(2);
         if !device.is_cuda() || !kv.is_pooled() || !head_fits {
             return Ok(None);
         }
