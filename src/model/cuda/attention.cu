@@ -103,6 +103,7 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
     // Scores: a warp per key, its lanes across the dimensions (coalesced
     // row reads), the dot closed by a warp tree.
     float local = -INFINITY;
+#pragma unroll 4
     for (uint32_t c = warp; c < keys; c += warps) {
         const T *krow = kbase + (size_t)c * stride;
         float acc = 0.f;

@@ -13,9 +13,12 @@
 // No sort: the cut-off of the kept prefix is found by an 8-ary search over
 // the order-preserving bit pattern of the scores (11 passes over the row,
 // each counting the tokens above 7 thresholds and their mass), then the tie
-// group at the cut-off is split by id with a block prefix count. Every reduction is a fixed tree (warp shuffles, then one
-// warp over the warp results): the result never depends on scheduling, so a
-// seeded request draws the same token on every run.
+// group at the cut-off is split by id with a block prefix count. Row loops
+// are unrolled so that each thread keeps several independent loads in
+// flight: one block walks a whole row, so latency, not bandwidth, bounds a
+// pass. Every reduction is a fixed tree (warp shuffles, then one warp over
+// the warp results): the result never depends on scheduling, so a seeded
+// request draws the same token on every run.
 //
 // Layouts (all row-major):
 //   logits  [B, V] f32       raw scores
@@ -217,6 +220,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
     const bool copy = penalised || !(flags & F_GREEDY);
     float local_max = -INFINITY;
     uint32_t bad = 0;
+#pragma unroll 8
     for (uint32_t i = tid; i < vocab; i += nt) {
         float x = raw[i];
         bad |= (isnan(x) || x == INFINITY) ? 1u : 0u;
@@ -271,6 +275,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         }
         __syncthreads();
         local_max = -INFINITY;
+#pragma unroll 8
         for (uint32_t i = tid; i < vocab; i += nt) local_max = fmaxf(local_max, s[i]);
         m = block_reduce(local_max, OpMax(), -INFINITY, red);
     }
@@ -283,6 +288,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
     if (flags & F_GREEDY) {
         const float* scores = copy ? s : raw;
         uint32_t first = 0xffffffffu;
+#pragma unroll 8
         for (uint32_t i = tid; i < vocab; i += nt) {
             if (scores[i] == m && i < first) first = i;
         }
@@ -297,6 +303,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         uint32_t cut = 0, id_limit = vocab;
         if (use_top_p || top_k < vocab) {
             float local_z = 0.0f;
+#pragma unroll 8
             for (uint32_t i = tid; i < vocab; i += nt) local_z += __expf(s[i] - m);
             const float inv_z = 1.0f / block_reduce(local_z, OpSumF(), 0.0f, red);
             // The smallest threshold t whose best token at or below t still
@@ -315,6 +322,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
                     count[j] = 0;
                     mass[j] = 0.0f;
                 }
+#pragma unroll 4
                 for (uint32_t i = tid; i < vocab; i += nt) {
                     const float x = s[i];
                     const uint32_t k = ord_of(x);
@@ -345,6 +353,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
             }
             // The last kept score: the smallest present at or above `lo`.
             uint32_t local_cut = 0xffffffffu;
+#pragma unroll 8
             for (uint32_t i = tid; i < vocab; i += nt) {
                 const uint32_t k = ord_of(s[i]);
                 if (k >= lo && k < local_cut) local_cut = k;
@@ -352,6 +361,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
             cut = block_reduce(local_cut, OpMinU(), 0xffffffffu, red);
             uint32_t above = 0, ties = 0;
             float mass = 0.0f;
+#pragma unroll 8
             for (uint32_t i = tid; i < vocab; i += nt) {
                 const float x = s[i];
                 const uint32_t k = ord_of(x);
@@ -392,6 +402,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
                 const uint32_t chunk = (vocab + nt - 1) / nt;
                 const uint32_t begin = min(vocab, tid * chunk), end = min(vocab, begin + chunk);
                 uint32_t mine = 0;
+#pragma unroll 8
                 for (uint32_t i = begin; i < end; ++i) mine += ord_of(s[i]) == cut ? 1u : 0u;
                 uint32_t total;
                 const uint32_t before = block_exclusive_scan(mine, &total, red);
@@ -413,6 +424,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         }
         __syncthreads();
         // Draw weights, in place.
+#pragma unroll 8
         for (uint32_t i = tid; i < vocab; i += nt) {
             const float x = s[i];
             const uint32_t k = ord_of(x);
@@ -426,6 +438,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         double mine = 0.0;
         uint32_t last_with_mass = 0;
         bool any = false;
+#pragma unroll 8
         for (uint32_t i = begin; i < end; ++i) {
             if (s[i] > 0.0f) {
                 mine += (double)s[i];
@@ -464,6 +477,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
     if (flags & F_LOGPROBS) {
         // Stable log-softmax of the raw row.
         float local_sum = 0.0f;
+#pragma unroll 8
         for (uint32_t i = tid; i < vocab; i += nt) local_sum += expf(raw[i] - raw_max);
         const float lse = logf(block_reduce(local_sum, OpSumF(), 0.0f, red));
         if (tid == 0) o[3] = __float_as_uint((raw[token] - raw_max) - lse);
@@ -471,6 +485,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         unsigned long long prev = 0;
         for (uint32_t k = 0; k < top_logprobs; ++k) {
             unsigned long long best = ~0ull;
+#pragma unroll 8
             for (uint32_t i = tid; i < vocab; i += nt) {
                 const unsigned long long key =
                     ((unsigned long long)(~ord_of(raw[i])) << 32) | i;
