@@ -96,6 +96,7 @@ impl DeviceHistory {
     }
 
     /// Columns of the device rings (at least 1).
+    #[cfg(feature = "cuda")]
     fn width(&self) -> usize {
         self.tensor.dims()[1]
     }
@@ -158,13 +159,17 @@ pub(crate) fn greedy_params(rows: usize) -> Vec<u32> {
 pub(crate) struct Launch {
     /// `[rows, out_width]` row-major.
     pub out: Vec<u32>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     out_device: Tensor,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     params: Tensor,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     rows: usize,
 }
 
 /// Samples every row of `logits` (`[rows, V]` on a CUDA device) with the
 /// parameter rows `params` (`rows × PARAM_WIDTH`).
+#[cfg(feature = "cuda")]
 pub(crate) fn sample(
     logits: &Tensor,
     params: &[u32],
@@ -191,6 +196,20 @@ pub(crate) fn sample(
     run().map_err(tensor_err)
 }
 
+/// Without the `cuda` feature no tensor is on a CUDA device, so the
+/// sampler never comes here.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn sample(
+    _: &Tensor,
+    _: &[u32],
+    _: &DeviceHistory,
+    _: usize,
+) -> Result<Launch, SamplerError> {
+    Err(SamplerError::Tensor(
+        "the device sampler needs a --features cuda build".into(),
+    ))
+}
+
 /// Appends each history row's token to the device rings (after the host
 /// checked every row) and returns the copy, now at `version`.
 pub(crate) fn write_history(
@@ -198,14 +217,19 @@ pub(crate) fn write_history(
     launch: &Launch,
     version: u64,
 ) -> Result<DeviceHistory, SamplerError> {
-    let op = kernel::HistoryWriteOp {
-        rows: launch.rows,
-        out_width: launch.out.len() / launch.rows.max(1),
-    };
-    history
-        .tensor
-        .inplace_op3(&launch.out_device, &launch.params, &op)
-        .map_err(tensor_err)?;
+    #[cfg(feature = "cuda")]
+    {
+        let op = kernel::HistoryWriteOp {
+            rows: launch.rows,
+            out_width: launch.out.len() / launch.rows.max(1),
+        };
+        history
+            .tensor
+            .inplace_op3(&launch.out_device, &launch.params, &op)
+            .map_err(tensor_err)?;
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = launch;
     history.version = version;
     Ok(history)
 }
@@ -370,61 +394,6 @@ mod kernel {
             // (pool row, ring position) of a row the host checked.
             unsafe { b.launch(cfg) }.w()?;
             Ok(())
-        }
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-mod kernel {
-    use candle_core::{CpuStorage, CustomOp3, InplaceOp3, Layout, Shape};
-
-    pub(super) struct SampleOp {
-        pub(super) history_width: usize,
-        pub(super) top_logprobs: usize,
-    }
-
-    pub(super) struct HistoryWriteOp {
-        pub(super) rows: usize,
-        pub(super) out_width: usize,
-    }
-
-    const NEEDS_CUDA: &str = "the device sampler needs a --features cuda build";
-
-    impl CustomOp3 for SampleOp {
-        fn name(&self) -> &'static str {
-            "device-sample"
-        }
-
-        fn cpu_fwd(
-            &self,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-        ) -> candle_core::Result<(CpuStorage, Shape)> {
-            let _ = (self.history_width, self.top_logprobs);
-            candle_core::bail!("{NEEDS_CUDA}")
-        }
-    }
-
-    impl InplaceOp3 for HistoryWriteOp {
-        fn name(&self) -> &'static str {
-            "device-history-write"
-        }
-
-        fn cpu_fwd(
-            &self,
-            _: &mut CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-        ) -> candle_core::Result<()> {
-            let _ = (self.rows, self.out_width);
-            candle_core::bail!("{NEEDS_CUDA}")
         }
     }
 }
