@@ -378,6 +378,9 @@ mod x86 {
         }
     }
 
+    /// How far ahead of the loads a many-row tile prefetches its weights.
+    const PREFETCH_BYTES: usize = 4096;
+
     /// MR activation rows × NR (4 or 8) weight rows, 16 lanes.
     #[inline(always)]
     unsafe fn tile16<const MR: usize, const NR: usize, W: WElem>(
@@ -392,16 +395,23 @@ mod x86 {
         let full = k / 16 * 16;
         let mut kk = 0;
         while kk < full {
-            // Each weight stream prefetches the same columns of the next
-            // tile's rows: the tile's rows are adjacent and short (3 KiB at
-            // k = 768 in f32), so a fixed distance ahead would land in rows
-            // this tile is already loading. Measured against 4 KiB ahead on
+            // Few activation rows (memory-bound): each weight stream
+            // prefetches the same columns of the next tile's rows. The
+            // tile's rows are adjacent and short (3 KiB at k = 768 in f32),
+            // so a fixed distance ahead would land in rows this tile is
+            // already loading; measured against 4 KiB ahead on
             // single-stream f32 decode: level when the host's memory is
             // slow, 2–7 % faster when it is fast (BENCHMARKS.md). Past the
             // last tile the address is never dereferenced; a prefetch
-            // cannot fault.
+            // cannot fault. Many rows (compute-bound): 4 KiB ahead, which
+            // keeps the next tile out of an L1 the activation rows need.
             for p in w {
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(kk + NR * job.ldw) as *const i8);
+                let ahead = if MR <= 2 {
+                    p.wrapping_add(kk + NR * job.ldw) as *const i8
+                } else {
+                    (p.wrapping_add(kk) as *const i8).wrapping_add(PREFETCH_BYTES)
+                };
+                _mm_prefetch::<_MM_HINT_T0>(ahead);
             }
             let wv: [__m512; NR] = std::array::from_fn(|j| W::load16(w[j].add(kk)));
             for (i, ai) in a.iter_mut().enumerate() {
