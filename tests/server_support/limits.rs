@@ -420,6 +420,29 @@ async fn metrics_parse_and_counters_move() {
     assert_eq!(ok("chat_completions"), Some(1.0));
 }
 
+/// Starts a streamed completion, waits for its first chunk, and reads the
+/// rest of the stream in a task (the text after the first chunk).
+async fn stream_in_background(
+    c: &reqwest::Client,
+    s: &TestServer,
+    body: &serde_json::Value,
+) -> tokio::task::JoinHandle<String> {
+    let mut r = c
+        .post(s.url("/v1/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.chunk().await.unwrap().is_some());
+    tokio::spawn(async move {
+        let mut rest = String::new();
+        while let Ok(Some(bytes)) = r.chunk().await {
+            rest.push_str(&String::from_utf8_lossy(&bytes));
+        }
+        rest
+    })
+}
+
 /// Shutdown lets short requests finish and cancels what outlives the drain
 /// timeout (`finish_reason: "abort"`); afterwards requests get 503.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -427,20 +450,7 @@ async fn graceful_shutdown_drains_then_aborts() {
     let s = TestServer::ready();
     let c = client();
     let long = json!({"prompt": "long", "max_tokens": 1000, "temperature": 0, "stream": true});
-    let mut r = c
-        .post(s.url("/v1/completions"))
-        .json(&long)
-        .send()
-        .await
-        .unwrap();
-    assert!(r.chunk().await.unwrap().is_some());
-    let reader = tokio::spawn(async move {
-        let mut rest = String::new();
-        while let Ok(Some(bytes)) = r.chunk().await {
-            rest.push_str(&String::from_utf8_lossy(&bytes));
-        }
-        rest
-    });
+    let reader = stream_in_background(&c, &s, &long).await;
     let outcome = s.shutdown(Duration::from_millis(1)).await;
     assert_eq!(outcome, ShutdownOutcome::Aborted);
     let rest = reader.await.unwrap();
@@ -454,20 +464,7 @@ async fn graceful_shutdown_drains_short_requests() {
     let s = TestServer::ready();
     let c = client();
     let body = json!({"prompt": "short", "max_tokens": 50, "temperature": 0, "stream": true});
-    let mut r = c
-        .post(s.url("/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert!(r.chunk().await.unwrap().is_some());
-    let reader = tokio::spawn(async move {
-        let mut rest = String::new();
-        while let Ok(Some(bytes)) = r.chunk().await {
-            rest.push_str(&String::from_utf8_lossy(&bytes));
-        }
-        rest
-    });
+    let reader = stream_in_background(&c, &s, &body).await;
     assert_eq!(
         s.shutdown(Duration::from_secs(20)).await,
         ShutdownOutcome::Drained
