@@ -419,7 +419,7 @@ async fn events_arrive_once_in_order_under_random_cancellation() {
 
 #[actix::test]
 async fn stop_strings_inside_an_accepted_draft_run_stop_exactly() {
-    use tandem::engine::{DraftSchedule, EarlyExitDraft, SpecConfig, SpecOptions};
+    use tandem::engine::{EarlyExitDraft, SpecConfig, SpecOptions};
     let (model, tokenizer) = tiny_model_cpu(TinyPreset::Test).unwrap();
     let layers = model.config().num_layers;
     let engine = Engine::new(
@@ -438,12 +438,7 @@ async fn stop_strings_inside_an_accepted_draft_run_stop_exactly() {
         },
     );
     let handle = TandemHandle::start(engine, tokenizer, SchedulerConfig::default()).unwrap();
-    let spec = SpecOptions {
-        enabled: true,
-        initial_draft: 6,
-        max_draft: 6,
-        schedule: DraftSchedule::Constant,
-    };
+    let spec = SpecOptions::constant(6);
     let base = GenerateRequest::new(prompt(7, 5), 40).with_mtp(spec);
     let free = handle
         .complete(base.clone().with_mtp(SpecOptions::off()))

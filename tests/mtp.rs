@@ -90,24 +90,14 @@ fn mixed_greedy_requests() -> Vec<Req> {
             };
             let spec = match i % 4 {
                 0 => Some(SpecOptions::off()),
-                1 => Some(SpecOptions {
-                    initial_draft: 1,
-                    max_draft: 1,
-                    schedule: DraftSchedule::Constant,
-                    enabled: true,
-                }),
+                1 => Some(SpecOptions::constant(1)),
                 2 => Some(SpecOptions {
                     initial_draft: 3,
                     max_draft: 6,
                     schedule: DraftSchedule::Heuristic,
                     enabled: true,
                 }),
-                _ => Some(SpecOptions {
-                    initial_draft: 4,
-                    max_draft: 4,
-                    schedule: DraftSchedule::Constant,
-                    enabled: true,
-                }),
+                _ => Some(SpecOptions::constant(4)),
             };
             Req {
                 prompt: p,
@@ -158,12 +148,7 @@ fn greedy_mtp_equals_plain_greedy_with_every_draft_kind() {
 fn a_perfect_draft_is_always_accepted() {
     let layers = TinyPreset::Test.config().num_layers;
     let k = 3;
-    let spec = SpecOptions {
-        initial_draft: k,
-        max_draft: k,
-        schedule: DraftSchedule::Constant,
-        enabled: true,
-    };
+    let spec = SpecOptions::constant(k);
     // 1 token from the prefill step, then k + 1 per step: 1 + 4 * 5 = 21.
     let reqs = vec![Req {
         prompt: vec![1, 20, 21, 22],
@@ -193,12 +178,7 @@ fn a_perfect_draft_is_always_accepted() {
 #[test]
 fn eos_and_max_tokens_inside_an_accepted_run_stop_exactly() {
     let layers = TinyPreset::Test.config().num_layers;
-    let spec = Some(SpecOptions {
-        initial_draft: 6,
-        max_draft: 6,
-        schedule: DraftSchedule::Constant,
-        enabled: true,
-    });
+    let spec = Some(SpecOptions::constant(6));
     let base = Req {
         prompt: vec![1, 30, 31],
         sampling: SamplingOptions::greedy(),
@@ -348,12 +328,7 @@ fn chi_square_critical(dof: usize) -> f64 {
 #[test]
 fn sampled_mtp_preserves_the_target_distribution() {
     let n = 20_000;
-    let spec = Some(SpecOptions {
-        initial_draft: 2,
-        max_draft: 2,
-        schedule: DraftSchedule::Constant,
-        enabled: true,
-    });
+    let spec = Some(SpecOptions::constant(2));
     // Independent seeds per run: shared seeds would correlate the samples.
     let off = second_third_tokens(Some(SpecOptions::off()), false, n, 0);
     let on = second_third_tokens(spec, false, n, 1_000_000);
@@ -469,12 +444,7 @@ fn seeded_sampled_mtp_is_reproducible_whatever_shares_the_batch() {
 
 #[test]
 fn drafting_backs_off_when_it_does_not_pay() {
-    let spec = Some(SpecOptions {
-        initial_draft: 2,
-        max_draft: 2,
-        schedule: DraftSchedule::Constant,
-        enabled: true,
-    });
+    let spec = Some(SpecOptions::constant(2));
     let req = Req {
         prompt: vec![1, 60, 61],
         sampling: SamplingOptions::greedy(),
@@ -502,12 +472,7 @@ fn drafting_backs_off_when_it_does_not_pay() {
 #[test]
 fn requests_with_logprobs_decode_without_drafts() {
     let layers = TinyPreset::Test.config().num_layers;
-    let spec = Some(SpecOptions {
-        initial_draft: 3,
-        max_draft: 3,
-        schedule: DraftSchedule::Constant,
-        enabled: true,
-    });
+    let spec = Some(SpecOptions::constant(3));
     let with_lp = SamplingOptions {
         logprobs: true,
         top_logprobs: 2,

@@ -71,12 +71,7 @@ fn training_lowers_heldout_loss_and_raises_agreement() {
 
     // The saved head loads through the MTP loader and keeps greedy exact.
     let head = MtpHead::from_dir(&model, &dir).unwrap();
-    let spec = Some(SpecOptions {
-        initial_draft: 3,
-        max_draft: 3,
-        schedule: DraftSchedule::Constant,
-        enabled: true,
-    });
+    let spec = Some(SpecOptions::constant(3));
     let reqs: Vec<Req> = (0..8u32)
         .map(|i| Req {
             prompt: vec![1, 20 + i, 40 + i],

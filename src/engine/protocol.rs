@@ -102,6 +102,16 @@ impl SpecOptions {
         }
     }
 
+    /// Speculation on, drafting exactly `k` tokens every step (no schedule).
+    pub fn constant(k: usize) -> Self {
+        Self {
+            enabled: true,
+            initial_draft: k,
+            max_draft: k,
+            schedule: DraftSchedule::Constant,
+        }
+    }
+
     /// Checks the lengths; the message names the field.
     pub fn validate(&self) -> Result<(), String> {
         if self.enabled && (self.initial_draft == 0 || self.max_draft == 0) {
