@@ -11,6 +11,7 @@ mod support;
 
 use candle_core::{DType, Device, Tensor};
 use support::engine_driver::{run_tokens, Req};
+use support::ragged::{prompt, ragged_vs_solo, step};
 use support::reference::{stories260k, Stories};
 use tandem::engine::{
     DraftSchedule, EarlyExitDraft, Engine, EngineConfig, GeneratedToken, SpecConfig, SpecOptions,
@@ -56,26 +57,12 @@ fn small_model(device: &Device, sliding_window: Option<usize>) -> Model {
     Model::load(cfg, &w, &options(device, DType::F32)).unwrap()
 }
 
-fn prompt(seed: u32, len: usize, vocab: u32) -> Vec<u32> {
-    (0..len as u32)
-        .map(|i| (seed * 31 + i * 17 + 3) % vocab)
-        .collect()
-}
-
-fn rows(t: &Tensor) -> Vec<Vec<f32>> {
-    t.to_device(&Device::Cpu).unwrap().to_vec2().unwrap()
-}
-
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
-}
-
-fn step(model: &Model, kv: &mut KvCache, batch: &Batch) -> Vec<Vec<f32>> {
-    rows(&model.unembed(&model.forward(batch, kv).unwrap()).unwrap())
 }
 
 /// Ragged batches (decodes, prefills, draft verification shapes) through
@@ -112,27 +99,8 @@ fn pooled_batched_attention_equals_per_sequence() {
     ] {
         let model = small_model(&device, window);
         let mut pooled = KvCache::pooled(model.kv_layout(), device.clone(), 4096);
-        let mut batch = Batch::default();
-        let mut solo = Vec::new();
-        for (i, &(history, len, out)) in shapes.iter().enumerate() {
-            let slot = i as u32 + 10;
-            let toks = prompt(i as u32, history + len, 97);
-            let mut own = KvCache::per_slot(model.kv_layout(), device.clone(), 4096);
-            own.allocate(slot, 64).unwrap();
-            pooled.allocate(slot, 64).unwrap();
-            if history > 0 {
-                for kv in [&mut own, &mut pooled] {
-                    let mut b = Batch::default();
-                    b.push(slot, 0, &toks[..history], OutputRows::None);
-                    assert_eq!(model.forward(&b, kv).unwrap().dim(0).unwrap(), 0);
-                }
-            }
-            let mut b = Batch::default();
-            b.push(slot, history, &toks[history..], out);
-            solo.extend(step(&model, &mut own, &b));
-            batch.push(slot, history, &toks[history..], out);
-        }
-        let got = step(&model, &mut pooled, &batch);
+        let own = || KvCache::per_slot(model.kv_layout(), device.clone(), 4096);
+        let (batch, got, solo) = ragged_vs_solo(&model, shapes, &mut pooled, own);
         assert_eq!(got.len(), solo.len());
         for (g, s) in got.iter().zip(&solo) {
             let d = max_abs_diff(g, s);

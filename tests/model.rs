@@ -6,6 +6,7 @@ mod support;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
+use support::ragged::{prompt, ragged_vs_solo};
 use support::reference::{shared, stories260k, Stories};
 use tandem::kv::KvCache;
 use tandem::model::{Batch, LoadOptions, Model, ModelConfig, ModelError, OutputRows, Weights};
@@ -40,12 +41,6 @@ fn rows(t: &Tensor) -> Vec<Vec<f32>> {
     t.to_vec2().unwrap()
 }
 
-fn prompt(seed: u32, len: usize, vocab: u32) -> Vec<u32> {
-    (0..len as u32)
-        .map(|i| (seed * 31 + i * 17 + 3) % vocab)
-        .collect()
-}
-
 #[test]
 fn batched_equals_solo_for_ragged_sequences() {
     for window in [None, Some(5)] {
@@ -61,34 +56,8 @@ fn batched_equals_solo_for_ragged_sequences() {
             (20, 3, OutputRows::Last),
         ];
         let mut batched_kv = kv_for(&model, 4096);
-        let mut batch = Batch::default();
-        let mut solo = Vec::new();
-        for (i, &(history, len, out)) in shapes.iter().enumerate() {
-            let slot = i as u32 + 10;
-            let toks = prompt(i as u32, history + len, 97);
-            // Solo reference: its own cache, history fed in one pass, then the step.
-            let mut kv = kv_for(&model, 4096);
-            kv.allocate(slot, 64).unwrap();
-            batched_kv.allocate(slot, 64).unwrap();
-            if history > 0 {
-                for kv in [&mut kv, &mut batched_kv] {
-                    let mut b = Batch::default();
-                    b.push(slot, 0, &toks[..history], OutputRows::None);
-                    assert_eq!(model.forward(&b, kv).unwrap().dim(0).unwrap(), 0);
-                }
-            }
-            let mut b = Batch::default();
-            b.push(slot, history, &toks[history..], out);
-            solo.extend(rows(
-                &model.unembed(&model.forward(&b, &mut kv).unwrap()).unwrap(),
-            ));
-            batch.push(slot, history, &toks[history..], out);
-        }
-        let got = rows(
-            &model
-                .unembed(&model.forward(&batch, &mut batched_kv).unwrap())
-                .unwrap(),
-        );
+        let (_, got, solo) =
+            ragged_vs_solo(&model, &shapes, &mut batched_kv, || kv_for(&model, 4096));
         assert_eq!(got.len(), solo.len());
         for (g, s) in got.iter().zip(&solo) {
             assert!(

@@ -7,6 +7,7 @@ pub mod collector;
 pub mod engine_driver;
 pub mod fake_engine;
 pub mod harness;
+pub mod ragged;
 pub mod reference;
 
 #[allow(unused_imports)]
