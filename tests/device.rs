@@ -11,7 +11,7 @@ mod support;
 
 use candle_core::{DType, Device, Tensor};
 use support::engine_driver::{run_tokens, Req};
-use support::ragged::{prompt, ragged_vs_solo, step};
+use support::ragged::{assert_commit_equals_feeding_accepted, prompt, ragged_vs_solo, step};
 use support::reference::{stories260k, Stories};
 use tandem::engine::{
     DraftSchedule, EarlyExitDraft, Engine, EngineConfig, GeneratedToken, SpecConfig, SpecOptions,
@@ -157,21 +157,8 @@ fn pooled_speculation_commit_equals_feeding_only_accepted() {
         model.forward(&b, &mut kv).unwrap();
         kv.commit(3, accepted).unwrap();
 
-        let mut reference = KvCache::per_slot(model.kv_layout(), device.clone(), 128);
-        reference.allocate(3, 64).unwrap();
-        let mut all = toks.clone();
-        all.extend_from_slice(&drafts[..accepted]);
-        let mut b = Batch::default();
-        b.push(3, 0, &all, OutputRows::Last);
-        model.forward(&b, &mut reference).unwrap();
-
-        let next = |kv: &mut KvCache| {
-            let mut b = Batch::default();
-            b.push(3, 10 + accepted, &[42], OutputRows::Last);
-            step(&model, kv, &b).remove(0)
-        };
-        let d = max_abs_diff(&next(&mut kv), &next(&mut reference));
-        assert!(d <= 1e-4, "accepted {accepted}: diff {d}");
+        let reference = KvCache::per_slot(model.kv_layout(), device.clone(), 128);
+        assert_commit_equals_feeding_accepted(&model, &mut kv, reference, &toks, &drafts, accepted);
     }
 }
 

@@ -6,7 +6,7 @@ mod support;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use support::ragged::{prompt, ragged_vs_solo};
+use support::ragged::{assert_commit_equals_feeding_accepted, prompt, ragged_vs_solo};
 use support::reference::{shared, stories260k, Stories};
 use tandem::kv::KvCache;
 use tandem::model::{Batch, LoadOptions, Model, ModelConfig, ModelError, OutputRows, Weights};
@@ -135,21 +135,8 @@ fn speculation_commit_equals_feeding_only_accepted() {
         kv.commit(3, accepted).unwrap();
         assert_eq!(kv.len(3).unwrap(), 10 + accepted);
 
-        let mut reference = kv_for(&model, 128);
-        reference.allocate(3, 64).unwrap();
-        let mut all = toks.clone();
-        all.extend_from_slice(&drafts[..accepted]);
-        let mut b = Batch::default();
-        b.push(3, 0, &all, OutputRows::Last);
-        model.forward(&b, &mut reference).unwrap();
-
-        let next = |kv: &mut KvCache| {
-            let mut b = Batch::default();
-            b.push(3, 10 + accepted, &[42], OutputRows::Last);
-            rows(&model.unembed(&model.forward(&b, kv).unwrap()).unwrap()).remove(0)
-        };
-        let d = max_abs_diff(&next(&mut kv), &next(&mut reference));
-        assert!(d <= 1e-4, "accepted {accepted}: diff {d}");
+        let reference = kv_for(&model, 128);
+        assert_commit_equals_feeding_accepted(&model, &mut kv, reference, &toks, &drafts, accepted);
     }
 }
 

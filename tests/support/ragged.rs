@@ -56,3 +56,36 @@ pub fn ragged_vs_solo(
     let got = step(model, shared, &batch);
     (batch, got, solo)
 }
+
+/// After slot 3 of `kv` took `toks` and then committed `accepted` of
+/// `drafts` (speculation), its next step must equal that of a fresh
+/// `reference` cache fed only `toks` and the accepted drafts.
+pub fn assert_commit_equals_feeding_accepted(
+    model: &Model,
+    kv: &mut KvCache,
+    mut reference: KvCache,
+    toks: &[u32],
+    drafts: &[u32],
+    accepted: usize,
+) {
+    reference.allocate(3, 64).unwrap();
+    let mut all = toks.to_vec();
+    all.extend_from_slice(&drafts[..accepted]);
+    let mut b = Batch::default();
+    b.push(3, 0, &all, OutputRows::Last);
+    model.forward(&b, &mut reference).unwrap();
+
+    let next = |kv: &mut KvCache| {
+        let mut b = Batch::default();
+        b.push(3, toks.len() + accepted, &[42], OutputRows::Last);
+        step(model, kv, &b).remove(0)
+    };
+    let (got, want) = (next(kv), next(&mut reference));
+    let d = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert_eq!(got.len(), want.len());
+    assert!(d <= 1e-4, "accepted {accepted}: diff {d}");
+}
