@@ -308,7 +308,11 @@ mod kernel {
             let width = out_width(self.top_logprobs);
             // SAFETY: the kernel writes every element before reading it.
             let scratch = unsafe { dev.alloc::<f32>(rows * vocab)? };
-            let out = dev.alloc_zeros::<u32>(rows * width)?;
+            // SAFETY: every row gets its status; the host reads the other
+            // fields only where the status and the flags say they were
+            // written (token on success, detail on a vocabulary fault,
+            // logprobs when asked).
+            let out = unsafe { dev.alloc::<u32>(rows * width)? };
             let func = dev.get_or_load_custom_func("sample_rows", MODULE, PTX)?;
             let (vocab32, hw32, top32) = (
                 vocab as u32,
