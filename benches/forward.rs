@@ -32,7 +32,13 @@
 //! - `TANDEM_BENCH_AGREEMENT=1` adds, for each non-f32 format, the greedy
 //!   agreement with f32 over 64-token continuations of 8 prompts (fraction
 //!   of identical tokens position by position, and the mean length of the
-//!   identical prefix).
+//!   identical prefix);
+//! - `TANDEM_BENCH_ROOFLINE=1` (CPU) adds single-stream decode against the
+//!   memory roofline measured in the same run: before every decode step, a
+//!   streaming sum over a buffer as large as what the step reads (weights
+//!   past the embedding table, plus the KV), on 2 MiB pages and the same
+//!   number of threads. Interleaving step by step puts both under the same
+//!   memory conditions, which on a shared host change within seconds.
 
 use std::time::{Duration, Instant};
 
@@ -270,6 +276,134 @@ fn sampler_cost(device: &Device, vocab: usize, batches: &[usize]) {
     }
 }
 
+/// Bytes one single-stream decode step reads at position `pos`: every
+/// projection weight once (the embedding table only when it is also the
+/// unembedding), and the KV of `pos` positions.
+fn bytes_per_step(name: &str, model: &Model, pos: usize) -> f64 {
+    let cfg = model.config();
+    let embedding = if cfg.tie_word_embeddings {
+        0
+    } else {
+        cfg.vocab_size * cfg.hidden_size
+    };
+    let weights = (cfg.num_parameters() - embedding) as f64;
+    let per_weight = match name {
+        "f32" => 4.0,
+        "f16" | "bf16" => 2.0,
+        "q8_0" => 34.0 / 32.0,
+        "q4_k" => 144.0 / 256.0,
+        _ => 0.0,
+    };
+    weights * per_weight + (pos * model.kv_layout().bytes_per_token()) as f64
+}
+
+/// A streaming read of `buf` on the kernels' thread pool, the way a plain
+/// sum reads memory: the roofline a decode step is held to. The threads
+/// take chunks of about 1/8 of their share through a shared cursor, as
+/// the kernels split a weight; this reads 5–10 % faster here than one
+/// contiguous half per thread (so it is the stricter roofline).
+fn stream_sum(buf: &[f32]) -> Duration {
+    const BLOCK: usize = 4096;
+    let start = Instant::now();
+    candle_core::utils::barrier_pool().execute_chunked(buf.len().div_ceil(BLOCK), |blocks| {
+        let lo = blocks.start * BLOCK;
+        let hi = (blocks.end * BLOCK).min(buf.len());
+        std::hint::black_box(lane_sums(&buf[lo..hi]));
+    });
+    start.elapsed()
+}
+
+/// 64 independent lane sums of `v` (the compiler turns them into as many
+/// vector accumulators as the widest instruction set allows).
+fn lane_sums(v: &[f32]) -> [f32; 64] {
+    #[inline(always)]
+    fn sums(v: &[f32]) -> [f32; 64] {
+        let mut acc = [0f32; 64];
+        for block in v.chunks_exact(64) {
+            for (a, x) in acc.iter_mut().zip(block) {
+                *a += x;
+            }
+        }
+        acc
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f")]
+        unsafe fn wide(v: &[f32]) -> [f32; 64] {
+            sums(v)
+        }
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512 F.
+            return unsafe { wide(v) };
+        }
+    }
+    sums(v)
+}
+
+/// A zeroed-then-filled f32 buffer of `bytes`, on 2 MiB pages where Linux
+/// grants them (as the model's weights are).
+fn huge_page_buffer(bytes: f64) -> Vec<f32> {
+    let len = (bytes / 4.0) as usize;
+    let mut v: Vec<f32> = Vec::with_capacity(len);
+    #[cfg(target_os = "linux")]
+    // SAFETY: advice on memory this Vec owns, before its first touch.
+    unsafe {
+        libc::madvise(v.as_mut_ptr().cast(), len * 4, libc::MADV_HUGEPAGE);
+    }
+    v.extend((0..len).map(|i| (i % 251) as f32));
+    v
+}
+
+/// Single-stream decode against a streaming read of as many bytes, one
+/// sum pass before every decode step (see the module docs).
+fn roofline(configs: &[Config], steps: usize) {
+    println!("\nsingle-stream decode vs the memory roofline (a streaming sum of the same bytes before each step):");
+    for c in configs {
+        let bytes = bytes_per_step(&c.name, &c.model, PROMPT + steps / 2);
+        if bytes == 0.0 {
+            continue;
+        }
+        let buf = huge_page_buffer(bytes);
+        stream_sum(&buf);
+        let mut kv = KvCache::new(c.model.kv_layout(), Device::Cpu, PROMPT + steps);
+        kv.allocate(0, PROMPT + steps).expect("KV room");
+        let vocab = c.model.config().vocab_size as u32;
+        let mut batch = Batch::default();
+        batch.push(0, 0, &prompt(0, vocab), OutputRows::Last);
+        let h = c.model.forward(&batch, &mut kv).expect("prefill");
+        std::hint::black_box(c.model.unembed(&h).expect("unembed"));
+        let (mut sum_time, mut step_time) = (Duration::ZERO, Duration::ZERO);
+        let mut ratios = Vec::with_capacity(steps);
+        for step in 0..steps {
+            let read = stream_sum(&buf);
+            let start = Instant::now();
+            let mut batch = Batch::default();
+            batch.push(
+                0,
+                PROMPT + step,
+                &[(step as u32 * 17 + 5) % vocab],
+                OutputRows::Last,
+            );
+            let h = c.model.forward(&batch, &mut kv).expect("decode");
+            std::hint::black_box(c.model.unembed(&h).expect("unembed"));
+            let took = start.elapsed();
+            sum_time += read;
+            step_time += took;
+            ratios.push(read.as_secs_f64() / took.as_secs_f64());
+        }
+        println!(
+            "  {:<10} {:.0} MB/step: streaming sum {:.1} GB/s, decode {:.0} tok/s = {:.1} GB/s: {:.1} % of the roofline (median step {:.1} %)",
+            c.name,
+            bytes / 1e6,
+            bytes * steps as f64 / sum_time.as_secs_f64() / 1e9,
+            steps as f64 / step_time.as_secs_f64(),
+            bytes * steps as f64 / step_time.as_secs_f64() / 1e9,
+            100.0 * sum_time.as_secs_f64() / step_time.as_secs_f64(),
+            100.0 * median(&mut ratios),
+        );
+    }
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -390,6 +524,9 @@ fn main() {
 
     if agree {
         agreement(&configs);
+    }
+    if env_usize("TANDEM_BENCH_ROOFLINE", 0) > 0 && device.is_cpu() {
+        roofline(&configs, steps);
     }
     if profile {
         println!("\nper-phase share of time (one more run each, profiling on):");

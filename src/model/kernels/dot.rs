@@ -395,23 +395,21 @@ mod x86 {
         let full = k / 16 * 16;
         let mut kk = 0;
         while kk < full {
-            // Few activation rows (memory-bound): each weight stream
-            // prefetches the same columns of the next tile's rows. The
-            // tile's rows are adjacent and short (3 KiB at k = 768 in f32),
-            // so a fixed distance ahead would land in rows this tile is
-            // already loading; measured against 4 KiB ahead on
-            // single-stream f32 decode: level when the host's memory is
-            // slow, 2–7 % faster when it is fast (BENCHMARKS.md). Past the
-            // last tile the address is never dereferenced; a prefetch
-            // cannot fault. Many rows (compute-bound): 4 KiB ahead, which
-            // keeps the next tile out of an L1 the activation rows need.
-            for p in w {
-                let ahead = if MR <= 2 {
-                    p.wrapping_add(kk + NR * job.ldw) as *const i8
-                } else {
-                    (p.wrapping_add(kk) as *const i8).wrapping_add(PREFETCH_BYTES)
-                };
-                _mm_prefetch::<_MM_HINT_T0>(ahead);
+            // Many activation rows (compute-bound): each weight stream
+            // prefetches 4 KiB ahead, so the hardware prefetcher's misses
+            // do not stall the FMAs. Few rows (memory-bound): no software
+            // prefetch. The tile's rows are adjacent and short (3 KiB at
+            // k = 768 in f32), so the hardware prefetcher already covers
+            // them; the extra instructions (one per weight load) were
+            // measured 8–19 % slower on Zen 5, where this loop then reads as
+            // fast as a plain streaming sum (BENCHMARKS.md). Past the last
+            // tile the address is never dereferenced: a prefetch cannot
+            // fault.
+            if MR > 2 {
+                for p in w {
+                    let ahead = (p.wrapping_add(kk) as *const i8).wrapping_add(PREFETCH_BYTES);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead);
+                }
             }
             let wv: [__m512; NR] = std::array::from_fn(|j| W::load16(w[j].add(kk)));
             for (i, ai) in a.iter_mut().enumerate() {

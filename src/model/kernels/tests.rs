@@ -376,39 +376,3 @@ fn matmul_speed() {
         }
     }
 }
-
-/// Read bandwidth of the machine as the kernels see it: a 400 MB stream
-/// summed on all threads, in the same 16-row units the matmul hands out.
-#[test]
-#[ignore]
-fn read_bandwidth() {
-    use std::time::Instant;
-    let n = 100_000_000usize;
-    let data: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
-    let threads = super::pool::threads(None);
-    let unit = 16 * 768;
-    let sums: Vec<std::sync::atomic::AtomicU32> = (0..n / unit)
-        .map(|_| std::sync::atomic::AtomicU32::new(0))
-        .collect();
-    let mut best = f64::MAX;
-    for _ in 0..10 {
-        let t = Instant::now();
-        super::pool::for_each_range(n / unit, 4, threads, |r| {
-            for u in r {
-                let mut acc = [0f32; 64];
-                for c in data[u * unit..(u + 1) * unit].chunks_exact(64) {
-                    for (a, v) in acc.iter_mut().zip(c) {
-                        *a += v;
-                    }
-                }
-                let s: f32 = acc.iter().sum();
-                sums[u].store(s.to_bits(), std::sync::atomic::Ordering::Relaxed);
-            }
-        });
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    eprintln!(
-        "read bandwidth: {:.1} GB/s ({threads} threads)",
-        4.0 * n as f64 / best / 1e9
-    );
-}
