@@ -340,17 +340,27 @@ fn lane_sums(v: &[f32]) -> [f32; 64] {
     sums(v)
 }
 
-/// A zeroed-then-filled f32 buffer of `bytes`, on 2 MiB pages where Linux
-/// grants them (as the model's weights are).
+/// An f32 buffer of `bytes`, filled, whose whole 2 MiB pages Linux backs
+/// with huge pages where it grants them (as the model's weights are).
 fn huge_page_buffer(bytes: f64) -> Vec<f32> {
     let len = (bytes / 4.0) as usize;
-    let mut v: Vec<f32> = Vec::with_capacity(len);
+    // Zeroed (so untouched) until the advice is in place.
+    let mut v = vec![0f32; len];
     #[cfg(target_os = "linux")]
-    // SAFETY: advice on memory this Vec owns, before its first touch.
-    unsafe {
-        libc::madvise(v.as_mut_ptr().cast(), len * 4, libc::MADV_HUGEPAGE);
+    {
+        const HUGE: usize = 2 << 20;
+        let addr = v.as_mut_ptr() as usize;
+        let (first, end) = (addr.next_multiple_of(HUGE), (addr + len * 4) / HUGE * HUGE);
+        if end > first {
+            // SAFETY: advice on untouched memory this Vec owns.
+            unsafe {
+                libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
+            }
+        }
     }
-    v.extend((0..len).map(|i| (i % 251) as f32));
+    for (i, x) in v.iter_mut().enumerate() {
+        *x = (i % 251) as f32;
+    }
     v
 }
 

@@ -64,45 +64,119 @@ pub(crate) enum Linear {
     Quantized(Arc<QTensor>),
 }
 
-/// A copy of the CPU tensor `w` in memory the kernel may back with 2 MiB
-/// pages (`MADV_HUGEPAGE`, asked before the first touch; Linux's default
-/// transparent-huge-page mode only grants them on request). Decode streams
-/// every weight once per step: with 4 KiB pages that is a TLB miss every
-/// 4 KiB of every weight stream (measured: single-stream f32 decode ~3 %
-/// faster with them). Only the 2 MiB-aligned interior of the buffer can be
-/// backed so; below 2 MiB, off Linux, or with `TANDEM_NO_HUGE_PAGES` set
-/// (for A/B measurements), `w` is returned as it is.
-fn on_huge_pages(w: Tensor) -> candle_core::Result<Tensor> {
+/// One buffer that holds every dense CPU projection weight of a model, on
+/// 2 MiB pages where Linux grants them (`MADV_HUGEPAGE`, asked before the
+/// first touch: the default transparent-huge-page mode only backs memory
+/// that asks). Decode streams every weight once per step; on 4 KiB pages
+/// that is a TLB miss every 4 KiB of every stream. One buffer rather than
+/// one per weight because only whole, aligned 2 MiB pages can be backed:
+/// per-weight buffers left the tail of each (and all of any weight under
+/// 4 MiB) on small pages, about 45 % of the llama-100m shape's bytes.
+///
+/// The buffer is allocated zeroed (untouched, so advice still applies) and
+/// each weight is copied into its own 64-byte-aligned slot; the model keeps
+/// views of the slots. `TANDEM_NO_HUGE_PAGES=1` skips the advice, for A/B
+/// measurements.
+pub(crate) struct WeightArena {
+    buf: Tensor,
+    /// Element at the 2 MiB boundary where the first slot starts.
+    base: usize,
+    /// First element of the next slot.
+    next: usize,
+    /// One past the last element the arena was sized for.
+    end: usize,
+}
+
+/// Elements a slot is aligned to (64 bytes of the widest element).
+const SLOT_ALIGN: usize = 16;
+const HUGE_PAGE: usize = 2 << 20;
+
+impl WeightArena {
+    /// Room for weights of `elems` elements in total, in at most `slots`
+    /// slots, of `dtype` (f32, f16 or bf16).
+    pub(crate) fn new(elems: usize, slots: usize, dtype: DType) -> candle_core::Result<Self> {
+        fn zeroed<T: candle_core::WithDType>(len: usize) -> candle_core::Result<Tensor> {
+            // Room to start at a 2 MiB boundary and end on one.
+            let size = std::mem::size_of::<T>();
+            let cap = len + 2 * HUGE_PAGE / size;
+            let layout = std::alloc::Layout::array::<T>(cap)
+                .map_err(|e| candle_core::Error::Msg(format!("weight arena: {e}")))?;
+            // SAFETY: the layout is non-zero-sized; the pointer is checked
+            // below before use.
+            let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut T;
+            if ptr.is_null() {
+                std::alloc::handle_alloc_error(layout);
+            }
+            advise_huge_pages(ptr as usize, cap * size);
+            // SAFETY: allocated with the global allocator for exactly
+            // `cap` elements of T's alignment; all bytes are zero, a valid
+            // value of every float type used here.
+            let v = unsafe { Vec::from_raw_parts(ptr, cap, cap) };
+            Tensor::from_vec(v, cap, &Device::Cpu)
+        }
+        let len = elems + slots * SLOT_ALIGN;
+        let buf = match dtype {
+            DType::F32 => zeroed::<f32>(len)?,
+            DType::F16 => zeroed::<f16>(len)?,
+            DType::BF16 => zeroed::<half::bf16>(len)?,
+            other => candle_core::bail!("weight arena: no {other:?} weights"),
+        };
+        // The first slot starts at the first 2 MiB boundary of the buffer.
+        let start = {
+            let (storage, _) = buf.storage_and_layout();
+            let Storage::Cpu(cpu) = &*storage else {
+                candle_core::bail!("weight arena: not on the CPU");
+            };
+            let addr = match cpu {
+                candle_core::CpuStorage::F32(v) => v.as_ptr() as usize,
+                candle_core::CpuStorage::F16(v) => v.as_ptr() as usize,
+                candle_core::CpuStorage::BF16(v) => v.as_ptr() as usize,
+                _ => unreachable!("allocated as a float type above"),
+            };
+            (addr.next_multiple_of(HUGE_PAGE) - addr) / dtype.size_in_bytes()
+        };
+        Ok(Self {
+            buf,
+            base: start,
+            next: start,
+            end: start + len,
+        })
+    }
+
+    /// A copy of the contiguous `[n, k]` weight `w` in the arena's dtype.
+    pub(crate) fn place(&mut self, w: &Tensor) -> candle_core::Result<Tensor> {
+        let (n, k) = w.dims2()?;
+        let len = n * k;
+        if w.dtype() != self.buf.dtype() || self.next + len > self.end {
+            candle_core::bail!("weight arena: {:?} weight of {len} does not fit", w.dtype());
+        }
+        let offset = self.next;
+        self.buf
+            .slice_set(&w.flatten_all()?.to_device(&Device::Cpu)?, 0, offset)?;
+        self.next = self.base + (offset - self.base + len).next_multiple_of(SLOT_ALIGN);
+        self.buf.narrow(0, offset, len)?.reshape((n, k))
+    }
+}
+
+/// Asks Linux to back the whole 2 MiB pages of `[addr, addr + bytes)` with
+/// huge pages, unless `TANDEM_NO_HUGE_PAGES` is set.
+fn advise_huge_pages(addr: usize, bytes: usize) {
     #[cfg(target_os = "linux")]
     {
-        fn huge<T: candle_core::WithDType>(w: &Tensor) -> candle_core::Result<Tensor> {
-            let src = w.flatten_all()?.to_vec1::<T>()?;
-            let mut v: Vec<T> = Vec::with_capacity(src.len());
-            const HUGE: usize = 2 << 20;
-            let (start, bytes) = (v.as_ptr() as usize, src.len() * std::mem::size_of::<T>());
-            let first = start.next_multiple_of(HUGE);
-            let end = (start + bytes) / HUGE * HUGE;
-            if end > first {
-                // SAFETY: the range lies inside `v`'s untouched allocation;
-                // madvise only changes how the kernel backs it.
-                unsafe {
-                    libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
-                }
+        let (first, end) = (
+            addr.next_multiple_of(HUGE_PAGE),
+            (addr + bytes) / HUGE_PAGE * HUGE_PAGE,
+        );
+        if end > first && std::env::var_os("TANDEM_NO_HUGE_PAGES").is_none() {
+            // SAFETY: the range lies inside an allocation nobody has touched
+            // yet; madvise only changes how the kernel backs it.
+            unsafe {
+                libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
             }
-            v.extend_from_slice(&src);
-            Tensor::from_vec(v, w.shape(), &Device::Cpu)
-        }
-        let wanted = std::env::var_os("TANDEM_NO_HUGE_PAGES").is_none();
-        if wanted && w.elem_count() * w.dtype().size_in_bytes() >= 2 << 20 {
-            return match w.dtype() {
-                DType::F32 => huge::<f32>(&w),
-                DType::F16 => huge::<f16>(&w),
-                DType::BF16 => huge::<half::bf16>(&w),
-                _ => Ok(w),
-            };
         }
     }
-    Ok(w)
+    #[cfg(not(target_os = "linux"))]
+    let _ = (addr, bytes);
 }
 
 impl Linear {
@@ -115,12 +189,14 @@ impl Linear {
     }
 
     /// Wraps `w` (`[n, k]`, any dtype, on any device) in `format` on
-    /// `device` in `dtype`; falls back to dense where quantising is impossible.
+    /// `device` in `dtype`; falls back to dense where quantising is
+    /// impossible. Dense CPU weights go into `arena` when one is given.
     pub(crate) fn new(
         w: Tensor,
         format: WeightFormat,
         dtype: DType,
         device: &Device,
+        arena: Option<&mut WeightArena>,
     ) -> candle_core::Result<Self> {
         let (_, k) = w.dims2()?;
         let quant = match format {
@@ -145,10 +221,9 @@ impl Linear {
             }
             None => {
                 let w = w.to_device(device)?.to_dtype(dtype)?.contiguous()?;
-                Ok(Self::Dense(if device.is_cpu() {
-                    on_huge_pages(w)?
-                } else {
-                    w
+                Ok(Self::Dense(match arena {
+                    Some(arena) if device.is_cpu() => arena.place(&w)?,
+                    _ => w,
                 }))
             }
         }
@@ -221,5 +296,58 @@ impl Linear {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The address of a CPU tensor view's first element.
+    fn addr(t: &Tensor) -> usize {
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cpu(cpu) = &*storage else {
+            panic!("not on the CPU")
+        };
+        let v = cpu.as_slice::<f32>().unwrap();
+        v[layout.start_offset()..].as_ptr() as usize
+    }
+
+    #[test]
+    fn arena_slots_hold_the_weights_from_a_huge_page_boundary() {
+        let a = Tensor::arange(0f32, 12.0, &Device::Cpu)
+            .unwrap()
+            .reshape((3, 4))
+            .unwrap();
+        let b = Tensor::arange(100f32, 110.0, &Device::Cpu)
+            .unwrap()
+            .reshape((5, 2))
+            .unwrap();
+        let mut arena = WeightArena::new(22, 2, DType::F32).unwrap();
+        let (pa, pb) = (arena.place(&a).unwrap(), arena.place(&b).unwrap());
+        assert_eq!(pa.to_vec2::<f32>().unwrap(), a.to_vec2::<f32>().unwrap());
+        assert_eq!(pb.to_vec2::<f32>().unwrap(), b.to_vec2::<f32>().unwrap());
+        assert_eq!(addr(&pa) % HUGE_PAGE, 0);
+        // Slots start on 64-byte boundaries.
+        assert_eq!(addr(&pb) - addr(&pa), 64);
+        // The lean path reads the view, not the buffer's start.
+        let lin = Linear::Dense(pb);
+        let mut out = [0f32; 5];
+        lin.forward_cpu(Isa::detect(), 1, &[1.0, 1.0], 1, &mut out, false)
+            .unwrap();
+        assert_eq!(out, [201.0, 205.0, 209.0, 213.0, 217.0]);
+    }
+
+    #[test]
+    fn arena_refuses_what_does_not_fit() {
+        let w = Tensor::zeros((4, 4), DType::F32, &Device::Cpu).unwrap();
+        let mut arena = WeightArena::new(16, 1, DType::F32).unwrap();
+        assert!(arena.place(&w.to_dtype(DType::F16).unwrap()).is_err());
+        arena.place(&w).unwrap();
+        let more = Tensor::zeros((5, 4), DType::F32, &Device::Cpu).unwrap();
+        assert!(
+            arena.place(&more).is_err(),
+            "16 + 20 elements in room for 32"
+        );
     }
 }

@@ -31,7 +31,7 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use super::batched_attention::BatchedAttention;
 use super::fused;
 use super::lean::Lean;
-use super::linear::{Linear, WeightFormat};
+use super::linear::{Linear, WeightArena, WeightFormat};
 use super::pooled_attention::PooledAttention;
 use super::{Batch, ModelConfig, ModelError, OutputRows, SeqSpan, Weights};
 use crate::kv::{KvCache, KvLayout};
@@ -178,7 +178,25 @@ impl Model {
             _ => (DType::F32, Device::Cpu),
         };
         let get_mat = |name: &str, shape: &[usize]| w.get(name, shape, mat_dtype, &mat_dev);
-        let linear = |t: Tensor| Linear::new(t, opts.weight_format, dtype, dev);
+        // Dense CPU weights share one buffer on huge pages (see WeightArena).
+        let arena = if dev.is_cpu() && opts.weight_format == WeightFormat::AsCompute {
+            let layer = (q + 2 * kv) * h + h * q + 3 * i * h;
+            let slots = 4 * cfg.num_layers + 1;
+            let elems = cfg.num_layers * layer + cfg.vocab_size * h;
+            Some(WeightArena::new(elems, slots, dtype)?)
+        } else {
+            None
+        };
+        let arena = std::cell::RefCell::new(arena);
+        let linear = |t: Tensor| {
+            Linear::new(
+                t,
+                opts.weight_format,
+                dtype,
+                dev,
+                arena.borrow_mut().as_mut(),
+            )
+        };
 
         let embed = get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         // The candle path folds the softmax scale 1/√head_dim into the q

@@ -269,12 +269,8 @@ unsafe fn dispatch<W: WElem>(
 /// repeats its last row (computed, never stored) so every output goes
 /// through the same 4-wide reduction.
 #[inline(always)]
-unsafe fn group_rows<W, const NR: usize>(
-    job: &Job<W>,
-    j0: usize,
-    end: usize,
-) -> ([*const W; NR], usize) {
-    let nw = (end - j0).min(NR);
+unsafe fn group_rows<W>(job: &Job<W>, j0: usize, end: usize) -> ([*const W; 4], usize) {
+    let nw = (end - j0).min(4);
     let rows = std::array::from_fn(|t| job.w.add((j0 + t.min(nw - 1)) * job.ldw));
     (rows, nw)
 }
@@ -303,7 +299,7 @@ unsafe fn portable_block<W: WElem>(
     let k = job.k;
     let mut j0 = wr.start;
     while j0 < wr.end {
-        let (w, nw) = group_rows::<W, 4>(job, j0, wr.end);
+        let (w, nw) = group_rows(job, j0, wr.end);
         for r in xr.clone() {
             let x = job.x.add(r * job.ldx);
             let mut acc = [[0f32; PL]; 4];
@@ -381,37 +377,43 @@ mod x86 {
     /// How far ahead of the loads a many-row tile prefetches its weights.
     const PREFETCH_BYTES: usize = 4096;
 
-    /// MR activation rows × NR (4 or 8) weight rows, 16 lanes.
+    /// MR activation rows × 4 weight rows, 16 lanes.
     #[inline(always)]
-    unsafe fn tile16<const MR: usize, const NR: usize, W: WElem>(
+    unsafe fn tile16<const MR: usize, W: WElem>(
         job: &Job<W>,
         r: usize,
-        w: [*const W; NR],
+        w: [*const W; 4],
         o: *mut f32,
         nw: usize,
     ) {
         let (k, ldx, x) = (job.k, job.ldx, job.x.add(r * job.ldx));
-        let mut a = [[_mm512_setzero_ps(); NR]; MR];
+        let mut a = [[_mm512_setzero_ps(); 4]; MR];
         let full = k / 16 * 16;
         let mut kk = 0;
         while kk < full {
-            // Many activation rows (compute-bound): each weight stream
-            // prefetches 4 KiB ahead, so the hardware prefetcher's misses
-            // do not stall the FMAs. Few rows (memory-bound): no software
-            // prefetch. The tile's rows are adjacent and short (3 KiB at
-            // k = 768 in f32), so the hardware prefetcher already covers
-            // them; the extra instructions (one per weight load) were
-            // measured 8–19 % slower on Zen 5, where this loop then reads as
-            // fast as a plain streaming sum (BENCHMARKS.md). Past the last
-            // tile the address is never dereferenced: a prefetch cannot
-            // fault.
+            // Software prefetch, measured on Zen 5 (BENCHMARKS.md):
+            // - many activation rows (compute-bound): 4 KiB ahead in each
+            //   weight stream, so the FMAs do not wait on the hardware
+            //   prefetcher (f16 at 4 rows: 25 % faster);
+            // - one or two rows of f32 (memory-bound): none. The hardware
+            //   prefetcher covers the four adjacent rows, and prefetch
+            //   instructions held the loop 15–20 % below a plain streaming
+            //   sum;
+            // - one or two rows of f16, which convert every load: the same
+            //   columns of the next tile's rows (~10 % faster than none).
+            // A prefetch past the last tile is never dereferenced and
+            // cannot fault.
             if MR > 2 {
                 for p in w {
                     let ahead = (p.wrapping_add(kk) as *const i8).wrapping_add(PREFETCH_BYTES);
                     _mm_prefetch::<_MM_HINT_T0>(ahead);
                 }
+            } else if std::mem::size_of::<W>() < 4 {
+                for p in w {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(kk + 4 * job.ldw) as *const i8);
+                }
             }
-            let wv: [__m512; NR] = std::array::from_fn(|j| W::load16(w[j].add(kk)));
+            let wv: [__m512; 4] = std::array::from_fn(|j| W::load16(w[j].add(kk)));
             for (i, ai) in a.iter_mut().enumerate() {
                 let xv = _mm512_loadu_ps(x.add(i * ldx + kk));
                 for (aij, &wj) in ai.iter_mut().zip(&wv) {
@@ -425,7 +427,7 @@ mod x86 {
             // LLVM keep a stack copy of every accumulator (zmm registers
             // are caller-saved) inside the loop above.
             let mask: __mmask16 = (1u32 << (k - full)) as u16 - 1;
-            let wv: [__m512; NR] = std::array::from_fn(|j| W::load16_masked(w[j].add(full), mask));
+            let wv: [__m512; 4] = std::array::from_fn(|j| W::load16_masked(w[j].add(full), mask));
             for (i, ai) in a.iter_mut().enumerate() {
                 let xv = _mm512_maskz_loadu_ps(mask, x.add(i * ldx + full));
                 for (aij, &wj) in ai.iter_mut().zip(&wv) {
@@ -439,10 +441,6 @@ mod x86 {
         for (i, ai) in a.iter().enumerate() {
             let s = reduce4_512(ai[0], ai[1], ai[2], ai[3]);
             store_m128(o.add(i * job.ldo), s, nw, job.accumulate);
-            if NR > 4 && nw > 4 {
-                let s = reduce4_512(ai[4 % NR], ai[5 % NR], ai[6 % NR], ai[7 % NR]);
-                store_m128(o.add(i * job.ldo + 4), s, nw - 4, job.accumulate);
-            }
         }
     }
 
@@ -492,21 +490,8 @@ mod x86 {
         xr: std::ops::Range<usize>,
     ) {
         let mut j0 = wr.start;
-        if xr.len() <= 2 {
-            // Few rows: memory-bound, so 8 weight streams in flight per tile.
-            while j0 < wr.end {
-                let (w, nw) = group_rows::<W, 8>(job, j0, wr.end);
-                let o = job.out.at(xr.start * job.ldo + j0);
-                match xr.len() {
-                    2 => tile16::<2, 8, W>(job, xr.start, w, o, nw),
-                    _ => tile16::<1, 8, W>(job, xr.start, w, o, nw),
-                }
-                j0 += 8;
-            }
-            return;
-        }
         while j0 < wr.end {
-            let (w, nw) = group_rows::<W, 4>(job, j0, wr.end);
+            let (w, nw) = group_rows(job, j0, wr.end);
             let mut r = xr.start;
             while r < xr.end {
                 let o = job.out.at(r * job.ldo + j0);
@@ -515,11 +500,11 @@ mod x86 {
                 // stack every iteration (measured: half the FLOP rate).
                 let step = (xr.end - r).min(5);
                 match step {
-                    5 => tile16::<5, 4, W>(job, r, w, o, nw),
-                    4 => tile16::<4, 4, W>(job, r, w, o, nw),
-                    3 => tile16::<3, 4, W>(job, r, w, o, nw),
-                    2 => tile16::<2, 4, W>(job, r, w, o, nw),
-                    _ => tile16::<1, 4, W>(job, r, w, o, nw),
+                    5 => tile16::<5, W>(job, r, w, o, nw),
+                    4 => tile16::<4, W>(job, r, w, o, nw),
+                    3 => tile16::<3, W>(job, r, w, o, nw),
+                    2 => tile16::<2, W>(job, r, w, o, nw),
+                    _ => tile16::<1, W>(job, r, w, o, nw),
                 }
                 r += step;
             }
@@ -535,7 +520,7 @@ mod x86 {
     ) {
         let mut j0 = wr.start;
         while j0 < wr.end {
-            let (w, nw) = group_rows::<W, 4>(job, j0, wr.end);
+            let (w, nw) = group_rows(job, j0, wr.end);
             let mut r = xr.start;
             while r < xr.end {
                 let o = job.out.at(r * job.ldo + j0);
