@@ -383,6 +383,7 @@ fn roofline(configs: &[Config], steps: usize) {
         let h = c.model.forward(&batch, &mut kv).expect("prefill");
         std::hint::black_box(c.model.unembed(&h).expect("unembed"));
         let (mut sum_time, mut step_time) = (Duration::ZERO, Duration::ZERO);
+        let mut unembed_time = Duration::ZERO;
         let mut ratios = Vec::with_capacity(steps);
         for step in 0..steps {
             let read = stream_sum(&buf);
@@ -395,8 +396,10 @@ fn roofline(configs: &[Config], steps: usize) {
                 OutputRows::Last,
             );
             let h = c.model.forward(&batch, &mut kv).expect("decode");
+            let layers_done = Instant::now();
             std::hint::black_box(c.model.unembed(&h).expect("unembed"));
             let took = start.elapsed();
+            unembed_time += layers_done.elapsed();
             sum_time += read;
             step_time += took;
             ratios.push(read.as_secs_f64() / took.as_secs_f64());
@@ -410,6 +413,18 @@ fn roofline(configs: &[Config], steps: usize) {
             bytes * steps as f64 / step_time.as_secs_f64() / 1e9,
             100.0 * sum_time.as_secs_f64() / step_time.as_secs_f64(),
             100.0 * median(&mut ratios),
+        );
+        // The same split for the unembedding (one large matmul) and the
+        // layers (many small ones with the attention between them).
+        let cfg = c.model.config();
+        let head = bytes_per_step(&c.name, &c.model, 0) * (cfg.vocab_size * cfg.hidden_size) as f64
+            / (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size) as f64;
+        let sum_rate = bytes / sum_time.as_secs_f64();
+        println!(
+            "  {:<10} of which the unembedding {:.1} %, the layers {:.1} %",
+            "",
+            100.0 * head / sum_rate / unembed_time.as_secs_f64(),
+            100.0 * (bytes - head) / sum_rate / (step_time - unembed_time).as_secs_f64(),
         );
     }
 }
