@@ -12,7 +12,7 @@
 //!   input dimension is not a multiple of the block size cannot be
 //!   quantised and stays in the compute dtype (llama.cpp does the same).
 //!
-//! Accuracy cost, measured by greedy agreement with f32 (BENCHMARKS-cpu.md):
+//! Accuracy cost, measured by greedy agreement with f32 (BENCHMARKS.md):
 //! Q8_0 keeps ~8 bits per weight (one f16 scale per 32), Q4_K ~4.5.
 
 use std::str::FromStr;

@@ -136,6 +136,14 @@ impl WElem for f16 {
 const UNIT: usize = 16;
 /// Activation bytes per chunk that a unit is swept with (L2-resident).
 const X_CHUNK_BYTES: usize = 256 << 10;
+/// Most weight bytes one grab of the shared cursor takes. About 8 grabs per
+/// thread balance the threads' finishing times on small weights; on large
+/// ones (the unembedding) 1/16 of the weight is several MiB, and the thread
+/// left with the last grab ran alone for up to a twentieth of the call.
+/// Smaller grabs on small weights cost more than they save (each restarts
+/// the hardware prefetcher's streams). Measured on single-stream f32 decode
+/// (BENCHMARKS.md).
+const MAX_GRAB_BYTES: usize = 1 << 20;
 
 /// One `matmul_t` call's operands, shared by the workers.
 struct Job<W> {
@@ -201,7 +209,10 @@ pub(crate) fn matmul_t<W: WElem>(
         accumulate,
     };
     let units = n.div_ceil(UNIT);
-    let grain = (units / (threads * 8)).max(1);
+    let unit_bytes = UNIT * k * std::mem::size_of::<W>();
+    let grain = (units / (threads * 8))
+        .min(MAX_GRAB_BYTES / unit_bytes)
+        .max(1);
     let chunk_rows = (X_CHUNK_BYTES / (4 * k)).max(8);
     for_each_range(units, grain, threads, |range| {
         for u in range {
