@@ -569,7 +569,7 @@ fn main() {
                     let parts: Vec<String> = phases
                         .iter()
                         .filter(|(_, t)| t.as_secs_f64() >= 0.005 * sum)
-                        .map(|(n, t)| format!("{n} {:.0}%", 100.0 * t.as_secs_f64() / sum))
+                        .map(|(n, t)| format!("{n} {:.1}%", 100.0 * t.as_secs_f64() / sum))
                         .collect();
                     println!(
                         "  {:<10} B={b:<3} {what:<7} {:>7.2} ms/pass (phases cover {:.0}%): {}",
