@@ -139,7 +139,7 @@ const X_CHUNK_BYTES: usize = 256 << 10;
 /// Most weight bytes one grab of the shared cursor takes. About 8 grabs per
 /// thread balance the threads' finishing times on small weights; on large
 /// ones (the unembedding) 1/16 of the weight is several MiB, and the thread
-/// left with the last grab ran alone for up to a twentieth of the call.
+/// left with the last grab ran alone for up to a sixteenth of the call.
 /// Smaller grabs on small weights cost more than they save (each restarts
 /// the hardware prefetcher's streams). Measured on single-stream f32 decode
 /// (BENCHMARKS.md).
