@@ -61,10 +61,7 @@ mod kernel {
         storage: &'a CudaStorage,
         layout: &Layout,
     ) -> candle_core::Result<CudaView<'a, T>> {
-        if !layout.is_contiguous() {
-            candle_core::bail!("fused kernels need contiguous operands");
-        }
-        Ok(storage.as_cuda_slice::<T>()?.slice(layout.start_offset()..))
+        super::super::cuda_view::contiguous(storage, layout, "a fused kernel")
     }
 
     fn suffix(dtype: DType) -> candle_core::Result<&'static str> {

@@ -24,6 +24,8 @@
 pub mod batch;
 mod batched_attention;
 pub mod config;
+#[cfg(feature = "cuda")]
+mod cuda_view;
 mod fused;
 pub(crate) mod kernels;
 mod lean;

@@ -210,10 +210,7 @@ mod kernel {
         storage: &'a CudaStorage,
         layout: &Layout,
     ) -> candle_core::Result<CudaView<'a, T>> {
-        if !layout.is_contiguous() {
-            candle_core::bail!("pooled attention needs contiguous operands");
-        }
-        Ok(storage.as_cuda_slice::<T>()?.slice(layout.start_offset()..))
+        super::super::cuda_view::contiguous(storage, layout, "pooled attention")
     }
 
     /// Runs `f` with device views of the captured tensors (meta as u32, the

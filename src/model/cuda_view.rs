@@ -1,0 +1,19 @@
+//! The device view every CUDA custom op of the model hands its kernels.
+
+use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr};
+use candle_core::cuda_backend::CudaDType;
+use candle_core::{CudaStorage, Layout};
+
+/// A device slice of `storage` from its layout's offset; `op` names the
+/// caller in the error for a strided operand (the kernels index rows as
+/// packed).
+pub(super) fn contiguous<'a, T: CudaDType + DeviceRepr>(
+    storage: &'a CudaStorage,
+    layout: &Layout,
+    op: &str,
+) -> candle_core::Result<CudaView<'a, T>> {
+    if !layout.is_contiguous() {
+        candle_core::bail!("{op} needs contiguous operands");
+    }
+    Ok(storage.as_cuda_slice::<T>()?.slice(layout.start_offset()..))
+}
