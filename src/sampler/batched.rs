@@ -274,19 +274,12 @@ impl Sampler {
             self.device_history = Some(history);
             let launch = launch?;
             let width = device::out_width(0);
-            let mut ids = Vec::with_capacity(rows);
-            for (row, out) in launch.out.chunks_exact(width).enumerate() {
-                let row_fault = match out[1] {
-                    device::S_OK => {
-                        ids.push(out[0]);
-                        continue;
-                    }
-                    device::S_NON_FINITE => RowFault::NonFinite,
-                    _ => RowFault::NoFiniteLogit,
-                };
-                return Err(fault(row_fault, slots[row], row, vocab));
-            }
-            return Ok(ids);
+            return launch
+                .out
+                .chunks_exact(width)
+                .enumerate()
+                .map(|(row, out)| device_row_status(out, slots[row], row, vocab).map(|()| out[0]))
+                .collect();
         }
         let plan = Plan::from_normalized(&SamplingOptions::greedy().normalized(self.num_ctx));
         // Greedy rows draw nothing from it.
@@ -567,19 +560,10 @@ impl Sampler {
         let width = device::out_width(top_k);
         // Every status first: a failing call commits nothing.
         for (row, out) in launch.out.chunks_exact(width).enumerate() {
-            let row_fault = match out[1] {
-                device::S_OK => continue,
-                device::S_NON_FINITE => RowFault::NonFinite,
-                device::S_NO_FINITE_LOGIT => RowFault::NoFiniteLogit,
-                device::S_TOKEN_OUT_OF_VOCAB => RowFault::TokenOutOfVocab(out[2]),
-                other => {
-                    return Err(SamplerError::Tensor(format!(
-                        "device sampler: unknown status {other} for row {row}"
-                    )))
-                }
-            };
-            self.device_history = Some(history);
-            return Err(fault(row_fault, self.slots[idx[row]].id, row, vocab));
+            if let Err(e) = device_row_status(out, self.slots[idx[row]].id, row, vocab) {
+                self.device_history = Some(history);
+                return Err(e);
+            }
         }
         let mut result = SampleResult {
             tokens: Vec::with_capacity(idx.len()),
@@ -708,6 +692,28 @@ fn run_rows(
 }
 
 /// Names the slot and row of a row fault.
+/// The status of one device output row (`out`, see `device::out_width`) as
+/// the host sampler would report it.
+fn device_row_status(
+    out: &[u32],
+    slot: SlotId,
+    row: usize,
+    vocab: usize,
+) -> Result<(), SamplerError> {
+    let row_fault = match out[1] {
+        device::S_OK => return Ok(()),
+        device::S_NON_FINITE => RowFault::NonFinite,
+        device::S_NO_FINITE_LOGIT => RowFault::NoFiniteLogit,
+        device::S_TOKEN_OUT_OF_VOCAB => RowFault::TokenOutOfVocab(out[2]),
+        other => {
+            return Err(SamplerError::Tensor(format!(
+                "device sampler: unknown status {other} for row {row}"
+            )))
+        }
+    };
+    Err(fault(row_fault, slot, row, vocab))
+}
+
 pub(crate) fn fault(f: RowFault, slot: SlotId, row: usize, vocab: usize) -> SamplerError {
     match f {
         RowFault::NonFinite => SamplerError::NonFiniteLogits { slot, row },
