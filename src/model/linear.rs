@@ -95,8 +95,9 @@ impl WeightArena {
     /// Room for weights of `elems` elements in total, in at most `slots`
     /// slots, of `dtype` (f32, f16 or bf16).
     pub(crate) fn new(elems: usize, slots: usize, dtype: DType) -> candle_core::Result<Self> {
-        fn zeroed<T: candle_core::WithDType>(len: usize) -> candle_core::Result<Tensor> {
-            // Room to start at a 2 MiB boundary and end on one.
+        /// A zeroed buffer with room for `len` elements from its first
+        /// 2 MiB boundary to a later one, and the index of that boundary.
+        fn zeroed<T: candle_core::WithDType>(len: usize) -> candle_core::Result<(Tensor, usize)> {
             let size = std::mem::size_of::<T>();
             let cap = len + 2 * HUGE_PAGE / size;
             let layout = std::alloc::Layout::array::<T>(cap)
@@ -108,38 +109,25 @@ impl WeightArena {
                 std::alloc::handle_alloc_error(layout);
             }
             advise_huge_pages(ptr as usize, cap * size);
+            let base = ((ptr as usize).next_multiple_of(HUGE_PAGE) - ptr as usize) / size;
             // SAFETY: allocated with the global allocator for exactly
             // `cap` elements of T's alignment; all bytes are zero, a valid
             // value of every float type used here.
             let v = unsafe { Vec::from_raw_parts(ptr, cap, cap) };
-            Tensor::from_vec(v, cap, &Device::Cpu)
+            Ok((Tensor::from_vec(v, cap, &Device::Cpu)?, base))
         }
         let len = elems + slots * SLOT_ALIGN;
-        let buf = match dtype {
+        let (buf, base) = match dtype {
             DType::F32 => zeroed::<f32>(len)?,
             DType::F16 => zeroed::<f16>(len)?,
             DType::BF16 => zeroed::<half::bf16>(len)?,
             other => candle_core::bail!("weight arena: no {other:?} weights"),
         };
-        // The first slot starts at the first 2 MiB boundary of the buffer.
-        let start = {
-            let (storage, _) = buf.storage_and_layout();
-            let Storage::Cpu(cpu) = &*storage else {
-                candle_core::bail!("weight arena: not on the CPU");
-            };
-            let addr = match cpu {
-                candle_core::CpuStorage::F32(v) => v.as_ptr() as usize,
-                candle_core::CpuStorage::F16(v) => v.as_ptr() as usize,
-                candle_core::CpuStorage::BF16(v) => v.as_ptr() as usize,
-                _ => unreachable!("allocated as a float type above"),
-            };
-            (addr.next_multiple_of(HUGE_PAGE) - addr) / dtype.size_in_bytes()
-        };
         Ok(Self {
             buf,
-            base: start,
-            next: start,
-            end: start + len,
+            base,
+            next: base,
+            end: base + len,
         })
     }
 
@@ -151,8 +139,7 @@ impl WeightArena {
             candle_core::bail!("weight arena: {:?} weight of {len} does not fit", w.dtype());
         }
         let offset = self.next;
-        self.buf
-            .slice_set(&w.flatten_all()?.to_device(&Device::Cpu)?, 0, offset)?;
+        self.buf.slice_set(&w.flatten_all()?, 0, offset)?;
         self.next = self.base + (offset - self.base + len).next_multiple_of(SLOT_ALIGN);
         self.buf.narrow(0, offset, len)?.reshape((n, k))
     }
