@@ -276,25 +276,29 @@ fn sampler_cost(device: &Device, vocab: usize, batches: &[usize]) {
     }
 }
 
-/// Bytes one single-stream decode step reads at position `pos`: every
-/// projection weight once (the embedding table only when it is also the
-/// unembedding), and the KV of `pos` positions.
-fn bytes_per_step(name: &str, model: &Model, pos: usize) -> f64 {
+/// Bytes one weight takes in the configuration `name` (its format, on the
+/// lean or the candle path); `None` for a name it does not know.
+fn bytes_per_weight(name: &str) -> Option<f64> {
+    match name.trim_start_matches("candle-") {
+        "f32" => Some(4.0),
+        "f16" | "bf16" => Some(2.0),
+        "q8_0" => Some(34.0 / 32.0),
+        "q4_k" => Some(144.0 / 256.0),
+        _ => None,
+    }
+}
+
+/// Bytes of the unembedding, and of everything one single-stream decode
+/// step at position `pos` reads: every projection weight once (the
+/// embedding table only when it is also the unembedding), and the KV of
+/// `pos` positions.
+fn bytes_per_step(per_weight: f64, model: &Model, pos: usize) -> (f64, f64) {
     let cfg = model.config();
-    let embedding = if cfg.tie_word_embeddings {
-        0
-    } else {
-        cfg.vocab_size * cfg.hidden_size
-    };
-    let weights = (cfg.num_parameters() - embedding) as f64;
-    let per_weight = match name {
-        "f32" => 4.0,
-        "f16" | "bf16" => 2.0,
-        "q8_0" => 34.0 / 32.0,
-        "q4_k" => 144.0 / 256.0,
-        _ => 0.0,
-    };
-    weights * per_weight + (pos * model.kv_layout().bytes_per_token()) as f64
+    let head = (cfg.vocab_size * cfg.hidden_size) as f64;
+    let embedding = if cfg.tie_word_embeddings { 0.0 } else { head };
+    let weights = cfg.num_parameters() as f64 - embedding;
+    let kv = (pos * model.kv_layout().bytes_per_token()) as f64;
+    (head * per_weight, weights * per_weight + kv)
 }
 
 /// A streaming read of `buf` on the kernels' thread pool, the way a plain
@@ -369,10 +373,10 @@ fn huge_page_buffer(bytes: f64) -> Vec<f32> {
 fn roofline(configs: &[Config], steps: usize) {
     println!("\nsingle-stream decode vs the memory roofline (a streaming sum of the same bytes before each step):");
     for c in configs {
-        let bytes = bytes_per_step(&c.name, &c.model, PROMPT + steps / 2);
-        if bytes == 0.0 {
+        let Some(per_weight) = bytes_per_weight(&c.name) else {
             continue;
-        }
+        };
+        let (head, bytes) = bytes_per_step(per_weight, &c.model, PROMPT + steps / 2);
         let buf = huge_page_buffer(bytes);
         stream_sum(&buf);
         let mut kv = KvCache::new(c.model.kv_layout(), Device::Cpu, PROMPT + steps);
@@ -416,9 +420,6 @@ fn roofline(configs: &[Config], steps: usize) {
         );
         // The same split for the unembedding (one large matmul) and the
         // layers (many small ones with the attention between them).
-        let cfg = c.model.config();
-        let head = bytes_per_step(&c.name, &c.model, 0) * (cfg.vocab_size * cfg.hidden_size) as f64
-            / (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size) as f64;
         let sum_rate = bytes / sum_time.as_secs_f64();
         println!(
             "  {:<10} of which the unembedding {:.1} %, the layers {:.1} %",
