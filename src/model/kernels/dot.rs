@@ -408,10 +408,10 @@ mod x86 {
             //   prefetcher (f16 at 4 rows: 25 % faster);
             // - one or two rows of f32 (memory-bound): none. The hardware
             //   prefetcher covers the four adjacent rows, and prefetch
-            //   instructions held the loop 15–20 % below a plain streaming
-            //   sum;
+            //   instructions made the loop 10–21 % slower than without
+            //   them (without, it reads as fast as a plain streaming sum);
             // - one or two rows of f16, which convert every load: the same
-            //   columns of the next tile's rows (5–8 points closer to the roofline
+            //   columns of the next tile's rows (3–7 points closer to the roofline
             //   than none, six alternating runs).
             // A prefetch past the last tile is never dereferenced and
             // cannot fault.
