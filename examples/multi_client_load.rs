@@ -26,7 +26,7 @@ use rand_chacha::ChaCha8Rng;
 use tandem::api::{Event, GenerateRequest, Prompt};
 use tandem::engine::{
     Admission, DraftHead, DraftSchedule, EarlyExitDraft, Engine, EngineConfig, MtpDraft, SeqWork,
-    SpecConfig, SpecOptions, StepExecutor, StepPlan,
+    SpecConfig, SpecOptions, StepExecutor, StepPlan, MAX_DRAFT_TOKENS,
 };
 use tandem::model::{LoadOptions, Model, ModelConfig, MtpHead, Weights};
 use tandem::sampler::SamplingOptions;
@@ -557,7 +557,10 @@ fn engine_baseline(engine: &mut Engine, jobs: &[Job], budget: usize) -> f64 {
                     left -= len;
                 }
             } else {
-                plan.work.push(SeqWork::Decode { slot: i as u32 });
+                plan.work.push(SeqWork::Decode {
+                    slot: i as u32,
+                    max_drafts: MAX_DRAFT_TOKENS,
+                });
             }
         }
         if plan.work.is_empty() {

@@ -180,7 +180,10 @@ fn one_bad_sequence_does_not_fail_the_others() {
                 start: 0,
                 len: 3,
             },
-            SeqWork::Decode { slot: 3 },
+            SeqWork::Decode {
+                slot: 3,
+                max_drafts: 0,
+            },
             SeqWork::Prefill {
                 slot: 9,
                 start: 0,

@@ -29,7 +29,6 @@ fn engine(model: Model, head: Option<Box<dyn DraftHead>>, eos: Vec<u32>) -> Engi
             h,
             SpecConfig {
                 max_batch: 64,
-                compare_serial: true,
                 ..Default::default()
             },
         ),

@@ -278,6 +278,7 @@ fn scheduler_config(args: &ServeArgs) -> Result<SchedulerConfig, BoxError> {
         vocab_size: usize::MAX,
         eos_ids: Vec::new(),
         kv_capacity_tokens: usize::MAX,
+        speculation: None,
     };
     match cfg.validate(&roomy) {
         Ok(()) => Ok(cfg),

@@ -3,37 +3,32 @@
 //! # Layout
 //! - [`protocol`]: the plain-data `StepPlan` / `StepOutcome` boundary.
 //! - [`thread`]: the OS thread that owns an executor and runs plans.
+//! - [`executor`]: [`Engine`], whose step reads as its phases: release →
+//!   admit → plan → draft → forward → sample → verify → update.
+//! - `sequences`: the slot registry (every per-sequence store, one admit
+//!   and one idempotent release, the end-of-sequence rule).
+//! - `work`: the plan phase (work items checked, KV reserved).
+//! - `rows`: the pure row layout (planned work → ragged batch + row map).
+//! - `drafting`: the batched draft rounds.
+//! - [`spec`]: speculation rules: who drafts, the one [`spec::DraftPolicy`]
+//!   deciding how many drafts, and verification.
+//! - [`draft_heads`]: what drafts ([`DraftHead`], early exit, MTP head).
+//! - `errors`: [`EngineError`].
 
+pub mod draft_heads;
+mod drafting;
+mod errors;
 pub mod executor;
 pub mod protocol;
+mod rows;
+mod sequences;
 pub mod spec;
 pub mod thread;
+mod work;
 
+pub use draft_heads::{DraftHead, DraftInput, EarlyExitDraft, HiddenContext, MtpDraft};
+pub use errors::EngineError;
 pub use executor::{Engine, EngineConfig};
 pub use protocol::*;
-pub use spec::{DraftHead, DraftInput, EarlyExitDraft, HiddenContext, MtpDraft, SpecConfig};
+pub use spec::{Drafting, SpecConfig};
 pub use thread::{EngineCommand, EngineThread};
-
-/// Why the engine could not serve a sequence. Cloneable so that one failed
-/// forward pass can report the same error to every affected requester.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum EngineError {
-    #[error("KV cache exhausted: {requested} tokens requested, {available} available")]
-    KvExhausted { requested: usize, available: usize },
-    #[error("slot {slot} would exceed its KV reservation of {reserved} tokens (needs {needed})")]
-    KvOverReservation {
-        slot: SlotId,
-        reserved: usize,
-        needed: usize,
-    },
-    #[error("slot {0} is not registered with the engine")]
-    UnknownSlot(SlotId),
-    #[error("slot {0} is already registered with the engine")]
-    DuplicateSlot(SlotId),
-    #[error("invalid work for slot {slot}: {reason}")]
-    InvalidWork { slot: SlotId, reason: String },
-    #[error("sampler: {0}")]
-    Sampler(#[from] crate::sampler::SamplerError),
-    #[error("model: {0}")]
-    Model(String),
-}

@@ -35,6 +35,9 @@ pub struct EngineInfo {
     pub eos_ids: Vec<u32>,
     /// KV pool capacity in tokens, summed over all slots.
     pub kv_capacity_tokens: usize,
+    /// The speculation options a request that does not say gets; `None`
+    /// when the engine has no draft head (nobody drafts).
+    pub speculation: Option<SpecOptions>,
 }
 
 /// One step's work, sent to the engine thread.
@@ -157,14 +160,25 @@ pub enum SeqWork {
         start: usize,
         len: usize,
     },
-    /// Feed the slot's last sampled token and sample the next one.
-    Decode { slot: SlotId },
+    /// Feed the slot's last sampled token and sample the next one, with at
+    /// most `max_drafts` draft tokens verified alongside (the scheduler
+    /// counts them in the step's token budget; the engine may draft fewer).
+    Decode { slot: SlotId, max_drafts: usize },
 }
 
 impl SeqWork {
     pub fn slot(&self) -> SlotId {
         match *self {
-            SeqWork::Prefill { slot, .. } | SeqWork::Decode { slot } => slot,
+            SeqWork::Prefill { slot, .. } | SeqWork::Decode { slot, .. } => slot,
+        }
+    }
+
+    /// The most tokens this item feeds: the chunk, or the decode token and
+    /// every draft it may carry. What the step's token budget counts.
+    pub fn max_tokens(&self) -> usize {
+        match *self {
+            SeqWork::Prefill { len, .. } => len,
+            SeqWork::Decode { max_drafts, .. } => 1 + max_drafts,
         }
     }
 }
@@ -209,6 +223,17 @@ pub struct GeneratedToken {
     pub logprob: Option<f32>,
     /// The request's `top_logprobs` most likely tokens, descending.
     pub top_logprobs: Vec<(u32, f32)>,
+}
+
+impl GeneratedToken {
+    /// A token without log-probabilities.
+    pub fn bare(id: u32) -> Self {
+        Self {
+            id,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        }
+    }
 }
 
 /// Why the engine ended a sequence.

@@ -1,7 +1,8 @@
-//! Speculative (MTP) decoding inside the batched step.
+//! Speculation rules: who drafts, how many drafts a sequence gets each step
+//! ([`DraftPolicy`]), and how a step's drafts are verified ([`verify`]).
 //!
 //! Every step, sequences with speculation on draft `k_i` tokens with a
-//! [`DraftHead`] (the draft rounds themselves batched across those
+//! [`DraftHead`](super::DraftHead) (the rounds batched across those
 //! sequences), then the step's single forward pass carries, for each of
 //! them, its current token plus its drafts next to the plain decodes and
 //! prefill chunks. Verification uses one rule for greedy and sampled
@@ -17,192 +18,35 @@
 //! and their verification come from [`Sampler::argmax_rows`] (ids only,
 //! one kernel launch on a GPU) instead of full distributions.
 //!
-//! Draft heads may write into the target's KV cache at the positions they
-//! draft (the early-exit head does, for its layers); the engine rolls each
-//! slot back before the verifying pass rewrites those positions.
+//! # Who decides the draft length
+//! The scheduler plans `Decode { max_drafts }` inside the step's token
+//! budget; [`DraftPolicy::drafts_for`] then takes at most that many, from
+//! the sequence's schedule, the step's batch size and the measured cost of
+//! drafting. A seeded sampled sequence is *pinned*: its drafts consume its
+//! RNG, so its draft length may depend on nothing but its own history (the
+//! scheduler reserves budget for its full schedule at admission).
+
+use std::collections::HashMap;
+use std::time::Duration;
 
 use candle_core::Tensor;
 
 use crate::engine::{DraftSchedule, SlotId, SpecOptions};
-use crate::kv::KvCache;
-use crate::model::{Batch, Model, ModelError, MtpHead, OutputRows};
-use crate::sampler::{Sampler, SamplerError};
-
-/// One sequence's input to a draft round.
-#[derive(Debug, Clone)]
-pub struct DraftInput {
-    pub slot: SlotId,
-    /// The token whose successor is drafted.
-    pub token: u32,
-    /// Its position in the sequence. In round 0 it equals the slot's target
-    /// KV length; round r drafts the token at `position + 1`.
-    pub position: usize,
-    /// 0 for the first round of a step.
-    pub round: usize,
-    /// Round 0 of a head that [`needs_hidden`](DraftHead::needs_hidden): the
-    /// target's hidden states the head has not consumed yet.
-    pub context: Option<HiddenContext>,
-}
-
-/// Target hidden states `h_t` for positions `position - m .. position` and
-/// the tokens `x_{t+1}` that followed them (all but the last, which is the
-/// input's `token`).
-#[derive(Debug, Clone)]
-pub struct HiddenContext {
-    /// `[m, hidden]`, pre-final-norm.
-    pub hidden: Tensor,
-    /// `m - 1` tokens, at positions `position - m + 1 .. position`.
-    pub tokens: Vec<u32>,
-}
-
-/// A draft model: proposes the next token for many sequences at once.
-pub trait DraftHead: Send {
-    /// A short description for logs and reports.
-    fn name(&self) -> String;
-
-    /// Whether round 0 needs the target's hidden states ([`HiddenContext`]).
-    fn needs_hidden(&self) -> bool {
-        false
-    }
-
-    /// A sequence joins (its KV may grow to `reserve` positions).
-    fn admit(&mut self, _slot: SlotId, _reserve: usize) -> Result<(), ModelError> {
-        Ok(())
-    }
-
-    /// A sequence leaves.
-    fn release(&mut self, _slot: SlotId) {}
-
-    /// One draft round: logits `[inputs.len(), vocab]` (f32) of the token
-    /// that follows each input's `token`. May write the target's KV cache at
-    /// the drafted positions (the engine restores each slot's length).
-    fn draft(
-        &mut self,
-        model: &Model,
-        kv: &mut KvCache,
-        inputs: &[DraftInput],
-    ) -> Result<Tensor, ModelError>;
-
-    /// The step's draft rounds are over for `slot`, whose target KV holds
-    /// `position` tokens: forget any speculative state past it.
-    fn end_rounds(&mut self, _slot: SlotId, _position: usize) -> Result<(), ModelError> {
-        Ok(())
-    }
-}
-
-/// Self-speculative early exit: the target's first `layers` layers, then
-/// its final norm and unembedding. Needs no extra weights, works for any
-/// model; with `layers` equal to the model's depth it is a perfect draft.
-#[derive(Debug, Clone, Copy)]
-pub struct EarlyExitDraft {
-    pub layers: usize,
-}
-
-impl DraftHead for EarlyExitDraft {
-    fn name(&self) -> String {
-        format!("early-exit:{}", self.layers)
-    }
-
-    fn draft(
-        &mut self,
-        model: &Model,
-        kv: &mut KvCache,
-        inputs: &[DraftInput],
-    ) -> Result<Tensor, ModelError> {
-        let mut batch = Batch::default();
-        for i in inputs {
-            batch.push(i.slot, i.position, &[i.token], OutputRows::Last);
-        }
-        let hidden = model.forward_layers(&batch, kv, self.layers)?;
-        model.unembed(&hidden)
-    }
-}
-
-/// A trained DeepSeek-style MTP head ([`MtpHead`]) as a draft: round 0
-/// consumes every pending `(h_t, x_{t+1})` pair of the sequence (prompt,
-/// accepted tokens) so the head's own KV stays complete, later rounds feed
-/// back its projected hidden state.
-pub struct MtpDraft {
-    pub head: MtpHead,
-}
-
-impl DraftHead for MtpDraft {
-    fn name(&self) -> String {
-        "mtp-head".into()
-    }
-
-    fn needs_hidden(&self) -> bool {
-        true
-    }
-
-    fn admit(&mut self, slot: SlotId, reserve: usize) -> Result<(), ModelError> {
-        self.head.admit(slot, reserve)
-    }
-
-    fn release(&mut self, slot: SlotId) {
-        self.head.release(slot)
-    }
-
-    fn draft(
-        &mut self,
-        model: &Model,
-        _kv: &mut KvCache,
-        inputs: &[DraftInput],
-    ) -> Result<Tensor, ModelError> {
-        let mut batch = Batch::default();
-        let mut hidden = Vec::new();
-        for i in inputs {
-            let start = self.head.len(i.slot)?;
-            match &i.context {
-                Some(ctx) => {
-                    let tokens: Vec<u32> = ctx.tokens.iter().copied().chain([i.token]).collect();
-                    if start + tokens.len() != i.position {
-                        return Err(ModelError::InvalidBatch(format!(
-                            "slot {}: the head holds {start} positions but {} pairs lead to position {}",
-                            i.slot,
-                            tokens.len(),
-                            i.position
-                        )));
-                    }
-                    batch.push(i.slot, start, &tokens, OutputRows::Last);
-                    hidden.push(ctx.hidden.clone());
-                }
-                None => batch.push(i.slot, start, &[i.token], OutputRows::Last),
-            }
-        }
-        let given = inputs.iter().filter(|i| i.context.is_some()).count();
-        if given != 0 && given != inputs.len() {
-            return Err(ModelError::InvalidBatch(
-                "a draft round mixes sequences with and without hidden context".into(),
-            ));
-        }
-        let hidden = if given == 0 {
-            None
-        } else {
-            Some(Tensor::cat(&hidden, 0)?)
-        };
-        self.head.step(model, &batch, hidden.as_ref())
-    }
-
-    fn end_rounds(&mut self, slot: SlotId, position: usize) -> Result<(), ModelError> {
-        self.head.truncate(slot, position)
-    }
-}
+use crate::sampler::{Sampler, SamplerError, SamplingOptions};
 
 /// Engine-wide speculation settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SpecConfig {
     /// What a request that does not say gets.
     pub default: SpecOptions,
-    /// When more sequences than this decode in one step, nobody drafts: a
-    /// large batch is compute-bound, and drafts would cost more than they
-    /// save.
+    /// When more sequences than this decode in one step, nobody but pinned
+    /// sequences drafts: a large batch is compute-bound, and drafts would
+    /// cost more than they save.
     pub max_batch: usize,
-    /// Debug: re-verify greedy drafts one token at a time and log the first
-    /// disagreement with the batched verification (the seed's compare mode).
-    pub compare_serial: bool,
     /// Test-only: accept every draft unchecked. This is a deliberately wrong
-    /// rule; the distribution test uses it to show that it can fail.
+    /// rule; the distribution test uses it to show that it can fail. Debug
+    /// builds only, so no release build carries the branch.
+    #[cfg(debug_assertions)]
     #[doc(hidden)]
     pub unchecked_accept: bool,
 }
@@ -212,28 +56,52 @@ impl Default for SpecConfig {
         Self {
             default: SpecOptions::default(),
             max_batch: 8,
-            compare_serial: false,
+            #[cfg(debug_assertions)]
             unchecked_accept: false,
         }
     }
 }
 
-/// A sequence's speculation state (engine side).
-///
-/// NOTE: two policies decide when a sequence drafts: the step's batch-size
-/// policy and a per-sequence back-off that pauses drafting while it does not
-/// pay (fewer tokens per speculative step than the step's measured cost
-/// ratio). Both depend on the rest of the batch or on timings. That is
-/// harmless for greedy requests (drafts never change their output) but a
-/// seeded sampled request must not depend on them, since drafts consume its
-/// RNG: such a sequence is *pinned* and drafts on its own schedule only.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct SeqSpec {
+/// How one sequence speculates, once resolved at admission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Drafting {
     pub options: SpecOptions,
+    /// Seeded and sampled: drafts on its own schedule only (see the module
+    /// docs), and the scheduler reserves its drafts in every step's budget.
+    pub pinned: bool,
+}
+
+impl Drafting {
+    /// The rule both sides apply: a sequence drafts when the engine has a
+    /// draft head (`default` is its default options), its options (or the
+    /// default) enable it, and it does not ask for logprobs (every logprob
+    /// comes from a plain sampler call).
+    pub fn resolve(
+        requested: Option<SpecOptions>,
+        default: Option<SpecOptions>,
+        sampling: &SamplingOptions,
+    ) -> Option<Self> {
+        let default = default?;
+        let options = requested.unwrap_or(default);
+        (options.enabled && !sampling.logprobs).then(|| Self {
+            options,
+            pinned: !sampling.is_greedy() && sampling.seed.is_some(),
+        })
+    }
+
+    /// Drafts the scheduler plans for this sequence in a step whose budget
+    /// is `budget` tokens (one of them its own decode token).
+    pub fn planned_drafts(&self, budget: usize) -> usize {
+        self.options.max_draft.min(budget.saturating_sub(1))
+    }
+}
+
+/// One sequence's draft schedule and back-off.
+#[derive(Debug, Clone, Copy)]
+struct SeqSchedule {
+    drafting: Drafting,
     /// Draft length of the next speculative step.
-    pub draft_len: usize,
-    /// Seeded sampled request: drafting ignores batch and timing policies.
-    pinned: bool,
+    draft_len: usize,
     /// Speculative steps and tokens they produced, in the current window.
     window_steps: usize,
     window_tokens: usize,
@@ -247,12 +115,11 @@ const WINDOW_STEPS: usize = 8;
 const MIN_BACKOFF: usize = 8;
 const MAX_BACKOFF: usize = 256;
 
-impl SeqSpec {
-    pub fn new(options: SpecOptions, pinned: bool) -> Self {
+impl SeqSchedule {
+    fn new(drafting: Drafting) -> Self {
         Self {
-            options,
-            draft_len: options.initial_draft.max(1),
-            pinned,
+            drafting,
+            draft_len: drafting.options.initial_draft.max(1),
             window_steps: 0,
             window_tokens: 0,
             paused: 0,
@@ -260,9 +127,8 @@ impl SeqSpec {
         }
     }
 
-    /// Drafts this sequence wants in the coming decode step.
-    pub fn next_draft(&mut self, step_allows: bool) -> usize {
-        if self.pinned {
+    fn wanted(&mut self, step_allows: bool) -> usize {
+        if self.drafting.pinned {
             return self.draft_len;
         }
         if !step_allows {
@@ -275,18 +141,17 @@ impl SeqSpec {
         self.draft_len
     }
 
-    /// After a speculative step that accepted `accepted` of `drafted`:
-    /// the draft-length schedule, then the back-off against `cost` (what a
+    /// The draft-length schedule, then the back-off against `cost` (what a
     /// speculative step costs relative to a plain one).
-    pub fn update(&mut self, drafted: usize, accepted: usize, cost: f64) {
-        if self.options.schedule == DraftSchedule::Heuristic {
+    fn record(&mut self, drafted: usize, accepted: usize, cost: f64) {
+        if self.drafting.options.schedule == DraftSchedule::Heuristic {
             self.draft_len = if accepted == drafted {
-                (self.draft_len + 2).min(self.options.max_draft)
+                (self.draft_len + 2).min(self.drafting.options.max_draft)
             } else {
                 self.draft_len.saturating_sub(1).max(1)
             };
         }
-        if self.pinned {
+        if self.drafting.pinned {
             return;
         }
         self.window_steps += 1;
@@ -305,8 +170,75 @@ impl SeqSpec {
     }
 }
 
+/// Every decision about how many drafts a sequence gets: its schedule
+/// (constant or heuristic), the batch-size cut, and the back-off while
+/// drafting costs more than it yields. One store of the slot registry.
+#[derive(Debug)]
+pub(crate) struct DraftPolicy {
+    max_batch: usize,
+    /// Moving average of (draft + forward time) / forward time over steps
+    /// that drafted: what a speculative step costs relative to a plain one.
+    step_cost: f64,
+    seqs: HashMap<SlotId, SeqSchedule>,
+}
+
+impl DraftPolicy {
+    pub fn new(max_batch: usize) -> Self {
+        Self {
+            max_batch,
+            step_cost: 1.0,
+            seqs: HashMap::new(),
+        }
+    }
+
+    pub fn admit(&mut self, slot: SlotId, drafting: Drafting) {
+        self.seqs.insert(slot, SeqSchedule::new(drafting));
+    }
+
+    /// Forgets `slot` (it stops drafting); a no-op for an unknown slot.
+    pub fn release(&mut self, slot: SlotId) {
+        self.seqs.remove(&slot);
+    }
+
+    pub fn drafts(&self, slot: SlotId) -> bool {
+        self.seqs.contains_key(&slot)
+    }
+
+    /// Whether a step with `decodes` decoding sequences lets unpinned
+    /// sequences draft.
+    pub fn step_allows(&self, decodes: usize) -> bool {
+        decodes <= self.max_batch
+    }
+
+    /// Drafts `slot` takes this step: what its schedule wants, at most
+    /// `allowed` (the plan's `max_drafts`, capped by the tokens it may still
+    /// generate and the context). Advances the back-off clock only for a
+    /// step in which it could have drafted.
+    pub fn drafts_for(&mut self, slot: SlotId, allowed: usize, step_allows: bool) -> usize {
+        match self.seqs.get_mut(&slot) {
+            Some(s) if allowed > 0 => s.wanted(step_allows).min(allowed),
+            _ => 0,
+        }
+    }
+
+    /// After a speculative step of `slot` that accepted `accepted` of `drafted`.
+    pub fn record(&mut self, slot: SlotId, drafted: usize, accepted: usize) {
+        let cost = self.step_cost;
+        if let Some(s) = self.seqs.get_mut(&slot) {
+            s.record(drafted, accepted, cost);
+        }
+    }
+
+    /// After a step that drafted: folds its cost into the average.
+    pub fn record_step_cost(&mut self, draft: Duration, forward: Duration) {
+        let forward = forward.as_secs_f64().max(1e-9);
+        let ratio = (draft.as_secs_f64() + forward) / forward;
+        self.step_cost = 0.8 * self.step_cost + 0.2 * ratio;
+    }
+}
+
 /// Drafts chosen for one sequence and the draft distributions they came from.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub(crate) struct Drafts {
     pub tokens: Vec<u32>,
     /// `q_i`: what draft i was drawn from (one-hot for greedy requests;
@@ -339,9 +271,66 @@ pub(crate) fn pick(
     }
 }
 
+/// The verdict on one sequence's drafts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Verdict {
+    pub accepted: usize,
+    /// The target's token after the accepted drafts (a correction or the bonus).
+    pub next: u32,
+}
+
+/// Accepts the longest prefix of `drafts` equal to the target's greedy
+/// choices `target[i]` (row i predicts the token after draft i), then takes
+/// the target's own token: the rule for one-hot `p` and `q`.
+pub(crate) fn verify_greedy(drafts: &[u32], target: &[u32]) -> Verdict {
+    let accepted = drafts
+        .iter()
+        .zip(target)
+        .take_while(|(d, a)| d == a)
+        .count();
+    Verdict {
+        accepted,
+        next: target[accepted],
+    }
+}
+
+/// Where the sampled rule stops: the first rejected draft (whose token is
+/// drawn from `residual` or, when that is all zero, from `p`), or none.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Rejection {
+    At { index: usize, residual: Vec<f32> },
+    None,
+}
+
+/// The sampled rule over explicit distributions: draft `d_i` (drawn from
+/// `q[i]`) is accepted with probability `min(1, p[i][d_i] / q[i][d_i])`,
+/// with `uniform` asked only when that probability is strictly between 0
+/// and 1.
+pub(crate) fn first_rejection(
+    drafts: &[u32],
+    q: &[Vec<f32>],
+    p: &[Vec<f32>],
+    mut uniform: impl FnMut() -> Result<f32, SamplerError>,
+) -> Result<Rejection, SamplerError> {
+    for (i, (&d, qi)) in drafts.iter().zip(q).enumerate() {
+        let (pd, qd) = (p[i][d as usize], qi[d as usize]);
+        let accept = if pd >= qd {
+            true
+        } else if pd <= 0.0 {
+            false
+        } else {
+            uniform()? < pd / qd
+        };
+        if !accept {
+            let residual = p[i].iter().zip(qi).map(|(a, b)| (a - b).max(0.0)).collect();
+            return Ok(Rejection::At { index: i, residual });
+        }
+    }
+    Ok(Rejection::None)
+}
+
 /// Verifies `drafts` against the target's logits `[k + 1, vocab]` (row i
 /// predicts the token after draft i, row 0 after the current token).
-/// Returns how many drafts were accepted and the token that follows them.
 /// Commits nothing.
 pub(crate) fn verify(
     sampler: &mut Sampler,
@@ -349,53 +338,201 @@ pub(crate) fn verify(
     greedy: bool,
     logits: &Tensor,
     drafts: &Drafts,
-    unchecked: bool,
-) -> Result<(usize, u32), SamplerError> {
+    accept_all: bool,
+) -> Result<Verdict, SamplerError> {
+    let k = drafts.tokens.len();
     if greedy && sampler.is_plain_greedy(slot) {
-        // p_i is one-hot on row i's first maximum a_i and q_i one-hot on
-        // d_i, so the rule reduces to: accept while d_i == a_i, then a_i.
         // Only the ids are needed (on a GPU only they leave the device).
-        let rows = logits
-            .dim(0)
-            .map_err(|e| SamplerError::Tensor(e.to_string()))?;
-        let ids = sampler.argmax_rows(&vec![slot; rows], logits)?;
-        let k = drafts.tokens.len();
-        let accepted = if unchecked {
-            k
-        } else {
-            drafts
-                .tokens
-                .iter()
-                .zip(&ids)
-                .take_while(|(d, a)| d == a)
-                .count()
-        };
-        return Ok((accepted, ids[accepted]));
+        let ids = sampler.argmax_rows(&vec![slot; k + 1], logits)?;
+        if accept_all {
+            return Ok(Verdict {
+                accepted: k,
+                next: ids[k],
+            });
+        }
+        return Ok(verify_greedy(&drafts.tokens, &ids));
     }
     let p = sampler.speculative_distributions(slot, logits, &drafts.tokens)?;
-    if unchecked {
-        let k = drafts.tokens.len();
-        return Ok((k, pick(sampler, slot, greedy, &p[k])?));
-    }
-    for (i, (&d, q)) in drafts.tokens.iter().zip(&drafts.probs).enumerate() {
-        let (pd, qd) = (p[i][d as usize], q[d as usize]);
-        let accept = if pd >= qd {
-            true
-        } else if pd <= 0.0 {
-            false
-        } else {
-            sampler.uniform(slot)? < pd / qd
-        };
-        if !accept {
-            let residual: Vec<f32> = p[i].iter().zip(q).map(|(a, b)| (a - b).max(0.0)).collect();
+    let rejection = if accept_all {
+        Rejection::None
+    } else {
+        first_rejection(&drafts.tokens, &drafts.probs, &p, || sampler.uniform(slot))?
+    };
+    match rejection {
+        Rejection::At { index, residual } => {
             let dist = if residual.iter().any(|&r| r > 0.0) {
                 &residual
             } else {
-                &p[i]
+                &p[index]
             };
-            return Ok((i, pick(sampler, slot, greedy, dist)?));
+            Ok(Verdict {
+                accepted: index,
+                next: pick(sampler, slot, greedy, dist)?,
+            })
+        }
+        Rejection::None => Ok(Verdict {
+            accepted: k,
+            next: pick(sampler, slot, greedy, &p[k])?,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_verification_table() {
+        // (drafts, target argmax per row, accepted, next)
+        let table: &[(&[u32], &[u32], usize, u32)] = &[
+            (&[], &[7], 0, 7),                  // plain decode: the bonus is the target's
+            (&[5], &[5, 9], 1, 9),              // all accepted: bonus from the last row
+            (&[5], &[6, 9], 0, 6),              // first rejected: the target's correction
+            (&[1, 2, 3], &[1, 2, 3, 4], 3, 4),  // full run
+            (&[1, 2, 3], &[1, 8, 3, 4], 1, 8),  // a later match does not count
+            (&[1, 2, 3], &[9, 2, 3, 4], 0, 9),  // nothing accepted
+            (&[4, 4, 4], &[4, 4, 5, 6], 2, 5),  // repeats are fine
+        ];
+        for &(drafts, target, accepted, next) in table {
+            assert_eq!(
+                verify_greedy(drafts, target),
+                Verdict { accepted, next },
+                "drafts {drafts:?} against {target:?}"
+            );
         }
     }
-    let k = drafts.tokens.len();
-    Ok((k, pick(sampler, slot, greedy, &p[k])?))
+
+    fn no_uniform() -> Result<f32, SamplerError> {
+        panic!("the rule must not draw when min(1, p/q) is 0 or 1")
+    }
+
+    #[test]
+    fn sampled_rule_table() {
+        let p = |v: &[f32]| v.to_vec();
+        // p ≥ q on the draft: accepted without a draw.
+        let r = first_rejection(&[0], &[p(&[0.5, 0.5])], &[p(&[0.6, 0.4]), p(&[1.0, 0.0])], no_uniform);
+        assert_eq!(r.unwrap(), Rejection::None);
+        // p = 0 on the draft: rejected without a draw; the residual is p − q clipped.
+        let r = first_rejection(&[1], &[p(&[0.5, 0.5])], &[p(&[1.0, 0.0]), p(&[1.0, 0.0])], no_uniform);
+        assert_eq!(
+            r.unwrap(),
+            Rejection::At {
+                index: 0,
+                residual: vec![0.5, 0.0]
+            }
+        );
+        // 0 < p/q < 1: the uniform decides (0.25 < 0.5 accepts, 0.75 rejects).
+        let (q, pt) = (vec![p(&[0.25, 0.75])], vec![p(&[0.625, 0.375]), p(&[0.5, 0.5])]);
+        assert_eq!(first_rejection(&[1], &q, &pt, || Ok(0.25)).unwrap(), Rejection::None);
+        assert_eq!(
+            first_rejection(&[1], &q, &pt, || Ok(0.75)).unwrap(),
+            Rejection::At {
+                index: 0,
+                residual: vec![0.375, 0.0]
+            }
+        );
+        // The first rejection ends the run even if later drafts would pass.
+        let q = vec![p(&[1.0, 0.0]), p(&[1.0, 0.0])];
+        let pt = vec![p(&[1.0, 0.0]), p(&[0.0, 1.0]), p(&[1.0, 0.0])];
+        match first_rejection(&[0, 0], &q, &pt, no_uniform).unwrap() {
+            Rejection::At { index, .. } => assert_eq!(index, 1),
+            other => panic!("expected a rejection at 1, got {other:?}"),
+        }
+    }
+
+    fn drafting(pinned: bool, schedule: DraftSchedule) -> Drafting {
+        Drafting {
+            options: SpecOptions {
+                enabled: true,
+                initial_draft: 2,
+                max_draft: 6,
+                schedule,
+            },
+            pinned,
+        }
+    }
+
+    #[test]
+    fn heuristic_schedule_table() {
+        // (drafted, accepted) per step → draft length wanted next.
+        let steps: &[((usize, usize), usize)] = &[
+            ((2, 2), 4), // all accepted: +2
+            ((4, 4), 6),
+            ((6, 6), 6), // capped at max_draft
+            ((6, 3), 5), // a mismatch: −1
+            ((5, 0), 4),
+            ((4, 0), 3),
+            ((3, 0), 2),
+            ((2, 0), 1),
+            ((1, 0), 1), // never below 1
+        ];
+        let mut policy = DraftPolicy::new(8);
+        policy.admit(0, drafting(true, DraftSchedule::Heuristic));
+        assert_eq!(policy.drafts_for(0, 32, true), 2, "starts at initial_draft");
+        for &((drafted, accepted), next) in steps {
+            policy.record(0, drafted, accepted);
+            assert_eq!(policy.drafts_for(0, 32, true), next, "after {accepted}/{drafted}");
+        }
+        // The plan's cap always wins.
+        assert_eq!(policy.drafts_for(0, 0, true), 0);
+    }
+
+    #[test]
+    fn constant_schedule_and_the_cuts() {
+        let mut policy = DraftPolicy::new(4);
+        policy.admit(1, drafting(false, DraftSchedule::Constant));
+        policy.admit(2, drafting(true, DraftSchedule::Constant));
+        policy.record(1, 2, 0);
+        assert_eq!(policy.drafts_for(1, 32, true), 2, "constant ignores acceptance");
+        assert!(policy.step_allows(4) && !policy.step_allows(5));
+        // A big batch stops unpinned sequences only.
+        assert_eq!(policy.drafts_for(1, 32, false), 0);
+        assert_eq!(policy.drafts_for(2, 32, false), 2);
+        assert_eq!(policy.drafts_for(2, 1, false), 1, "never more than allowed");
+        // Unknown or released slots never draft.
+        policy.release(2);
+        assert_eq!(policy.drafts_for(2, 32, true), 0);
+    }
+
+    #[test]
+    fn back_off_pauses_unpinned_sequences_while_drafts_do_not_pay() {
+        let mut policy = DraftPolicy::new(8);
+        policy.admit(1, drafting(false, DraftSchedule::Constant));
+        policy.admit(2, drafting(true, DraftSchedule::Constant));
+        // Drafting costs 3× a plain step but yields 1 token per step.
+        for _ in 0..4 {
+            policy.record_step_cost(Duration::from_millis(20), Duration::from_millis(10));
+        }
+        for _ in 0..WINDOW_STEPS {
+            policy.record(1, 2, 0);
+            policy.record(2, 2, 0);
+        }
+        for _ in 0..MIN_BACKOFF {
+            assert_eq!(policy.drafts_for(1, 32, true), 0, "paused");
+            assert_eq!(policy.drafts_for(2, 32, true), 2, "pinned never pauses");
+        }
+        assert_eq!(policy.drafts_for(1, 32, true), 2, "probes again after the pause");
+    }
+
+    #[test]
+    fn who_drafts() {
+        let on = Some(SpecOptions::default());
+        let greedy = SamplingOptions::greedy();
+        let seeded = SamplingOptions {
+            temperature: 0.8,
+            seed: Some(3),
+            ..Default::default()
+        };
+        let logprobs = SamplingOptions {
+            logprobs: true,
+            ..SamplingOptions::greedy()
+        };
+        assert_eq!(Drafting::resolve(None, None, &greedy), None, "no head");
+        assert!(!Drafting::resolve(None, on, &greedy).unwrap().pinned);
+        assert!(Drafting::resolve(None, on, &seeded).unwrap().pinned);
+        assert_eq!(Drafting::resolve(None, on, &logprobs), None);
+        assert_eq!(Drafting::resolve(Some(SpecOptions::off()), on, &greedy), None);
+        let d = Drafting::resolve(Some(SpecOptions::constant(5)), on, &greedy).unwrap();
+        assert_eq!((d.planned_drafts(64), d.planned_drafts(3), d.planned_drafts(0)), (5, 2, 0));
+    }
 }

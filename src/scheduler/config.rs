@@ -123,6 +123,7 @@ mod tests {
             vocab_size: 1000,
             eos_ids: vec![0],
             kv_capacity_tokens: 65536,
+            speculation: None,
         }
     }
 

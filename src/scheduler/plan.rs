@@ -4,25 +4,33 @@
 //! Every step, in this order:
 //! 1. **Release**: slots ended on the scheduler side (cancel, stop string,
 //!    requester gone) go into `release`.
-//! 2. **Admit**: requests leave the FIFO queue while a slot is free and the
-//!    KV pool can hold the head's reservation. The head is never overtaken.
-//! 3. **Decode**: one token for every sequence whose prompt is done.
+//! 2. **Admit**: requests leave the FIFO queue while a slot is free, the
+//!    KV pool can hold the head's reservation, and the step budget can hold
+//!    its decode (with every draft of a pinned sequence). The head is never
+//!    overtaken.
+//! 3. **Decode**: one token for every sequence whose prompt is done, plus
+//!    the full draft allowance of pinned (seeded sampled) sequences, whose
+//!    output must not depend on what shares the step.
 //! 4. **Prefill**: chunks of the remaining prompts, oldest first (admission
 //!    order, which the slot table keeps), each at most
 //!    `max_prefill_chunk` and at most what is left of the token budget.
+//! 5. **Drafts**: what is left of the budget goes to the other drafting
+//!    sequences' `max_drafts`, oldest first: speculation spends spare
+//!    capacity, never a waiting prompt's.
 //!
-//! There are no phases: a sequence is described by counters and gets
-//! whatever work catches those counters up. Decodes come first so that a long
-//! prompt's prefill rides along with the other streams' decodes instead of
-//! freezing them. Released slots are returned to the free list only after
-//! admission, so a slot id is never released and re-admitted in one plan.
+//! Every token a step may feed (prefill chunks, decode tokens, drafts) is
+//! counted in `step_token_budget`; the engine may draft fewer than
+//! planned, never more. There are no phases: a sequence is described by
+//! counters and gets whatever work catches those counters up. Released
+//! slots are returned to the free list only after admission, so a slot id
+//! is never released and re-admitted in one plan.
 //!
 //! No I/O, no actix, no clock reads: the caller passes `now`, which makes the
 //! planner unit-testable on plain state.
 
 use std::time::{Duration, Instant};
 
-use crate::engine::{Admission, SeqWork, SlotId, StepPlan};
+use crate::engine::{Admission, Drafting, SeqWork, SlotId, SpecOptions, StepPlan};
 
 use super::queue::{QueuedSeq, WaitingQueue};
 use super::slots::{RunningSeq, SlotTable};
@@ -33,6 +41,19 @@ use super::RequestId;
 pub(crate) struct PlanLimits {
     pub step_token_budget: usize,
     pub max_prefill_chunk: usize,
+    /// The engine's default speculation options; `None`: nobody drafts.
+    pub speculation: Option<SpecOptions>,
+}
+
+impl PlanLimits {
+    /// Step tokens a running sequence must always be able to use: its decode
+    /// token, and every draft when it is pinned.
+    fn reserved_step_tokens(&self, drafting: Option<Drafting>) -> usize {
+        match drafting {
+            Some(d) if d.pinned => 1 + d.planned_drafts(self.step_token_budget),
+            _ => 1,
+        }
+    }
 }
 
 /// A request that took a slot in this plan.
@@ -54,6 +75,8 @@ pub(crate) struct PlannedStep {
     pub prefill_tokens: usize,
     /// Sequences decoding this step.
     pub decodes: usize,
+    /// Draft tokens planned this step (the engine may use fewer).
+    pub drafts: usize,
     /// Sequences prefilling this step.
     pub prefills: usize,
 }
@@ -64,9 +87,9 @@ impl PlannedStep {
         self.plan.release.is_empty() && self.plan.admit.is_empty() && self.plan.work.is_empty()
     }
 
-    /// Tokens in the forward pass.
+    /// The most tokens the forward pass may carry.
     pub fn tokens(&self) -> usize {
-        self.prefill_tokens + self.decodes
+        self.prefill_tokens + self.decodes + self.drafts
     }
 }
 
@@ -90,7 +113,7 @@ pub(crate) fn plan_step(
         },
         ..PlannedStep::default()
     };
-    admit(queue, slots, now, &mut wanted, &mut out);
+    admit(queue, slots, limits, now, &mut wanted, &mut out);
     schedule_work(slots, limits, &mut out);
     for &slot in &out.plan.release {
         slots.complete_release(slot);
@@ -102,19 +125,28 @@ pub(crate) fn plan_step(
 fn admit(
     queue: &mut WaitingQueue,
     slots: &mut SlotTable,
+    limits: PlanLimits,
     now: Instant,
     wanted: &mut impl FnMut(RequestId) -> bool,
     out: &mut PlannedStep,
 ) {
+    let mut step_reserved: usize = slots
+        .iter_by_age()
+        .map(|s| limits.reserved_step_tokens(s.drafting))
+        .sum();
     while let Some(head) = queue.front() {
         if !wanted(head.id) {
             out.abandoned.extend(queue.pop_front());
             continue;
         }
-        if !slots.can_admit(head.spec.kv_reserve) {
+        let drafting = Drafting::resolve(head.spec.spec, limits.speculation, &head.spec.sampling);
+        let step_tokens = limits.reserved_step_tokens(drafting);
+        let fits_step = step_reserved + step_tokens <= limits.step_token_budget;
+        if !fits_step || !slots.can_admit(head.spec.kv_reserve) {
             break;
         }
         let Some(q) = queue.pop_front() else { break };
+        step_reserved += step_tokens;
         let queue_wait = now.saturating_duration_since(q.submitted_at);
         let admission = |slot| RunningSeq {
             id: q.id,
@@ -126,6 +158,7 @@ fn admit(
             accepted_drafts: 0,
             max_new_tokens: q.spec.max_new_tokens,
             kv_reserve: q.spec.kv_reserve,
+            drafting,
             submitted_at: q.submitted_at,
             admitted_at: now,
             first_token_at: None,
@@ -151,18 +184,24 @@ fn admit(
     }
 }
 
-/// Fills the token budget: decodes first, then prefill chunks oldest first.
+/// Fills the token budget: decodes (with pinned drafts) first, then
+/// prefill chunks oldest first, then the other drafts from what is left.
 fn schedule_work(slots: &SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
     let mut budget = limits.step_token_budget;
-    // The config guarantees budget >= max_seqs, so every decode fits; the
-    // check only keeps a bad config from overrunning the budget.
+    // Admission keeps every decode and pinned draft inside the budget; the
+    // checks only keep a bad state from overrunning it.
     for seq in slots.iter_by_age().filter(|s| s.prompt_done()) {
-        if budget == 0 {
+        let tokens = limits.reserved_step_tokens(seq.drafting);
+        if tokens > budget {
             break;
         }
-        out.plan.work.push(SeqWork::Decode { slot: seq.slot });
+        out.plan.work.push(SeqWork::Decode {
+            slot: seq.slot,
+            max_drafts: tokens - 1,
+        });
         out.decodes += 1;
-        budget -= 1;
+        out.drafts += tokens - 1;
+        budget -= tokens;
     }
     for seq in slots.iter_by_age().filter(|s| !s.prompt_done()) {
         if budget == 0 {
@@ -181,6 +220,18 @@ fn schedule_work(slots: &SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
         out.prefill_tokens += len;
         budget -= len;
     }
+    for work in out.plan.work.iter_mut() {
+        let SeqWork::Decode { slot, max_drafts } = work else {
+            continue;
+        };
+        let drafting = slots.get(*slot).and_then(|s| s.drafting);
+        if let Some(d) = drafting.filter(|d| !d.pinned) {
+            let grant = d.planned_drafts(limits.step_token_budget).min(budget);
+            *max_drafts = grant;
+            out.drafts += grant;
+            budget -= grant;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -191,6 +242,7 @@ mod tests {
     const LIMITS: PlanLimits = PlanLimits {
         step_token_budget: 64,
         max_prefill_chunk: 32,
+        speculation: None,
     };
 
     fn plan(q: &mut WaitingQueue, t: &mut SlotTable, step: u64) -> PlannedStep {
@@ -215,14 +267,7 @@ mod tests {
     }
 
     fn budget_used(p: &PlannedStep) -> usize {
-        p.plan
-            .work
-            .iter()
-            .map(|w| match *w {
-                SeqWork::Prefill { len, .. } => len,
-                SeqWork::Decode { .. } => 1,
-            })
-            .sum()
+        p.plan.work.iter().map(SeqWork::max_tokens).sum()
     }
 
     #[test]
@@ -265,6 +310,7 @@ mod tests {
         let limits = PlanLimits {
             step_token_budget: 64,
             max_prefill_chunk: 64,
+            speculation: None,
         };
         let mut q = WaitingQueue::new(16);
         let mut t = SlotTable::new(8, 10_000);
@@ -389,5 +435,110 @@ mod tests {
         let slot = p.admitted[0].slot;
         t.free_now(slot);
         assert!(plan(&mut q, &mut t, 1).is_empty());
+    }
+
+    /// A queued request that may draft (`seed`: sampled and seeded, so pinned).
+    fn drafting(id: u64, prompt_len: usize, max_draft: usize, seed: Option<u64>) -> QueuedSeq {
+        let mut q = queued(id, prompt_len, 100);
+        q.spec.spec = Some(SpecOptions::constant(max_draft));
+        if let Some(seed) = seed {
+            q.spec.sampling = crate::sampler::SamplingOptions {
+                temperature: 0.8,
+                seed: Some(seed),
+                ..Default::default()
+            };
+        }
+        q
+    }
+
+    #[test]
+    fn drafts_stay_inside_the_token_budget() {
+        let limits = PlanLimits {
+            step_token_budget: 40,
+            max_prefill_chunk: 16,
+            speculation: Some(SpecOptions::default()),
+        };
+        let mut q = WaitingQueue::new(64);
+        let mut t = SlotTable::new(16, 100_000);
+        // Pinned (seeded) and unpinned drafters, and a few plain requests.
+        for i in 0..12u64 {
+            let seed = (i % 3 == 0).then_some(i);
+            q.push(drafting(i, 3 + i as usize, 2 + i as usize % 5, seed)).unwrap();
+        }
+        for i in 12..16u64 {
+            q.push(queued(i, 5, 100)).unwrap();
+        }
+        for step in 0..30 {
+            let p = plan_step(step, &mut q, &mut t, limits, Instant::now(), |_| true);
+            let used = budget_used(&p);
+            assert!(used <= limits.step_token_budget, "step {step}: {used} tokens");
+            assert_eq!(used, p.tokens(), "step {step}: the counters match the work");
+            // Every pinned decode carries its whole allowance.
+            for w in &p.plan.work {
+                if let SeqWork::Decode { slot, max_drafts } = *w {
+                    let seq = t.get(slot).unwrap();
+                    if let Some(d) = seq.drafting.filter(|d| d.pinned) {
+                        assert_eq!(max_drafts, d.options.max_draft, "step {step}: pinned slot {slot}");
+                    }
+                    assert!(seq.drafting.is_some() || max_drafts == 0);
+                }
+            }
+            apply(&mut t, &p);
+        }
+    }
+
+    #[test]
+    fn drafts_use_what_prefill_leaves() {
+        let limits = PlanLimits {
+            step_token_budget: 20,
+            max_prefill_chunk: 16,
+            speculation: Some(SpecOptions::default()),
+        };
+        let mut q = WaitingQueue::new(8);
+        let mut t = SlotTable::new(8, 10_000);
+        q.push(drafting(1, 2, 8, None)).unwrap();
+        let p = plan_step(0, &mut q, &mut t, limits, Instant::now(), |_| true);
+        apply(&mut t, &p);
+        // Alone, the drafter gets its whole allowance.
+        let p = plan_step(1, &mut q, &mut t, limits, Instant::now(), |_| true);
+        assert_eq!(p.plan.work, vec![SeqWork::Decode { slot: 0, max_drafts: 8 }]);
+        // A long prompt arrives: its chunk comes first, drafts get the rest.
+        q.push(queued(2, 100, 4)).unwrap();
+        let p = plan_step(2, &mut q, &mut t, limits, Instant::now(), |_| true);
+        assert_eq!(
+            p.plan.work,
+            vec![
+                SeqWork::Decode { slot: 0, max_drafts: 3 },
+                SeqWork::Prefill { slot: 1, start: 0, len: 16 },
+            ]
+        );
+        assert_eq!(budget_used(&p), 20);
+    }
+
+    #[test]
+    fn pinned_drafts_are_reserved_at_admission() {
+        let limits = PlanLimits {
+            step_token_budget: 12,
+            max_prefill_chunk: 8,
+            speculation: Some(SpecOptions::default()),
+        };
+        let mut q = WaitingQueue::new(8);
+        let mut t = SlotTable::new(8, 10_000);
+        // Two pinned requests reserving 1 + 5 step tokens each fill the budget.
+        for i in 0..3 {
+            q.push(drafting(i, 2, 5, Some(i))).unwrap();
+        }
+        let p = plan_step(0, &mut q, &mut t, limits, Instant::now(), |_| true);
+        assert_eq!(p.admitted.len(), 2, "the third waits for budget");
+        assert_eq!(q.len(), 1);
+        // A pinned request larger than the whole budget is capped, not stuck.
+        let mut q = WaitingQueue::new(8);
+        let mut t = SlotTable::new(8, 10_000);
+        q.push(drafting(9, 2, 32, Some(1))).unwrap();
+        let p = plan_step(0, &mut q, &mut t, limits, Instant::now(), |_| true);
+        assert_eq!(p.admitted.len(), 1);
+        apply(&mut t, &p);
+        let p = plan_step(1, &mut q, &mut t, limits, Instant::now(), |_| true);
+        assert_eq!(p.plan.work, vec![SeqWork::Decode { slot: 0, max_drafts: 11 }]);
     }
 }

@@ -19,7 +19,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use crate::engine::SlotId;
+use crate::engine::{Drafting, SlotId};
 
 use super::RequestId;
 
@@ -38,6 +38,8 @@ pub(crate) struct RunningSeq {
     pub accepted_drafts: usize,
     pub max_new_tokens: usize,
     pub kv_reserve: usize,
+    /// How it speculates; `None` when it never drafts.
+    pub drafting: Option<Drafting>,
     pub submitted_at: Instant,
     pub admitted_at: Instant,
     pub first_token_at: Option<Instant>,
@@ -246,6 +248,7 @@ mod tests {
             accepted_drafts: 0,
             max_new_tokens: kv - prompt_len,
             kv_reserve: kv,
+            drafting: None,
             submitted_at: Instant::now(),
             admitted_at: Instant::now(),
             first_token_at: None,

@@ -94,6 +94,7 @@ impl SchedulerState {
             limits: PlanLimits {
                 step_token_budget: config.step_token_budget,
                 max_prefill_chunk: config.max_prefill_chunk,
+                speculation: info.speculation,
             },
             queue: WaitingQueue::new(config.max_queue),
             slots: SlotTable::new(config.max_seqs, info.kv_capacity_tokens),

@@ -95,6 +95,7 @@ mod tests {
             vocab_size: 50,
             eos_ids: vec![0],
             kv_capacity_tokens: 80,
+            speculation: None,
         }
     }
 

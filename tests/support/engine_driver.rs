@@ -81,7 +81,10 @@ pub fn run(engine: &mut Engine, reqs: &[Req], chunk: usize) -> RunResult {
                 });
                 prefilled[i] += len;
             } else {
-                plan.work.push(SeqWork::Decode { slot });
+                plan.work.push(SeqWork::Decode {
+                    slot,
+                    max_drafts: MAX_DRAFT_TOKENS,
+                });
             }
         }
         if plan.work.is_empty() {

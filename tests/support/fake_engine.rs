@@ -241,6 +241,7 @@ impl StepExecutor for FakeExecutor {
             vocab_size: VOCAB,
             eos_ids: vec![EOS],
             kv_capacity_tokens: self.settings.kv_capacity_tokens,
+            speculation: None,
         }
     }
 

@@ -88,13 +88,7 @@ pub async fn wait_plans(probe: &FakeProbe, n: usize) {
 
 /// Tokens a plan feeds the model.
 pub fn plan_tokens(plan: &StepPlan) -> usize {
-    plan.work
-        .iter()
-        .map(|w| match *w {
-            SeqWork::Prefill { len, .. } => len,
-            SeqWork::Decode { .. } => 1,
-        })
-        .sum()
+    plan.work.iter().map(SeqWork::max_tokens).sum()
 }
 
 /// Nothing queued, running or reserved; every slot free.

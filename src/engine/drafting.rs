@@ -1,0 +1,169 @@
+//! The draft phase: batched draft rounds for every planned sequence with a
+//! draft budget, over explicit arguments (the model, the slot registry and
+//! the planned sequences).
+//!
+//! Round r feeds each member's newest token (its decode token in round 0,
+//! its previous draft after that) to the draft head in one call, then picks
+//! each member's draft from its row: plain greedy members by one argmax
+//! call over all of their rows (only ids leave the device), the others from
+//! the sampler's draft distribution. Afterwards every drafting slot's target
+//! KV length is back where it was, whatever happened.
+
+use candle_core::Tensor;
+
+use super::draft_heads::{DraftInput, HiddenContext};
+use super::errors::{kv_err, model_err, tensor_err};
+use super::sequences::{Sequence, Sequences};
+use super::spec;
+use super::work::Planned;
+use super::{EngineError, SlotId};
+use crate::model::Model;
+
+/// Runs every draft round; on return each member's `drafts` holds what was
+/// drafted (all members' rounds complete, or an error).
+pub(crate) fn run_rounds(
+    model: &Model,
+    seqs: &mut Sequences,
+    planned: &mut [Planned],
+) -> Result<(), EngineError> {
+    let rounds = planned.iter().map(|p| p.draft_budget).max().unwrap_or(0);
+    let mut result = Ok(());
+    for round in 0..rounds {
+        result = run_round(model, seqs, planned, round);
+        if result.is_err() {
+            break;
+        }
+    }
+    let rolled_back = end_rounds(seqs, planned);
+    result.and(rolled_back)
+}
+
+fn run_round(
+    model: &Model,
+    seqs: &mut Sequences,
+    planned: &mut [Planned],
+    round: usize,
+) -> Result<(), EngineError> {
+    let members: Vec<usize> = (0..planned.len())
+        .filter(|&i| planned[i].draft_budget > round)
+        .collect();
+    let inputs = members
+        .iter()
+        .map(|&i| round_input(seqs, &planned[i], round))
+        .collect::<Result<Vec<_>, _>>()?;
+    let head = seqs.head.as_mut().expect("drafting needs a head");
+    let logits = head
+        .draft(model, &mut seqs.kv, &inputs)
+        .map_err(model_err)?;
+    pick_drafts(seqs, planned, &members, round, &logits)
+}
+
+fn round_input(seqs: &Sequences, p: &Planned, round: usize) -> Result<DraftInput, EngineError> {
+    let context = if round == 0 && p.keep_hidden {
+        let seq = seqs.get(p.slot).ok_or(EngineError::UnknownSlot(p.slot))?;
+        Some(hidden_context(seq, p)?)
+    } else {
+        None
+    };
+    Ok(DraftInput {
+        slot: p.slot,
+        token: *p.drafts.tokens.last().unwrap_or(&p.tokens[0]),
+        position: p.offset + round,
+        round,
+        context,
+    })
+}
+
+/// Round 0's hidden context: the pending hidden states and the tokens that
+/// followed them.
+fn hidden_context(seq: &Sequence, p: &Planned) -> Result<HiddenContext, EngineError> {
+    let slot_err = |what: String| EngineError::Model(format!("slot {}: {what}", p.slot));
+    let hidden = seq
+        .pending_hidden
+        .clone()
+        .ok_or_else(|| slot_err("no hidden state to draft from".into()))?;
+    let m = hidden.dim(0).map_err(tensor_err)?;
+    if m == 0 || m > p.offset {
+        return Err(slot_err(format!(
+            "{m} pending hidden states at position {}",
+            p.offset
+        )));
+    }
+    let tokens = (p.offset + 1 - m..p.offset)
+        .map(|pos| seq.token_at(pos))
+        .collect::<Option<Vec<u32>>>()
+        .ok_or_else(|| slot_err("token history shorter than its hidden states".into()))?;
+    Ok(HiddenContext { hidden, tokens })
+}
+
+/// Appends each member's draft of this round.
+fn pick_drafts(
+    seqs: &mut Sequences,
+    planned: &mut [Planned],
+    members: &[usize],
+    round: usize,
+    logits: &Tensor,
+) -> Result<(), EngineError> {
+    let plain_rows: Vec<usize> = (0..members.len())
+        .filter(|&row| seqs.sampler.is_plain_greedy(planned[members[row]].slot))
+        .collect();
+    let plain_ids = plain_greedy_drafts(seqs, planned, members, &plain_rows, logits)?;
+    let mut plain = plain_rows.iter().zip(&plain_ids).peekable();
+    for (row, &i) in members.iter().enumerate() {
+        let p = &mut planned[i];
+        if let Some((_, &token)) = plain.next_if(|(&r, _)| r == row) {
+            p.drafts.tokens.push(token);
+            p.drafts.probs.push(Vec::new());
+        } else {
+            let greedy = seqs.get(p.slot).is_some_and(|s| s.sampling.is_greedy());
+            let row_logits = logits.narrow(0, row, 1).map_err(tensor_err)?;
+            let q = seqs
+                .sampler
+                .draft_distributions(p.slot, &row_logits, &p.drafts.tokens, round)?
+                .remove(0);
+            let token = spec::pick(&mut seqs.sampler, p.slot, greedy, &q)?;
+            p.drafts.tokens.push(token);
+            p.drafts.probs.push(q);
+        }
+        if round == 0 && p.keep_hidden {
+            // The head consumed these pairs into its own KV.
+            if let Ok(seq) = seqs.get_mut(p.slot) {
+                seq.pending_hidden = None;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The plain greedy members' drafts: one argmax call over their rows.
+fn plain_greedy_drafts(
+    seqs: &mut Sequences,
+    planned: &[Planned],
+    members: &[usize],
+    rows: &[usize],
+    logits: &Tensor,
+) -> Result<Vec<u32>, EngineError> {
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let slots: Vec<SlotId> = rows.iter().map(|&r| planned[members[r]].slot).collect();
+    let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+    let selected = Tensor::new(idx.as_slice(), logits.device())
+        .and_then(|idx| logits.index_select(&idx, 0))
+        .map_err(tensor_err)?;
+    Ok(seqs.sampler.argmax_rows(&slots, &selected)?)
+}
+
+/// Puts every drafting slot's target KV back at its step offset and tells
+/// the head its rounds are over.
+fn end_rounds(seqs: &mut Sequences, planned: &[Planned]) -> Result<(), EngineError> {
+    for p in planned.iter().filter(|p| p.draft_budget > 0) {
+        seqs.kv
+            .set_len(p.slot, p.offset)
+            .map_err(|e| kv_err(p.slot, e))?;
+        if let Some(head) = seqs.head.as_mut() {
+            head.end_rounds(p.slot, p.offset).map_err(model_err)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,381 @@
+//! The slot registry: every per-sequence store of the engine, and the one
+//! place a sequence enters or leaves them.
+//!
+//! # Invariants
+//! - A slot is in all of its stores or in none: [`Sequences::admit`]
+//!   registers it in the KV cache, the sampler, the draft head and the
+//!   draft policy (those two only when it drafts) and in the slot table; on
+//!   any failure it calls [`Sequences::release`], which removes the slot
+//!   from every store and is a no-op for stores that never had it.
+//! - Until the prompt is done `Sequence::prefilled` equals the KV length;
+//!   afterwards the KV holds `prompt + generated - 1` positions (the last
+//!   sampled token is fed by the next decode).
+//! - For a draft head that needs hidden states, `pending_hidden` holds the
+//!   target's hidden states of the fed positions the head has not consumed
+//!   (its own KV length up to the target's).
+//! - The end-of-sequence rule ([`Sequence::append`]) is applied here only.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::Tensor;
+
+use super::draft_heads::DraftHead;
+use super::errors::{kv_err, model_err};
+use super::spec::{DraftPolicy, Drafting, SpecConfig};
+use super::{Admission, EngineError, GeneratedToken, SeqFinish, SlotId, SpecOptions, MAX_DRAFT_TOKENS};
+use crate::kv::KvCache;
+use crate::sampler::{Sampler, SamplingOptions};
+
+/// One sequence's progress, as the engine sees it.
+pub(crate) struct Sequence {
+    pub prompt: Arc<[u32]>,
+    pub prefilled: usize,
+    pub last_token: Option<u32>,
+    /// Generated token ids, in order (MTP heads pair hidden states with them).
+    pub generated: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub sampling: SamplingOptions,
+    /// Target hidden states `[m, hidden]` of the last `m` fed positions not
+    /// yet consumed by the draft head (heads that need hidden only).
+    pub pending_hidden: Option<Tensor>,
+}
+
+impl Sequence {
+    pub fn prompt_done(&self) -> bool {
+        self.prefilled == self.prompt.len()
+    }
+
+    /// Token at `position` of the whole sequence (prompt, then generated).
+    pub fn token_at(&self, position: usize) -> Option<u32> {
+        match position.checked_sub(self.prompt.len()) {
+            None => self.prompt.get(position).copied(),
+            Some(i) => self.generated.get(i).copied(),
+        }
+    }
+
+    /// Drafts a decode at KV length `offset` may carry: the bonus token
+    /// counts against `max_new_tokens`, and no draft runs past the context.
+    pub fn draft_room(&self, offset: usize, context_len: usize) -> usize {
+        let remaining = self.max_new_tokens.saturating_sub(self.generated.len());
+        remaining
+            .saturating_sub(1)
+            .min(context_len.saturating_sub(offset + 1))
+            .min(MAX_DRAFT_TOKENS)
+    }
+
+    /// The end-of-sequence rule: appends `tokens` in order up to and
+    /// including the first that ends the sequence (an EOS, or the last one
+    /// `max_new_tokens` allows), then checks the context. Returns the tokens
+    /// kept and why the sequence ended, if it did.
+    pub fn append(
+        &mut self,
+        tokens: Vec<GeneratedToken>,
+        eos_ids: &[u32],
+        context_len: usize,
+    ) -> (Vec<GeneratedToken>, Option<SeqFinish>) {
+        let mut kept = Vec::with_capacity(tokens.len());
+        let mut finish = None;
+        for token in tokens {
+            let id = token.id;
+            self.last_token = Some(id);
+            self.generated.push(id);
+            kept.push(token);
+            if eos_ids.contains(&id) {
+                finish = Some(SeqFinish::Eos);
+                break;
+            }
+            if self.generated.len() >= self.max_new_tokens {
+                finish = Some(SeqFinish::Length);
+                break;
+            }
+        }
+        let full = self.prompt.len() + self.generated.len() >= context_len;
+        if finish.is_none() && !kept.is_empty() && full {
+            finish = Some(SeqFinish::ContextFull);
+        }
+        (kept, finish)
+    }
+}
+
+/// Every per-sequence store, and the sequences registered in them.
+pub(crate) struct Sequences {
+    pub kv: KvCache,
+    pub sampler: Sampler,
+    pub head: Option<Box<dyn DraftHead>>,
+    pub policy: DraftPolicy,
+    /// The options a request that does not say gets; `Some` iff `head` is.
+    pub default_spec: Option<SpecOptions>,
+    #[cfg(debug_assertions)]
+    pub accept_all: bool,
+    seqs: HashMap<SlotId, Sequence>,
+}
+
+impl Sequences {
+    pub fn new(kv: KvCache, sampler: Sampler) -> Self {
+        let config = SpecConfig::default();
+        Self {
+            kv,
+            sampler,
+            head: None,
+            policy: DraftPolicy::new(config.max_batch),
+            default_spec: None,
+            #[cfg(debug_assertions)]
+            accept_all: false,
+            seqs: HashMap::new(),
+        }
+    }
+
+    /// Installs a draft head (before any sequence is admitted).
+    pub fn set_head(&mut self, head: Box<dyn DraftHead>, config: SpecConfig) {
+        self.head = Some(head);
+        self.policy = DraftPolicy::new(config.max_batch);
+        self.default_spec = Some(config.default);
+        #[cfg(debug_assertions)]
+        {
+            self.accept_all = config.unchecked_accept;
+        }
+    }
+
+    pub fn get(&self, slot: SlotId) -> Option<&Sequence> {
+        self.seqs.get(&slot)
+    }
+
+    pub fn get_mut(&mut self, slot: SlotId) -> Result<&mut Sequence, EngineError> {
+        self.seqs.get_mut(&slot).ok_or(EngineError::UnknownSlot(slot))
+    }
+
+    /// Registers a sequence in every store it needs; on failure it is in none.
+    pub fn admit(&mut self, a: Admission) -> Result<(), EngineError> {
+        if self.seqs.contains_key(&a.slot) {
+            // The registered sequence keeps its stores.
+            return Err(EngineError::DuplicateSlot(a.slot));
+        }
+        let slot = a.slot;
+        let result = self.register(a);
+        if result.is_err() {
+            self.release(slot);
+        }
+        result
+    }
+
+    fn register(&mut self, a: Admission) -> Result<(), EngineError> {
+        let slot = a.slot;
+        if a.prompt.is_empty() || a.max_new_tokens == 0 {
+            return Err(EngineError::InvalidWork {
+                slot,
+                reason: "empty prompt or max_new_tokens 0".into(),
+            });
+        }
+        self.kv
+            .allocate(slot, a.kv_reserve)
+            .map_err(|e| kv_err(slot, e))?;
+        self.sampler.add(slot, a.sampling, &a.prompt)?;
+        if let Some(drafting) = Drafting::resolve(a.spec, self.default_spec, &a.sampling) {
+            let head = self.head.as_mut().expect("a default spec implies a head");
+            head.admit(slot, a.kv_reserve + MAX_DRAFT_TOKENS)
+                .map_err(model_err)?;
+            self.policy.admit(slot, drafting);
+        }
+        self.seqs.insert(
+            slot,
+            Sequence {
+                prompt: a.prompt,
+                prefilled: 0,
+                last_token: None,
+                generated: Vec::new(),
+                max_new_tokens: a.max_new_tokens,
+                sampling: a.sampling,
+                pending_hidden: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// Removes `slot` from every store. Idempotent.
+    pub fn release(&mut self, slot: SlotId) {
+        self.seqs.remove(&slot);
+        self.kv.free(slot);
+        self.sampler.remove(slot);
+        self.stop_drafting(slot);
+    }
+
+    /// `slot` drafts no more (its head state can no longer be trusted).
+    pub fn stop_drafting(&mut self, slot: SlotId) {
+        if let Some(head) = self.head.as_mut() {
+            head.release(slot);
+        }
+        self.policy.release(slot);
+        if let Some(seq) = self.seqs.get_mut(&slot) {
+            seq.pending_hidden = None;
+        }
+    }
+
+    /// Whether the draft head wants `slot`'s hidden states at every position.
+    pub fn keeps_hidden(&self, slot: SlotId) -> bool {
+        self.policy.drafts(slot) && self.head.as_ref().is_some_and(|h| h.needs_hidden())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use candle_core::{DType, Device};
+
+    use super::*;
+    use crate::engine::DraftInput;
+    use crate::kv::KvLayout;
+    use crate::model::{Model, ModelError};
+
+    /// A head that records its slots and fails `admit` when told to.
+    struct Recording {
+        fail_admit: bool,
+        slots: Arc<Mutex<Vec<SlotId>>>,
+    }
+
+    impl DraftHead for Recording {
+        fn name(&self) -> String {
+            "recording".into()
+        }
+        fn admit(&mut self, slot: SlotId, _reserve: usize) -> Result<(), ModelError> {
+            if self.fail_admit {
+                return Err(ModelError::InvalidBatch("injected".into()));
+            }
+            self.slots.lock().unwrap().push(slot);
+            Ok(())
+        }
+        fn release(&mut self, slot: SlotId) {
+            self.slots.lock().unwrap().retain(|&s| s != slot);
+        }
+        fn draft(&mut self, _: &Model, _: &mut KvCache, _: &[DraftInput]) -> Result<Tensor, ModelError> {
+            unreachable!("no drafting in registry tests")
+        }
+    }
+
+    fn registry(kv_tokens: usize, fail_head: bool) -> (Sequences, Arc<Mutex<Vec<SlotId>>>) {
+        let layout = KvLayout {
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 4,
+            dtype: DType::F32,
+        };
+        let mut seqs = Sequences::new(KvCache::new(layout, Device::Cpu, kv_tokens), Sampler::new(64));
+        let slots = Arc::new(Mutex::new(Vec::new()));
+        let head = Recording {
+            fail_admit: fail_head,
+            slots: slots.clone(),
+        };
+        seqs.set_head(Box::new(head), SpecConfig::default());
+        (seqs, slots)
+    }
+
+    fn admission(slot: SlotId) -> Admission {
+        Admission {
+            slot,
+            prompt: Arc::from(vec![1u32, 2, 3]),
+            sampling: SamplingOptions::greedy(),
+            max_new_tokens: 4,
+            kv_reserve: 7,
+            spec: None,
+        }
+    }
+
+    fn assert_absent(seqs: &Sequences, head: &Mutex<Vec<SlotId>>, slot: SlotId, case: &str) {
+        assert!(seqs.get(slot).is_none(), "{case}: slot table");
+        assert!(!seqs.kv.contains(slot), "{case}: KV");
+        assert_eq!(seqs.kv.reserved_tokens(), 0, "{case}: KV reservation");
+        assert!(!seqs.sampler.contains(slot), "{case}: sampler");
+        assert!(!head.lock().unwrap().contains(&slot), "{case}: draft head");
+        assert!(!seqs.policy.drafts(slot), "{case}: draft policy");
+    }
+
+    #[test]
+    fn admit_registers_in_every_store_and_release_undoes_it() {
+        let (mut seqs, head) = registry(100, false);
+        seqs.admit(admission(4)).unwrap();
+        assert!(seqs.get(4).is_some() && seqs.kv.contains(4) && seqs.sampler.contains(4));
+        assert!(head.lock().unwrap().contains(&4) && seqs.policy.drafts(4));
+        seqs.release(4);
+        assert_absent(&seqs, &head, 4, "release");
+        seqs.release(4);
+        assert_absent(&seqs, &head, 4, "a second release");
+    }
+
+    #[test]
+    fn a_failure_at_any_store_leaves_the_slot_in_none() {
+        // The KV pool is too small.
+        let (mut seqs, head) = registry(5, false);
+        assert!(matches!(seqs.admit(admission(1)), Err(EngineError::KvExhausted { .. })));
+        assert_absent(&seqs, &head, 1, "KV");
+        // The sampler refuses the options.
+        let (mut seqs, head) = registry(100, false);
+        let bad = Admission {
+            sampling: SamplingOptions {
+                top_p: 2.0,
+                ..Default::default()
+            },
+            ..admission(1)
+        };
+        assert!(matches!(seqs.admit(bad), Err(EngineError::Sampler(_))));
+        assert_absent(&seqs, &head, 1, "sampler");
+        // The draft head refuses the sequence.
+        let (mut seqs, head) = registry(100, true);
+        assert!(matches!(seqs.admit(admission(1)), Err(EngineError::Model(_))));
+        assert_absent(&seqs, &head, 1, "draft head");
+        // The work itself is invalid.
+        let (mut seqs, head) = registry(100, false);
+        let empty = Admission {
+            prompt: Arc::from(Vec::<u32>::new()),
+            ..admission(1)
+        };
+        assert!(matches!(seqs.admit(empty), Err(EngineError::InvalidWork { .. })));
+        assert_absent(&seqs, &head, 1, "invalid work");
+    }
+
+    #[test]
+    fn a_duplicate_admission_keeps_the_registered_sequence() {
+        let (mut seqs, head) = registry(100, false);
+        seqs.admit(admission(2)).unwrap();
+        assert_eq!(seqs.admit(admission(2)), Err(EngineError::DuplicateSlot(2)));
+        assert!(seqs.kv.contains(2) && seqs.sampler.contains(2) && head.lock().unwrap().contains(&2));
+        assert_eq!(seqs.kv.reserved_tokens(), 7);
+    }
+
+    #[test]
+    fn end_of_sequence_rule() {
+        let token = |id| GeneratedToken {
+            id,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        };
+        let seq = |max_new_tokens, generated: Vec<u32>| Sequence {
+            prompt: Arc::from(vec![1u32, 2]),
+            prefilled: 2,
+            last_token: generated.last().copied(),
+            generated,
+            max_new_tokens,
+            sampling: SamplingOptions::greedy(),
+            pending_hidden: None,
+        };
+        // (max_new, already generated, new tokens, context) → (kept, finish)
+        let table: &[(usize, Vec<u32>, Vec<u32>, usize, usize, Option<SeqFinish>)] = &[
+            (10, vec![], vec![5, 6], 100, 2, None),
+            (10, vec![], vec![5, 0, 6], 100, 2, Some(SeqFinish::Eos)),
+            (3, vec![4], vec![5, 6, 7], 100, 2, Some(SeqFinish::Length)),
+            (10, vec![], vec![5, 6], 4, 2, Some(SeqFinish::ContextFull)),
+            (10, vec![], vec![0], 3, 1, Some(SeqFinish::Eos)), // EOS wins over a full context
+        ];
+        for (max_new, before, new, context, kept, finish) in table.iter().cloned() {
+            let mut s = seq(max_new, before.clone());
+            let (got, why) = s.append(new.iter().map(|&t| token(t)).collect(), &[0], context);
+            assert_eq!((got.len(), why), (kept, finish), "{new:?} after {before:?}");
+            assert_eq!(s.last_token, got.last().map(|t| t.id));
+        }
+        // Drafts leave room for the bonus token and stop at the context.
+        let s = seq(10, vec![4]);
+        assert_eq!(s.draft_room(3, 100), 8);
+        assert_eq!(s.draft_room(3, 6), 2);
+        assert_eq!(seq(1, vec![]).draft_room(2, 100), 0);
+    }
+}
