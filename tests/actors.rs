@@ -477,3 +477,80 @@ async fn stop_strings_inside_an_accepted_draft_run_stop_exactly() {
     assert_eq!((stats.running, stats.kv_reserved_tokens), (0, 0));
     assert!(stats.mtp_accepted > 0 && stats.mtp_speculative_steps > 0);
 }
+
+/// Records the largest forward pass and the largest plan of a real engine.
+struct BudgetProbe {
+    engine: Engine,
+    widest: std::sync::Arc<std::sync::Mutex<(usize, usize, usize)>>,
+}
+
+impl tandem::engine::StepExecutor for BudgetProbe {
+    fn info(&self) -> tandem::engine::EngineInfo {
+        self.engine.info()
+    }
+    fn execute(&mut self, plan: tandem::engine::StepPlan) -> tandem::engine::StepOutcome {
+        let planned: usize = plan.work.iter().map(|w| w.max_tokens()).sum();
+        let outcome = self.engine.execute(plan);
+        let mut w = self.widest.lock().unwrap();
+        w.0 = w.0.max(planned);
+        w.1 = w.1.max(outcome.stats.batch_tokens);
+        w.2 += outcome.stats.drafted;
+        outcome
+    }
+}
+
+#[actix::test]
+async fn drafts_never_take_a_step_past_its_token_budget() {
+    use tandem::engine::{EarlyExitDraft, SpecConfig, SpecOptions, StepExecutor};
+    let (model, tokenizer) = tiny_model_cpu(TinyPreset::Test).unwrap();
+    let layers = model.config().num_layers;
+    let engine = Engine::new(
+        model,
+        EngineConfig {
+            kv_capacity_tokens: 1 << 16,
+            model_name: "test".into(),
+            eos_ids: vec![],
+        },
+    )
+    .with_draft(
+        Box::new(EarlyExitDraft { layers }),
+        SpecConfig {
+            max_batch: 64,
+            ..Default::default()
+        },
+    );
+    let widest = std::sync::Arc::new(std::sync::Mutex::new((0, 0, 0)));
+    let probe = BudgetProbe {
+        engine,
+        widest: widest.clone(),
+    };
+    let budget = 48;
+    let config = SchedulerConfig {
+        max_seqs: 16,
+        step_token_budget: budget,
+        max_prefill_chunk: 16,
+        ..Default::default()
+    };
+    let handle = TandemHandle::start(probe, tokenizer, config).unwrap();
+    // Greedy and seeded sampled drafters (pinned: their drafts are reserved).
+    let requests = (0..24).map(|i| {
+        let sampling = if i % 3 == 0 {
+            SamplingOptions {
+                temperature: 0.9,
+                seed: Some(i as u64),
+                ..Default::default()
+            }
+        } else {
+            SamplingOptions::greedy()
+        };
+        request(i, sampling).with_mtp(SpecOptions::constant(2 + i % 7))
+    });
+    let done = futures_util::future::join_all(requests.map(|r| handle.complete(r))).await;
+    for (i, r) in done.into_iter().enumerate() {
+        assert!(r.is_ok(), "request {i}: {r:?}");
+    }
+    let (planned, fed, drafted) = *widest.lock().unwrap();
+    assert!(drafted > 0, "the test must draft");
+    assert!(planned <= budget, "a plan asked for {planned} tokens of {budget}");
+    assert!(fed <= budget, "a step fed {fed} tokens of {budget}");
+}
