@@ -501,7 +501,7 @@ impl tandem::engine::StepExecutor for BudgetProbe {
 
 #[actix::test]
 async fn drafts_never_take_a_step_past_its_token_budget() {
-    use tandem::engine::{EarlyExitDraft, SpecConfig, SpecOptions, StepExecutor};
+    use tandem::engine::{EarlyExitDraft, SpecConfig, SpecOptions};
     let (model, tokenizer) = tiny_model_cpu(TinyPreset::Test).unwrap();
     let layers = model.config().num_layers;
     let engine = Engine::new(
@@ -551,6 +551,9 @@ async fn drafts_never_take_a_step_past_its_token_budget() {
     }
     let (planned, fed, drafted) = *widest.lock().unwrap();
     assert!(drafted > 0, "the test must draft");
-    assert!(planned <= budget, "a plan asked for {planned} tokens of {budget}");
+    assert!(
+        planned <= budget,
+        "a plan asked for {planned} tokens of {budget}"
+    );
     assert!(fed <= budget, "a step fed {fed} tokens of {budget}");
 }

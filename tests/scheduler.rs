@@ -539,7 +539,10 @@ async fn long_prompt_prefills_in_chunks_alongside_decodes_and_short_prompts() {
         .filter(|p| p.step >= l_admit && p.step <= l_last_chunk_step)
     {
         assert!(
-            p.work.contains(&SeqWork::Decode { slot: c_slot, max_drafts: 0 }),
+            p.work.contains(&SeqWork::Decode {
+                slot: c_slot,
+                max_drafts: 0
+            }),
             "C skipped in step {}",
             p.step
         );

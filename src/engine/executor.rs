@@ -9,9 +9,10 @@
 //! 5. **forward**: one ragged pass over the [`RowLayout`] and the unembedding
 //!    of the rows that need logits;
 //! 6. **sample**: one sampler call over every plain sampling row;
-//! 7. **verify** each drafting sequence's drafts ([`spec::verify`]);
-//! 8. **update**: KV and sampler commits, hidden states for the draft head,
-//!    the end-of-sequence rule, and the release of finished slots.
+//! 7. **verify** each drafting sequence's drafts ([`update::verify`]);
+//! 8. **update** ([`update::update`]): KV and sampler commits, hidden
+//!    states for the draft head, the end-of-sequence rule, and the release
+//!    of finished slots.
 //!
 //! One bad sequence (invalid work, KV over its reservation) is failed and
 //! released in the plan phase; the others still run. Only a failure of the
@@ -24,9 +25,10 @@ use candle_core::Tensor;
 use super::draft_heads::DraftHead;
 use super::errors::{kv_err, model_err, tensor_err};
 use super::protocol::*;
-use super::rows::{RowLayout, SeqRows};
+use super::rows::RowLayout;
 use super::sequences::Sequences;
-use super::spec::{self, SpecConfig, Verdict};
+use super::spec::SpecConfig;
+use super::update;
 use super::work::{self, Planned};
 use super::{drafting, EngineError};
 use crate::kv::KvCache;
@@ -175,18 +177,27 @@ impl Engine {
         for (p, rows) in planned.iter().zip(&layout.seqs) {
             let verdict = match &pass.logits {
                 Some(logits) if !p.drafts.tokens.is_empty() => {
-                    Some(self.verify(p, rows, logits)?)
+                    Some(update::verify(&mut self.seqs, p, rows, logits)?)
                 }
                 _ => None,
             };
-            let progress = self.update(p, rows, &pass.hidden, verdict, sampled.as_ref(), stats)?;
+            let step = update::StepResult {
+                hidden: &pass.hidden,
+                verdict,
+                sampled: sampled.as_ref(),
+            };
+            let progress = update::update(&mut self.seqs, &self.info, p, rows, step, stats)?;
             out.push((p.slot, progress));
         }
         stats.sample = t1.elapsed();
         Ok(out)
     }
 
-    fn forward(&mut self, planned: &[Planned], layout: &RowLayout) -> Result<PassOutput, EngineError> {
+    fn forward(
+        &mut self,
+        planned: &[Planned],
+        layout: &RowLayout,
+    ) -> Result<PassOutput, EngineError> {
         for p in planned.iter().filter(|p| !p.drafts.tokens.is_empty()) {
             self.seqs.kv.begin(p.slot).map_err(|e| kv_err(p.slot, e))?;
         }
@@ -233,101 +244,6 @@ impl Engine {
             SamplePath::Serial => stats.serial_calls += 1,
         }
         Ok(Some(result))
-    }
-
-    fn verify(&mut self, p: &Planned, rows: &SeqRows, logits: &Tensor) -> Result<Verdict, EngineError> {
-        let greedy = self
-            .seqs
-            .get(p.slot)
-            .ok_or(EngineError::UnknownSlot(p.slot))?
-            .sampling
-            .is_greedy();
-        let logits = logits
-            .narrow(0, rows.logits.start, rows.logits.len())
-            .map_err(tensor_err)?;
-        #[cfg(debug_assertions)]
-        let accept_all = self.seqs.accept_all;
-        #[cfg(not(debug_assertions))]
-        let accept_all = false;
-        Ok(spec::verify(
-            &mut self.seqs.sampler,
-            p.slot,
-            greedy,
-            &logits,
-            &p.drafts,
-            accept_all,
-        )?)
-    }
-
-    /// Commits one sequence's step and applies the end-of-sequence rule.
-    fn update(
-        &mut self,
-        p: &Planned,
-        rows: &SeqRows,
-        hidden: &Tensor,
-        verdict: Option<Verdict>,
-        sampled: Option<&SampleResult>,
-        stats: &mut StepStats,
-    ) -> Result<SeqProgress, EngineError> {
-        let mut progress = SeqProgress::default();
-        // Hidden rows the draft head will pair with known next tokens.
-        let mut kept_hidden_rows = p.tokens.len();
-        let emitted = match (verdict, rows.sample) {
-            (Some(v), _) => {
-                let kept = self.commit_verdict(p, &v)?;
-                progress.drafted = p.drafts.tokens.len();
-                progress.accepted = v.accepted;
-                stats.drafted += progress.drafted;
-                stats.accepted += v.accepted;
-                kept_hidden_rows = 1 + v.accepted;
-                kept.into_iter().map(GeneratedToken::bare).collect()
-            }
-            (None, Some(row)) => {
-                let res = sampled.expect("a plain sampling row was sampled");
-                let seq = self.seqs.get_mut(p.slot)?;
-                let (logprob, top_logprobs) = res.for_row(row, &seq.sampling);
-                vec![GeneratedToken {
-                    id: res.tokens[row],
-                    logprob,
-                    top_logprobs,
-                }]
-            }
-            (None, None) => Vec::new(),
-        };
-        let seq = self.seqs.get_mut(p.slot)?;
-        if !seq.prompt_done() {
-            seq.prefilled += p.tokens.len();
-            progress.prefilled = p.tokens.len();
-        }
-        if p.keep_hidden {
-            let new = hidden
-                .narrow(0, rows.hidden.start, kept_hidden_rows)
-                .map_err(tensor_err)?;
-            seq.pending_hidden = Some(match seq.pending_hidden.take() {
-                Some(prev) => Tensor::cat(&[prev, new], 0).map_err(tensor_err)?,
-                None => new,
-            });
-        }
-        let (tokens, finish) = seq.append(emitted, &self.info.eos_ids, self.info.context_len);
-        progress.tokens = tokens;
-        progress.finish = finish;
-        Ok(progress)
-    }
-
-    /// Keeps the accepted drafts and the target's next token in the KV
-    /// cache, the sampler's history and the draft policy.
-    fn commit_verdict(&mut self, p: &Planned, v: &Verdict) -> Result<Vec<u32>, EngineError> {
-        self.seqs
-            .kv
-            .commit(p.slot, 1 + v.accepted)
-            .map_err(|e| kv_err(p.slot, e))?;
-        let mut kept = p.drafts.tokens[..v.accepted].to_vec();
-        kept.push(v.next);
-        self.seqs.sampler.commit(p.slot, &kept)?;
-        self.seqs
-            .policy
-            .record(p.slot, p.drafts.tokens.len(), v.accepted);
-        Ok(kept)
     }
 
     /// Routes the pass's results; finished or failed slots leave the registry.
@@ -391,7 +307,9 @@ impl StepExecutor for Engine {
             let result = self.run_pass(&mut planned, &mut outcome.stats);
             if outcome.stats.drafted > 0 {
                 let stats = &outcome.stats;
-                self.seqs.policy.record_step_cost(stats.draft, stats.forward);
+                self.seqs
+                    .policy
+                    .record_step_cost(stats.draft, stats.forward);
             }
             self.report(&planned, result, &mut outcome.seqs);
         }

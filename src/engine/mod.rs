@@ -10,6 +10,7 @@
 //! - `work`: the plan phase (work items checked, KV reserved).
 //! - `rows`: the pure row layout (planned work → ragged batch + row map).
 //! - `drafting`: the batched draft rounds.
+//! - `update`: the verify and update phases of one sequence.
 //! - [`spec`]: speculation rules: who drafts, the one [`spec::DraftPolicy`]
 //!   deciding how many drafts, and verification.
 //! - [`draft_heads`]: what drafts ([`DraftHead`], early exit, MTP head).
@@ -24,6 +25,7 @@ mod rows;
 mod sequences;
 pub mod spec;
 pub mod thread;
+mod update;
 mod work;
 
 pub use draft_heads::{DraftHead, DraftInput, EarlyExitDraft, HiddenContext, MtpDraft};

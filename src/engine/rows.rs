@@ -131,23 +131,109 @@ mod tests {
     #[test]
     fn one_sequence_table() {
         // (case, tokens, drafts, samples, keep_hidden) → (output, hidden, logits, sample)
-        type Row = (&'static str, usize, usize, bool, bool, OutputRows, Range<usize>, Range<usize>, Option<usize>);
+        type Row = (
+            &'static str,
+            usize,
+            usize,
+            bool,
+            bool,
+            OutputRows,
+            Range<usize>,
+            Range<usize>,
+            Option<usize>,
+        );
         let table: &[Row] = &[
-            ("prefill mid-prompt", 5, 0, false, false, OutputRows::None, 0..0, 0..0, None),
-            ("last prefill chunk", 5, 0, true, false, OutputRows::Last, 0..1, 0..1, Some(0)),
-            ("decode", 1, 0, true, false, OutputRows::Last, 0..1, 0..1, Some(0)),
-            ("decode + 3 drafts", 4, 3, true, false, OutputRows::All, 0..4, 0..4, None),
-            ("keep-hidden prefill mid-prompt", 5, 0, false, true, OutputRows::All, 0..5, 0..0, None),
-            ("keep-hidden last chunk", 5, 0, true, true, OutputRows::All, 0..5, 0..1, Some(0)),
-            ("keep-hidden decode + 2 drafts", 3, 2, true, true, OutputRows::All, 0..3, 0..3, None),
+            (
+                "prefill mid-prompt",
+                5,
+                0,
+                false,
+                false,
+                OutputRows::None,
+                0..0,
+                0..0,
+                None,
+            ),
+            (
+                "last prefill chunk",
+                5,
+                0,
+                true,
+                false,
+                OutputRows::Last,
+                0..1,
+                0..1,
+                Some(0),
+            ),
+            (
+                "decode",
+                1,
+                0,
+                true,
+                false,
+                OutputRows::Last,
+                0..1,
+                0..1,
+                Some(0),
+            ),
+            (
+                "decode + 3 drafts",
+                4,
+                3,
+                true,
+                false,
+                OutputRows::All,
+                0..4,
+                0..4,
+                None,
+            ),
+            (
+                "keep-hidden prefill mid-prompt",
+                5,
+                0,
+                false,
+                true,
+                OutputRows::All,
+                0..5,
+                0..0,
+                None,
+            ),
+            (
+                "keep-hidden last chunk",
+                5,
+                0,
+                true,
+                true,
+                OutputRows::All,
+                0..5,
+                0..1,
+                Some(0),
+            ),
+            (
+                "keep-hidden decode + 2 drafts",
+                3,
+                2,
+                true,
+                true,
+                OutputRows::All,
+                0..3,
+                0..3,
+                None,
+            ),
         ];
         let tokens: Vec<u32> = (0..8).collect();
-        for (case, n, drafts, samples, keep, output, hidden, logits, sample) in table.iter().cloned() {
+        for (case, n, drafts, samples, keep, output, hidden, logits, sample) in
+            table.iter().cloned()
+        {
             let layout = RowLayout::new(&[req(&tokens[..n], drafts, samples, keep)]);
             assert_eq!(layout.batch.seqs[0].output, output, "{case}");
             assert_eq!(layout.batch.tokens, &tokens[..n], "{case}");
             let rows = &layout.seqs[0];
-            assert_eq!((rows.hidden.clone(), rows.logits.clone(), rows.sample), (hidden, logits, sample), "{case}");
+            assert_eq!(
+                (rows.hidden.clone(), rows.logits.clone(), rows.sample),
+                (hidden, logits, sample),
+                "{case}"
+            );
             assert_eq!(layout.hidden_rows, layout.batch.num_outputs(), "{case}");
             // Logit rows point at the sequence's last hidden row, or all of them.
             let unembed: Vec<u32> = layout.unembed.clone();
@@ -166,20 +252,33 @@ mod tests {
     fn mixed_step_rows_follow_plan_order() {
         let t: Vec<u32> = (0..16).collect();
         let mut requests = vec![
-            req(&t[0..6], 0, false, false), // prefill mid-prompt
-            req(&t[6..7], 0, true, false),  // decode
-            req(&t[7..10], 2, true, false), // decode + 2 drafts
+            req(&t[0..6], 0, false, false),  // prefill mid-prompt
+            req(&t[6..7], 0, true, false),   // decode
+            req(&t[7..10], 2, true, false),  // decode + 2 drafts
             req(&t[10..14], 0, true, false), // last prefill chunk
-            req(&t[14..15], 0, true, true), // keep-hidden decode
+            req(&t[14..15], 0, true, true),  // keep-hidden decode
         ];
         for (i, r) in requests.iter_mut().enumerate() {
             r.slot = i as SlotId;
             r.offset = 100 * i;
         }
         let layout = RowLayout::new(&requests);
-        let spans: Vec<(SlotId, usize, usize)> =
-            layout.batch.seqs.iter().map(|s| (s.slot, s.offset, s.len)).collect();
-        assert_eq!(spans, vec![(0, 0, 6), (1, 100, 1), (2, 200, 3), (3, 300, 4), (4, 400, 1)]);
+        let spans: Vec<(SlotId, usize, usize)> = layout
+            .batch
+            .seqs
+            .iter()
+            .map(|s| (s.slot, s.offset, s.len))
+            .collect();
+        assert_eq!(
+            spans,
+            vec![
+                (0, 0, 6),
+                (1, 100, 1),
+                (2, 200, 3),
+                (3, 300, 4),
+                (4, 400, 1)
+            ]
+        );
         let rows: Vec<(Range<usize>, Range<usize>, Option<usize>)> = layout
             .seqs
             .iter()

@@ -23,7 +23,9 @@ use candle_core::Tensor;
 use super::draft_heads::DraftHead;
 use super::errors::{kv_err, model_err};
 use super::spec::{DraftPolicy, Drafting, SpecConfig};
-use super::{Admission, EngineError, GeneratedToken, SeqFinish, SlotId, SpecOptions, MAX_DRAFT_TOKENS};
+use super::{
+    Admission, EngineError, GeneratedToken, SeqFinish, SlotId, SpecOptions, MAX_DRAFT_TOKENS,
+};
 use crate::kv::KvCache;
 use crate::sampler::{Sampler, SamplingOptions};
 
@@ -142,7 +144,9 @@ impl Sequences {
     }
 
     pub fn get_mut(&mut self, slot: SlotId) -> Result<&mut Sequence, EngineError> {
-        self.seqs.get_mut(&slot).ok_or(EngineError::UnknownSlot(slot))
+        self.seqs
+            .get_mut(&slot)
+            .ok_or(EngineError::UnknownSlot(slot))
     }
 
     /// Registers a sequence in every store it needs; on failure it is in none.
@@ -248,7 +252,12 @@ mod tests {
         fn release(&mut self, slot: SlotId) {
             self.slots.lock().unwrap().retain(|&s| s != slot);
         }
-        fn draft(&mut self, _: &Model, _: &mut KvCache, _: &[DraftInput]) -> Result<Tensor, ModelError> {
+        fn draft(
+            &mut self,
+            _: &Model,
+            _: &mut KvCache,
+            _: &[DraftInput],
+        ) -> Result<Tensor, ModelError> {
             unreachable!("no drafting in registry tests")
         }
     }
@@ -260,7 +269,10 @@ mod tests {
             head_dim: 4,
             dtype: DType::F32,
         };
-        let mut seqs = Sequences::new(KvCache::new(layout, Device::Cpu, kv_tokens), Sampler::new(64));
+        let mut seqs = Sequences::new(
+            KvCache::new(layout, Device::Cpu, kv_tokens),
+            Sampler::new(64),
+        );
         let slots = Arc::new(Mutex::new(Vec::new()));
         let head = Recording {
             fail_admit: fail_head,
@@ -306,7 +318,10 @@ mod tests {
     fn a_failure_at_any_store_leaves_the_slot_in_none() {
         // The KV pool is too small.
         let (mut seqs, head) = registry(5, false);
-        assert!(matches!(seqs.admit(admission(1)), Err(EngineError::KvExhausted { .. })));
+        assert!(matches!(
+            seqs.admit(admission(1)),
+            Err(EngineError::KvExhausted { .. })
+        ));
         assert_absent(&seqs, &head, 1, "KV");
         // The sampler refuses the options.
         let (mut seqs, head) = registry(100, false);
@@ -321,7 +336,10 @@ mod tests {
         assert_absent(&seqs, &head, 1, "sampler");
         // The draft head refuses the sequence.
         let (mut seqs, head) = registry(100, true);
-        assert!(matches!(seqs.admit(admission(1)), Err(EngineError::Model(_))));
+        assert!(matches!(
+            seqs.admit(admission(1)),
+            Err(EngineError::Model(_))
+        ));
         assert_absent(&seqs, &head, 1, "draft head");
         // The work itself is invalid.
         let (mut seqs, head) = registry(100, false);
@@ -329,7 +347,10 @@ mod tests {
             prompt: Arc::from(Vec::<u32>::new()),
             ..admission(1)
         };
-        assert!(matches!(seqs.admit(empty), Err(EngineError::InvalidWork { .. })));
+        assert!(matches!(
+            seqs.admit(empty),
+            Err(EngineError::InvalidWork { .. })
+        ));
         assert_absent(&seqs, &head, 1, "invalid work");
     }
 
@@ -338,7 +359,9 @@ mod tests {
         let (mut seqs, head) = registry(100, false);
         seqs.admit(admission(2)).unwrap();
         assert_eq!(seqs.admit(admission(2)), Err(EngineError::DuplicateSlot(2)));
-        assert!(seqs.kv.contains(2) && seqs.sampler.contains(2) && head.lock().unwrap().contains(&2));
+        assert!(
+            seqs.kv.contains(2) && seqs.sampler.contains(2) && head.lock().unwrap().contains(&2)
+        );
         assert_eq!(seqs.kv.reserved_tokens(), 7);
     }
 

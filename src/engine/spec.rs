@@ -385,13 +385,13 @@ mod tests {
     fn greedy_verification_table() {
         // (drafts, target argmax per row, accepted, next)
         let table: &[(&[u32], &[u32], usize, u32)] = &[
-            (&[], &[7], 0, 7),                  // plain decode: the bonus is the target's
-            (&[5], &[5, 9], 1, 9),              // all accepted: bonus from the last row
-            (&[5], &[6, 9], 0, 6),              // first rejected: the target's correction
-            (&[1, 2, 3], &[1, 2, 3, 4], 3, 4),  // full run
-            (&[1, 2, 3], &[1, 8, 3, 4], 1, 8),  // a later match does not count
-            (&[1, 2, 3], &[9, 2, 3, 4], 0, 9),  // nothing accepted
-            (&[4, 4, 4], &[4, 4, 5, 6], 2, 5),  // repeats are fine
+            (&[], &[7], 0, 7),                 // plain decode: the bonus is the target's
+            (&[5], &[5, 9], 1, 9),             // all accepted: bonus from the last row
+            (&[5], &[6, 9], 0, 6),             // first rejected: the target's correction
+            (&[1, 2, 3], &[1, 2, 3, 4], 3, 4), // full run
+            (&[1, 2, 3], &[1, 8, 3, 4], 1, 8), // a later match does not count
+            (&[1, 2, 3], &[9, 2, 3, 4], 0, 9), // nothing accepted
+            (&[4, 4, 4], &[4, 4, 5, 6], 2, 5), // repeats are fine
         ];
         for &(drafts, target, accepted, next) in table {
             assert_eq!(
@@ -410,10 +410,20 @@ mod tests {
     fn sampled_rule_table() {
         let p = |v: &[f32]| v.to_vec();
         // p ≥ q on the draft: accepted without a draw.
-        let r = first_rejection(&[0], &[p(&[0.5, 0.5])], &[p(&[0.6, 0.4]), p(&[1.0, 0.0])], no_uniform);
+        let r = first_rejection(
+            &[0],
+            &[p(&[0.5, 0.5])],
+            &[p(&[0.6, 0.4]), p(&[1.0, 0.0])],
+            no_uniform,
+        );
         assert_eq!(r.unwrap(), Rejection::None);
         // p = 0 on the draft: rejected without a draw; the residual is p − q clipped.
-        let r = first_rejection(&[1], &[p(&[0.5, 0.5])], &[p(&[1.0, 0.0]), p(&[1.0, 0.0])], no_uniform);
+        let r = first_rejection(
+            &[1],
+            &[p(&[0.5, 0.5])],
+            &[p(&[1.0, 0.0]), p(&[1.0, 0.0])],
+            no_uniform,
+        );
         assert_eq!(
             r.unwrap(),
             Rejection::At {
@@ -422,8 +432,14 @@ mod tests {
             }
         );
         // 0 < p/q < 1: the uniform decides (0.25 < 0.5 accepts, 0.75 rejects).
-        let (q, pt) = (vec![p(&[0.25, 0.75])], vec![p(&[0.625, 0.375]), p(&[0.5, 0.5])]);
-        assert_eq!(first_rejection(&[1], &q, &pt, || Ok(0.25)).unwrap(), Rejection::None);
+        let (q, pt) = (
+            vec![p(&[0.25, 0.75])],
+            vec![p(&[0.625, 0.375]), p(&[0.5, 0.5])],
+        );
+        assert_eq!(
+            first_rejection(&[1], &q, &pt, || Ok(0.25)).unwrap(),
+            Rejection::None
+        );
         assert_eq!(
             first_rejection(&[1], &q, &pt, || Ok(0.75)).unwrap(),
             Rejection::At {
@@ -471,7 +487,11 @@ mod tests {
         assert_eq!(policy.drafts_for(0, 32, true), 2, "starts at initial_draft");
         for &((drafted, accepted), next) in steps {
             policy.record(0, drafted, accepted);
-            assert_eq!(policy.drafts_for(0, 32, true), next, "after {accepted}/{drafted}");
+            assert_eq!(
+                policy.drafts_for(0, 32, true),
+                next,
+                "after {accepted}/{drafted}"
+            );
         }
         // The plan's cap always wins.
         assert_eq!(policy.drafts_for(0, 0, true), 0);
@@ -483,7 +503,11 @@ mod tests {
         policy.admit(1, drafting(false, DraftSchedule::Constant));
         policy.admit(2, drafting(true, DraftSchedule::Constant));
         policy.record(1, 2, 0);
-        assert_eq!(policy.drafts_for(1, 32, true), 2, "constant ignores acceptance");
+        assert_eq!(
+            policy.drafts_for(1, 32, true),
+            2,
+            "constant ignores acceptance"
+        );
         assert!(policy.step_allows(4) && !policy.step_allows(5));
         // A big batch stops unpinned sequences only.
         assert_eq!(policy.drafts_for(1, 32, false), 0);
@@ -511,7 +535,11 @@ mod tests {
             assert_eq!(policy.drafts_for(1, 32, true), 0, "paused");
             assert_eq!(policy.drafts_for(2, 32, true), 2, "pinned never pauses");
         }
-        assert_eq!(policy.drafts_for(1, 32, true), 2, "probes again after the pause");
+        assert_eq!(
+            policy.drafts_for(1, 32, true),
+            2,
+            "probes again after the pause"
+        );
     }
 
     #[test]
@@ -531,8 +559,18 @@ mod tests {
         assert!(!Drafting::resolve(None, on, &greedy).unwrap().pinned);
         assert!(Drafting::resolve(None, on, &seeded).unwrap().pinned);
         assert_eq!(Drafting::resolve(None, on, &logprobs), None);
-        assert_eq!(Drafting::resolve(Some(SpecOptions::off()), on, &greedy), None);
+        assert_eq!(
+            Drafting::resolve(Some(SpecOptions::off()), on, &greedy),
+            None
+        );
         let d = Drafting::resolve(Some(SpecOptions::constant(5)), on, &greedy).unwrap();
-        assert_eq!((d.planned_drafts(64), d.planned_drafts(3), d.planned_drafts(0)), (5, 2, 0));
+        assert_eq!(
+            (
+                d.planned_drafts(64),
+                d.planned_drafts(3),
+                d.planned_drafts(0)
+            ),
+            (5, 2, 0)
+        );
     }
 }

@@ -30,7 +30,12 @@ pub(crate) struct Planned {
 impl Planned {
     /// Fixes the fed tokens once drafting is over.
     pub fn seal(&mut self) {
-        self.fed = self.tokens.iter().chain(&self.drafts.tokens).copied().collect();
+        self.fed = self
+            .tokens
+            .iter()
+            .chain(&self.drafts.tokens)
+            .copied()
+            .collect();
     }
 
     /// This sequence's share of the row layout (after [`seal`](Self::seal)).
@@ -61,7 +66,10 @@ pub(crate) fn plan_one(
     step_allows: bool,
 ) -> Result<Planned, EngineError> {
     let slot = work.slot();
-    let offset = seqs.kv.len(slot).map_err(|_| EngineError::UnknownSlot(slot))?;
+    let offset = seqs
+        .kv
+        .len(slot)
+        .map_err(|_| EngineError::UnknownSlot(slot))?;
     let seq = seqs.get(slot).ok_or(EngineError::UnknownSlot(slot))?;
     let invalid = |reason: String| EngineError::InvalidWork { slot, reason };
     let (tokens, samples, allowed) = match work {
@@ -77,9 +85,11 @@ pub(crate) fn plan_one(
             (chunk, start + len == seq.prompt.len(), 0)
         }
         SeqWork::Decode { max_drafts, .. } => match seq.last_token {
-            Some(t) if seq.prompt_done() => {
-                (vec![t], true, max_drafts.min(seq.draft_room(offset, context_len)))
-            }
+            Some(t) if seq.prompt_done() => (
+                vec![t],
+                true,
+                max_drafts.min(seq.draft_room(offset, context_len)),
+            ),
             _ => return Err(invalid("decode before the prompt is prefilled".into())),
         },
     };

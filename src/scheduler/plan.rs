@@ -463,7 +463,8 @@ mod tests {
         // Pinned (seeded) and unpinned drafters, and a few plain requests.
         for i in 0..12u64 {
             let seed = (i % 3 == 0).then_some(i);
-            q.push(drafting(i, 3 + i as usize, 2 + i as usize % 5, seed)).unwrap();
+            q.push(drafting(i, 3 + i as usize, 2 + i as usize % 5, seed))
+                .unwrap();
         }
         for i in 12..16u64 {
             q.push(queued(i, 5, 100)).unwrap();
@@ -471,14 +472,20 @@ mod tests {
         for step in 0..30 {
             let p = plan_step(step, &mut q, &mut t, limits, Instant::now(), |_| true);
             let used = budget_used(&p);
-            assert!(used <= limits.step_token_budget, "step {step}: {used} tokens");
+            assert!(
+                used <= limits.step_token_budget,
+                "step {step}: {used} tokens"
+            );
             assert_eq!(used, p.tokens(), "step {step}: the counters match the work");
             // Every pinned decode carries its whole allowance.
             for w in &p.plan.work {
                 if let SeqWork::Decode { slot, max_drafts } = *w {
                     let seq = t.get(slot).unwrap();
                     if let Some(d) = seq.drafting.filter(|d| d.pinned) {
-                        assert_eq!(max_drafts, d.options.max_draft, "step {step}: pinned slot {slot}");
+                        assert_eq!(
+                            max_drafts, d.options.max_draft,
+                            "step {step}: pinned slot {slot}"
+                        );
                     }
                     assert!(seq.drafting.is_some() || max_drafts == 0);
                 }
@@ -501,15 +508,28 @@ mod tests {
         apply(&mut t, &p);
         // Alone, the drafter gets its whole allowance.
         let p = plan_step(1, &mut q, &mut t, limits, Instant::now(), |_| true);
-        assert_eq!(p.plan.work, vec![SeqWork::Decode { slot: 0, max_drafts: 8 }]);
+        assert_eq!(
+            p.plan.work,
+            vec![SeqWork::Decode {
+                slot: 0,
+                max_drafts: 8
+            }]
+        );
         // A long prompt arrives: its chunk comes first, drafts get the rest.
         q.push(queued(2, 100, 4)).unwrap();
         let p = plan_step(2, &mut q, &mut t, limits, Instant::now(), |_| true);
         assert_eq!(
             p.plan.work,
             vec![
-                SeqWork::Decode { slot: 0, max_drafts: 3 },
-                SeqWork::Prefill { slot: 1, start: 0, len: 16 },
+                SeqWork::Decode {
+                    slot: 0,
+                    max_drafts: 3
+                },
+                SeqWork::Prefill {
+                    slot: 1,
+                    start: 0,
+                    len: 16
+                },
             ]
         );
         assert_eq!(budget_used(&p), 20);
@@ -539,6 +559,12 @@ mod tests {
         assert_eq!(p.admitted.len(), 1);
         apply(&mut t, &p);
         let p = plan_step(1, &mut q, &mut t, limits, Instant::now(), |_| true);
-        assert_eq!(p.plan.work, vec![SeqWork::Decode { slot: 0, max_drafts: 11 }]);
+        assert_eq!(
+            p.plan.work,
+            vec![SeqWork::Decode {
+                slot: 0,
+                max_drafts: 11
+            }]
+        );
     }
 }

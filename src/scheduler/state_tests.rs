@@ -103,7 +103,13 @@ fn request_runs_to_length_with_indexed_tokens() {
         &mut out,
     );
     let p1 = plan(&mut s, &mut out);
-    assert_eq!(p1.work, vec![SeqWork::Decode { slot, max_drafts: 0 }]);
+    assert_eq!(
+        p1.work,
+        vec![SeqWork::Decode {
+            slot,
+            max_drafts: 0
+        }]
+    );
     s.apply_outcome(
         outcome(1, vec![progress(slot, 0, &[8], Some(SeqFinish::Length))]),
         Instant::now(),
@@ -217,7 +223,13 @@ fn engine_error_fails_only_that_request() {
         p1.release.is_empty(),
         "the engine already dropped a failed slot"
     );
-    assert_eq!(p1.work, vec![SeqWork::Decode { slot: sb, max_drafts: 0 }]);
+    assert_eq!(
+        p1.work,
+        vec![SeqWork::Decode {
+            slot: sb,
+            max_drafts: 0
+        }]
+    );
     assert_eq!(s.stats().requests_failed, 1);
 }
 

@@ -1,0 +1,122 @@
+//! The verify and update phases of one sequence: its drafts judged against
+//! the target's logits, then its step committed to every store (KV length,
+//! sampler history, draft policy, pending hidden states) and the
+//! end-of-sequence rule applied.
+
+use candle_core::Tensor;
+
+use super::errors::{kv_err, tensor_err};
+use super::rows::SeqRows;
+use super::sequences::Sequences;
+use super::spec::{self, Verdict};
+use super::work::Planned;
+use super::{EngineError, EngineInfo, GeneratedToken, SeqProgress, StepStats};
+use crate::sampler::SampleResult;
+
+/// What the pass produced for the sequences of one step.
+pub(crate) struct StepResult<'a> {
+    /// Hidden states of the layout's hidden rows.
+    pub hidden: &'a Tensor,
+    /// The verdict on this sequence's drafts, when it drafted.
+    pub verdict: Option<Verdict>,
+    /// The plain sampler call's result, when there was one.
+    pub sampled: Option<&'a SampleResult>,
+}
+
+/// Judges `p`'s drafts against its logit rows. Commits nothing.
+pub(crate) fn verify(
+    seqs: &mut Sequences,
+    p: &Planned,
+    rows: &SeqRows,
+    logits: &Tensor,
+) -> Result<Verdict, EngineError> {
+    let greedy = seqs
+        .get(p.slot)
+        .ok_or(EngineError::UnknownSlot(p.slot))?
+        .sampling
+        .is_greedy();
+    let logits = logits
+        .narrow(0, rows.logits.start, rows.logits.len())
+        .map_err(tensor_err)?;
+    #[cfg(debug_assertions)]
+    let accept_all = seqs.accept_all;
+    #[cfg(not(debug_assertions))]
+    let accept_all = false;
+    Ok(spec::verify(
+        &mut seqs.sampler,
+        p.slot,
+        greedy,
+        &logits,
+        &p.drafts,
+        accept_all,
+    )?)
+}
+
+/// Commits one sequence's step and applies the end-of-sequence rule.
+pub(crate) fn update(
+    seqs: &mut Sequences,
+    info: &EngineInfo,
+    p: &Planned,
+    rows: &SeqRows,
+    step: StepResult<'_>,
+    stats: &mut StepStats,
+) -> Result<SeqProgress, EngineError> {
+    let mut progress = SeqProgress::default();
+    // Hidden rows the draft head will pair with known next tokens.
+    let mut kept_hidden_rows = p.tokens.len();
+    let emitted = match (step.verdict, rows.sample) {
+        (Some(v), _) => {
+            let kept = commit_verdict(seqs, p, &v)?;
+            progress.drafted = p.drafts.tokens.len();
+            progress.accepted = v.accepted;
+            stats.drafted += progress.drafted;
+            stats.accepted += v.accepted;
+            kept_hidden_rows = 1 + v.accepted;
+            kept.into_iter().map(GeneratedToken::bare).collect()
+        }
+        (None, Some(row)) => {
+            let res = step.sampled.expect("a plain sampling row was sampled");
+            let seq = seqs.get_mut(p.slot)?;
+            let (logprob, top_logprobs) = res.for_row(row, &seq.sampling);
+            vec![GeneratedToken {
+                id: res.tokens[row],
+                logprob,
+                top_logprobs,
+            }]
+        }
+        (None, None) => Vec::new(),
+    };
+    let seq = seqs.get_mut(p.slot)?;
+    if !seq.prompt_done() {
+        seq.prefilled += p.tokens.len();
+        progress.prefilled = p.tokens.len();
+    }
+    if p.keep_hidden {
+        let new = step
+            .hidden
+            .narrow(0, rows.hidden.start, kept_hidden_rows)
+            .map_err(tensor_err)?;
+        seq.pending_hidden = Some(match seq.pending_hidden.take() {
+            Some(prev) => Tensor::cat(&[prev, new], 0).map_err(tensor_err)?,
+            None => new,
+        });
+    }
+    let (tokens, finish) = seq.append(emitted, &info.eos_ids, info.context_len);
+    progress.tokens = tokens;
+    progress.finish = finish;
+    Ok(progress)
+}
+
+/// Keeps the accepted drafts and the target's next token in the KV cache,
+/// the sampler's history and the draft policy.
+fn commit_verdict(seqs: &mut Sequences, p: &Planned, v: &Verdict) -> Result<Vec<u32>, EngineError> {
+    seqs.kv
+        .commit(p.slot, 1 + v.accepted)
+        .map_err(|e| kv_err(p.slot, e))?;
+    let mut kept = p.drafts.tokens[..v.accepted].to_vec();
+    kept.push(v.next);
+    seqs.sampler.commit(p.slot, &kept)?;
+    seqs.policy
+        .record(p.slot, p.drafts.tokens.len(), v.accepted);
+    Ok(kept)
+}
