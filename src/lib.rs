@@ -56,6 +56,8 @@ pub mod sampler;
 pub mod scheduler;
 #[cfg(feature = "server")]
 pub mod server;
+#[doc(hidden)]
+pub mod testing;
 pub mod tiny;
 pub mod tokenizer;
 pub mod train;
