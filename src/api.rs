@@ -1,9 +1,10 @@
 //! The public request and event types: what a host service, a custom actor
 //! or the HTTP layer sends to Tandem and gets back.
 //!
-//! A [`GenerateRequest`] is what the client said; it is checked (prompt
-//! tokenized, limits resolved, options validated) before it takes a slot,
-//! and any problem comes back as a [`TandemError`] naming the field.
+//! A [`GenerateRequest`] is what the client said; it is checked once (prompt
+//! tokenized, limits resolved, options validated, on a worker thread off
+//! the scheduler's mailbox) before it takes a slot, and any problem comes
+//! back as a [`TandemError`] naming the field.
 //! Events for one request arrive in order: zero or more [`Event::Tokens`],
 //! then exactly one terminal [`Event::Finished`] or [`Event::Error`].
 

@@ -212,8 +212,8 @@ impl Handler<SeqEvent> for RequestActor {
 /// an error before the request takes a slot.
 ///
 /// The prompt is tokenized and the request checked on a blocking worker
-/// thread, not on the scheduler's mailbox (see [`check_text`]), so requests
-/// sent together may be queued in the order their checks finish.
+/// thread, not on the scheduler's mailbox, so requests sent together may be
+/// queued in the order their checks finish rather than the order sent.
 #[derive(Message)]
 #[rtype(result = "Result<RequestId, TandemError>")]
 pub struct Generate {

@@ -3,7 +3,11 @@
 //!
 //! The actor lives on the caller's actix arbiter and never runs the model:
 //! plans go to the engine thread over its channel, and the engine's outcome
-//! callback `do_send`s a [`StepDone`] back into this actor's mailbox.
+//! callback `do_send`s a [`StepDone`] back into this actor's mailbox. Nor
+//! does it touch text: a `Generate` is tokenized and checked on a blocking
+//! worker (`request::check_text`), and only the checked request comes back
+//! to the mailbox. While a plan is in flight, every millisecond this actor
+//! spends is time the next plan waits.
 //!
 //! One step, from the actor's side:
 //! 1. `StepDone(N)` arrives; the core applies it (counters, tokens, ends).
