@@ -1,9 +1,10 @@
 //! The public request and event types: what a host service, a custom actor
 //! or the HTTP layer sends to Tandem and gets back.
 //!
-//! A [`GenerateRequest`] is what the client said; it is checked (prompt
-//! tokenized, limits resolved, options validated) before it takes a slot,
-//! and any problem comes back as a [`TandemError`] naming the field.
+//! A [`GenerateRequest`] is what the client said; it is checked once (prompt
+//! tokenized, limits resolved, options validated, on a worker thread off
+//! the scheduler's mailbox) before it takes a slot, and any problem comes
+//! back as a [`TandemError`] naming the field.
 //! Events for one request arrive in order: zero or more [`Event::Tokens`],
 //! then exactly one terminal [`Event::Finished`] or [`Event::Error`].
 
@@ -164,6 +165,14 @@ pub enum TandemError {
     /// The scheduler is gone (shut down or crashed).
     #[error("the scheduler is not running")]
     Unavailable,
+    /// The operating system refused a thread Tandem needs (the actor
+    /// thread of [`crate::TandemHandle::spawn`]); not the request's fault.
+    #[error("cannot start the `{thread}` thread: {reason}")]
+    ThreadSpawn { thread: &'static str, reason: String },
+    /// A fault inside Tandem while serving the request (a worker thread
+    /// that panicked); not the request's fault.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl TandemError {
@@ -173,6 +182,8 @@ impl TandemError {
             TandemError::Tokenizer { error_type, .. } => error_type,
             TandemError::Scheduler(e) => e.error_type(),
             TandemError::Unavailable => "unavailable",
+            TandemError::ThreadSpawn { .. } => "thread_spawn",
+            TandemError::Internal(_) => "internal",
         }
     }
 
@@ -181,7 +192,9 @@ impl TandemError {
             TandemError::InvalidRequest { .. } => true,
             TandemError::Tokenizer { .. } => true,
             TandemError::Scheduler(e) => e.is_invalid_request(),
-            TandemError::Unavailable => false,
+            TandemError::Unavailable
+            | TandemError::ThreadSpawn { .. }
+            | TandemError::Internal(_) => false,
         }
     }
 }

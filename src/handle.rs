@@ -82,9 +82,9 @@ impl TandemHandle {
                     system.run().ok();
                 }
             })
-            .map_err(|e| TandemError::InvalidRequest {
-                field: "runtime",
-                reason: format!("cannot spawn the actor thread: {e}"),
+            .map_err(|e| TandemError::ThreadSpawn {
+                thread: "tandem-actors",
+                reason: e.to_string(),
             })?;
         let handle = rx.recv().map_err(|_| TandemError::Unavailable)??;
         Ok((handle, join))

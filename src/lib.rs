@@ -35,8 +35,16 @@
 //! - [`model`], [`kv`], [`sampler`]: the tensor code (candle).
 //! - [`tokenizer`]: HF tokenizers, incremental detokenizer, stop matching.
 //! - [`tiny`]: the embedded default model.
-//! - [`server`]: the OpenAI-compatible HTTP API (actix-web) of the `tandem`
-//!   binary.
+//! - `server` (cargo feature `server`, on by default): the OpenAI-compatible
+//!   HTTP API (actix-web, minijinja chat templates) of the `tandem` binary.
+//!
+//! # Cargo features
+//! - `server` (default): the HTTP server module, the `tandem` binary, and
+//!   the examples and tests that use them. A service that embeds Tandem
+//!   through [`TandemHandle`] or its own actors can build with
+//!   `default-features = false` and leave actix-web, minijinja and the
+//!   binary's command-line crates out of its tree.
+//! - `cuda`, `metal`: candle's GPU backends.
 
 pub mod api;
 pub mod engine;
@@ -46,7 +54,10 @@ pub mod model;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;
+#[cfg(feature = "server")]
 pub mod server;
+#[doc(hidden)]
+pub mod testing;
 pub mod tiny;
 pub mod tokenizer;
 pub mod train;

@@ -14,10 +14,10 @@ use std::sync::Arc;
 use actix::prelude::*;
 use tokio::sync::mpsc;
 
-use crate::api::{Event, Finished, TandemError, TokenInfo, TopLogprob};
-use crate::scheduler::{
-    Cancel, CancelReason, FinishReason, RequestId, Scheduler, SchedulerError, SeqEvent, SeqRequest,
-};
+use crate::api::{Event, Finished, GenerateRequest, Prompt, TandemError, TokenInfo, TopLogprob};
+use crate::engine::EngineInfo;
+use crate::scheduler::validate::{validate_seq, ValidSeq};
+use crate::scheduler::{Cancel, CancelReason, FinishReason, RequestId, Scheduler, SeqEvent};
 use crate::tokenizer::{StreamStep, TextStream, Tokenizer};
 
 /// Where a request's events go: an actor's mailbox or an async channel.
@@ -210,83 +210,120 @@ impl Handler<SeqEvent> for RequestActor {
 /// Submit a text request; its [`Event`]s go to `events`. Send it to the
 /// scheduler's `Addr` from any actor. Replies with the request's id, or with
 /// an error before the request takes a slot.
+///
+/// The prompt is tokenized and the request checked on a blocking worker
+/// thread, not on the scheduler's mailbox, so requests sent together may be
+/// queued in the order their checks finish rather than the order sent.
 #[derive(Message)]
 #[rtype(result = "Result<RequestId, TandemError>")]
 pub struct Generate {
-    pub request: crate::api::GenerateRequest,
+    pub request: GenerateRequest,
     pub events: EventSink,
 }
 
 impl Handler<Generate> for Scheduler {
-    type Result = Result<RequestId, TandemError>;
+    type Result = ResponseActFuture<Self, Result<RequestId, TandemError>>;
 
-    fn handle(&mut self, msg: Generate, ctx: &mut Context<Self>) -> Self::Result {
-        let tokenizer = self
-            .tokenizer()
-            .cloned()
-            .ok_or(TandemError::InvalidRequest {
+    /// Hands the text work to a worker thread and waits for it without
+    /// holding the mailbox: the scheduler keeps routing tokens and planning
+    /// steps meanwhile. Only the checked request comes back to this actor.
+    fn handle(&mut self, msg: Generate, _ctx: &mut Context<Self>) -> Self::Result {
+        let Some(tokenizer) = self.tokenizer().cloned() else {
+            self.count_rejected();
+            return Box::pin(actix::fut::ready(Err(TandemError::InvalidRequest {
                 field: "prompt",
                 reason:
                     "this scheduler was started without a tokenizer; submit token ids with `Submit`"
                         .into(),
-            })?;
-        let crate::api::GenerateRequest {
-            prompt,
-            max_tokens,
-            sampling,
-            stop,
-            mtp,
-        } = msg.request;
-        let prompt: Vec<u32> = match prompt {
-            crate::api::Prompt::Text(text) => tokenizer.encode(&text)?,
-            crate::api::Prompt::Tokens(ids) => ids,
+            })));
         };
-        let vocab_size = self.engine_info().vocab_size;
-        if let Some((index, &token)) = prompt
-            .iter()
-            .enumerate()
-            .find(|(_, &t)| t as usize >= vocab_size)
-        {
-            return Err(SchedulerError::TokenOutOfVocab {
-                index,
-                token,
-                vocab_size,
-            }
-            .into());
-        }
-        let context_len = self.engine_info().context_len;
-        let max_new_tokens = match max_tokens {
-            Some(0) => {
-                return Err(TandemError::InvalidRequest {
-                    field: "max_tokens",
-                    reason: "must be at least 1".into(),
-                })
-            }
-            Some(n) if n >= context_len => {
-                return Err(TandemError::InvalidRequest {
-                    field: "max_tokens",
-                    reason: format!("must be below the context length of {context_len}, got {n}"),
-                })
-            }
-            Some(n) => n,
-            // Until EOS or a full context.
-            None => context_len.saturating_sub(prompt.len()).max(1),
+        let Generate { request, events } = msg;
+        let info = self.engine_info().clone();
+        let workers = self.text_workers().clone();
+        let worker_tokenizer = tokenizer.clone();
+        let checking = async move {
+            // The semaphore is never closed, so the permit always comes.
+            let _permit = workers.acquire_owned().await.ok();
+            tokio::task::spawn_blocking(move || check_text(request, &worker_tokenizer, &info))
+                .await
         };
-        if stop.iter().any(|s| s.is_empty()) {
-            return Err(TandemError::InvalidRequest {
-                field: "stop",
-                reason: "stop strings must not be empty".into(),
-            });
-        }
-        let stream = TextStream::with_context(tokenizer.clone(), stop, &prompt)?;
-        let actor = RequestActor::new(stream, msg.events, ctx.address(), tokenizer).start();
-        let request = SeqRequest {
-            prompt: Arc::from(prompt),
-            sampling,
-            max_new_tokens,
-            spec: mtp,
-            events: actor.recipient(),
-        };
-        Ok(self.submit_request(request, ctx)?)
+        Box::pin(checking.into_actor(self).map(move |checked, scheduler, ctx| {
+            let checked = match checked {
+                Ok(Ok(checked)) => checked,
+                Ok(Err(e)) => {
+                    scheduler.count_rejected();
+                    return Err(e);
+                }
+                Err(join) => {
+                    scheduler.count_rejected();
+                    return Err(TandemError::Internal(format!(
+                        "the worker checking the request failed: {join}"
+                    )));
+                }
+            };
+            let actor = RequestActor::new(checked.stream, events, ctx.address(), tokenizer).start();
+            Ok(scheduler.submit_valid(checked.seq, actor.recipient(), ctx)?)
+        }))
     }
+}
+
+/// A text request after the edge's checks: the token-level [`ValidSeq`] the
+/// scheduler carries, and the request actor's text state (detokenizer and
+/// stop strings, primed with the prompt).
+pub(crate) struct CheckedText {
+    pub seq: ValidSeq,
+    pub stream: TextStream<TokenInfo>,
+}
+
+/// Tokenizes a text request and checks it against the engine's limits: the
+/// text layer's own fields (`max_tokens` resolved against the context,
+/// non-empty stop strings), then [`validate_seq`] for everything the
+/// scheduler and the engine rely on. Blocking (tokenizer work); run it off
+/// the scheduler's mailbox.
+pub(crate) fn check_text(
+    request: GenerateRequest,
+    tokenizer: &Arc<Tokenizer>,
+    info: &EngineInfo,
+) -> Result<CheckedText, TandemError> {
+    let GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling,
+        stop,
+        mtp,
+    } = request;
+    let prompt: Vec<u32> = match prompt {
+        Prompt::Text(text) => tokenizer.encode(&text)?,
+        Prompt::Tokens(ids) => ids,
+    };
+    let context_len = info.context_len;
+    let max_new_tokens = match max_tokens {
+        // `max_new_tokens` 0 is refused by `validate_seq` too, but that
+        // error names the token-level field, not the one this caller sent.
+        Some(0) => {
+            return Err(TandemError::InvalidRequest {
+                field: "max_tokens",
+                reason: "must be at least 1".into(),
+            })
+        }
+        Some(n) if n >= context_len => {
+            return Err(TandemError::InvalidRequest {
+                field: "max_tokens",
+                reason: format!("must be below the context length of {context_len}, got {n}"),
+            })
+        }
+        Some(n) => n,
+        // Until EOS or a full context.
+        None => context_len.saturating_sub(prompt.len()).max(1),
+    };
+    if stop.iter().any(|s| s.is_empty()) {
+        return Err(TandemError::InvalidRequest {
+            field: "stop",
+            reason: "stop strings must not be empty".into(),
+        });
+    }
+    let prompt: Arc<[u32]> = Arc::from(prompt);
+    let seq = validate_seq(prompt.clone(), sampling, max_new_tokens, mtp, info)?;
+    let stream = TextStream::with_context(tokenizer.clone(), stop, &prompt)?;
+    Ok(CheckedText { seq, stream })
 }

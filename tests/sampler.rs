@@ -1,6 +1,7 @@
-//! Behaviour of the batched sampler: the seed's test cases ported (options
-//! table, history window and ring wrap, batched == per-slot across the
-//! dispatch branches, no history leak after remove, per-row logprobs).
+//! Behaviour of the batched sampler: a table of options and their expected
+//! tokens, the history window and its ring wrap, batched calls equal to
+//! per-slot calls on every dispatch branch, no history leak after remove,
+//! per-row logprobs.
 //! Paths, seeding and errors are in `sampler_api.rs`, property and
 //! statistical tests in `sampler_props.rs`, MTP hooks in
 //! `sampler_speculative.rs`.
@@ -8,8 +9,9 @@
 use candle_core::{Device, Tensor};
 use tandem::sampler::{SamplePath, SampleResult, Sampler, SamplingOptions};
 
-/// Go's zero-valued Options, which the seed's tests build on: greedy, no
-/// truncation, no penalties (window 0).
+/// Every option at zero, the base the cases below change one field of:
+/// greedy, no truncation, no penalties (window 0). Note `top_p` and
+/// `repeat_penalty` at 0 rather than their neutral 1: zero must mean "off".
 fn zero() -> SamplingOptions {
     SamplingOptions {
         temperature: 0.0,

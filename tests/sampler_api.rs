@@ -1,4 +1,4 @@
-//! Sampler API contracts beyond the seed's cases: which path a call takes,
+//! Sampler API contracts beyond `sampler.rs`'s behaviour: which path a call takes,
 //! per-slot seeding across batches and paths, dtype and threading
 //! independence, and typed errors that leave the state untouched.
 

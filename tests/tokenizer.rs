@@ -2,8 +2,9 @@
 //! decoding across split multi-byte characters, stop strings, and the
 //! generated word-level vocabulary.
 //!
-//! Tests that read `/work/shared` (as `../shared` next to the crate) print
-//! `SKIP:` and pass when it is absent; the rest build tokenizers in code.
+//! Tests that read the reference files (`../shared` next to the crate, see
+//! [`tandem::testing`]) print `SKIP:` and pass when they are absent, unless
+//! `TANDEM_REQUIRE_REFERENCES=1`; the rest build tokenizers in code.
 
 #[path = "tokenizer/incremental.rs"]
 mod incremental;
@@ -23,8 +24,9 @@ use tandem::tokenizer::{
     Tokenizer, TokenizerError,
 };
 
-const STORIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/models/stories260k");
-const LLAMA100M: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/bench/llama-100m");
+/// Model folders of the reference files, relative to their root.
+const STORIES: &str = "models/stories260k";
+const LLAMA100M: &str = "bench/llama-100m";
 
 /// Texts whose characters need 2, 3 and 4 UTF-8 bytes.
 const MULTIBYTE: &[&str] = &[
@@ -34,26 +36,20 @@ const MULTIBYTE: &[&str] = &[
     "mixed: ñ ß 漢字 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 done",
 ];
 
-fn shared_dir(dir: &str) -> Option<&Path> {
-    let path = Path::new(dir);
-    if path.is_dir() {
-        Some(path)
-    } else {
-        eprintln!("SKIP: {dir} is absent");
-        None
-    }
-}
-
+/// The tokenizer of a reference model folder, or `None` after a SKIP.
 fn load(dir: &str) -> Option<Arc<Tokenizer>> {
-    let dir = shared_dir(dir)?;
+    let dir = tandem::testing::shared(dir)?;
     Some(Arc::new(
-        Tokenizer::from_dir(dir).expect("shared tokenizer loads"),
+        Tokenizer::from_dir(&dir).expect("shared tokenizer loads"),
     ))
 }
 
 /// stories260k's `reference.json` (llama2.c outputs for three prompts).
+/// Call it after [`load`] found the folder.
 fn stories_reference() -> Value {
-    let path = Path::new(STORIES).join("reference.json");
+    let path = tandem::testing::shared_root()
+        .join(STORIES)
+        .join("reference.json");
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 

@@ -3,7 +3,11 @@
 //!
 //! The actor lives on the caller's actix arbiter and never runs the model:
 //! plans go to the engine thread over its channel, and the engine's outcome
-//! callback `do_send`s a [`StepDone`] back into this actor's mailbox.
+//! callback `do_send`s a [`StepDone`] back into this actor's mailbox. Nor
+//! does it touch text: a `Generate` is tokenized and checked on a blocking
+//! worker (`request::check_text`), and only the checked request comes back
+//! to the mailbox. While a plan is in flight, every millisecond this actor
+//! spends is time the next plan waits.
 //!
 //! One step, from the actor's side:
 //! 1. `StepDone(N)` arrives; the core applies it (counters, tokens, ends).
@@ -19,19 +23,19 @@
 //! stops the actor; `stopped` then ends every request and joins the engine.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use actix::WeakAddr;
-use tokio::sync::oneshot;
-
-use std::sync::Arc;
+use tokio::sync::{oneshot, Semaphore};
 
 use crate::engine::{EngineInfo, EngineThread, StepExecutor, StepOutcome};
 use crate::tokenizer::Tokenizer;
 
 use super::messages::{EngineExited, Kick};
 use super::state::SchedulerState;
+use super::validate::{validate_seq, ValidSeq};
 use super::{
     Cancel, CancelReason, RequestId, SchedulerConfig, SchedulerError, SchedulerStats, SeqEvent,
     SeqRequest, Shutdown, ShutdownMode, Stats, StepDone, Submit,
@@ -56,7 +60,12 @@ pub struct Scheduler {
     last_submit: Option<Instant>,
     /// Tokenizer for text requests (`Generate`); `None` for a token-only scheduler.
     tokenizer: Option<Arc<Tokenizer>>,
-    /// The engine's limits (context length for `Generate`'s defaults).
+    /// Permits for the blocking threads that tokenize and check `Generate`
+    /// requests, one per core: a burst of text requests then waits for a
+    /// permit instead of growing tokio's blocking pool toward its 512
+    /// threads, which would only compete with the engine for the cores.
+    text_workers: Arc<Semaphore>,
+    /// The engine's limits, which every request is checked against.
     info: EngineInfo,
 }
 
@@ -93,6 +102,11 @@ impl Scheduler {
         self.tokenizer.as_ref()
     }
 
+    /// The permits of the text layer's tokenizing threads.
+    pub(crate) fn text_workers(&self) -> &Arc<Semaphore> {
+        &self.text_workers
+    }
+
     /// The engine's limits.
     pub(crate) fn engine_info(&self) -> &EngineInfo {
         &self.info
@@ -127,6 +141,9 @@ impl Scheduler {
             shutdown: None,
             last_submit: None,
             tokenizer,
+            text_workers: Arc::new(Semaphore::new(
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            )),
             info,
         };
         Ok(ctx.run(actor))
@@ -307,14 +324,13 @@ impl Handler<Submit> for Scheduler {
 }
 
 impl Scheduler {
-    /// Queues a token-level request (the body of `Submit`, shared with the
-    /// text layer's `Generate`).
-    pub(crate) fn submit_request(
+    /// Checks and queues a token-level request (the body of `Submit`). The
+    /// checks are one pass over the prompt ids, cheap enough for the mailbox.
+    fn submit_request(
         &mut self,
         request: SeqRequest,
         ctx: &mut Context<Self>,
     ) -> Result<RequestId, SchedulerError> {
-        let now = Instant::now();
         let SeqRequest {
             prompt,
             sampling,
@@ -322,6 +338,24 @@ impl Scheduler {
             spec,
             events,
         } = request;
+        match validate_seq(prompt, sampling, max_new_tokens, spec, &self.info) {
+            Ok(seq) => self.submit_valid(seq, events, ctx),
+            Err(e) => {
+                self.state.count_rejected();
+                Err(e)
+            }
+        }
+    }
+
+    /// Queues a request checked at the edge; `events` is where its
+    /// [`SeqEvent`]s go. Shared by `Submit` and the text layer's `Generate`.
+    pub(crate) fn submit_valid(
+        &mut self,
+        seq: ValidSeq,
+        events: Recipient<SeqEvent>,
+        ctx: &mut Context<Self>,
+    ) -> Result<RequestId, SchedulerError> {
+        let now = Instant::now();
         if self.state.queue_full() {
             // Dead entries must not hold queue space against live clients.
             let routes = &self.routes;
@@ -329,12 +363,16 @@ impl Scheduler {
                 .drop_dead_queued(|id| Self::is_live(routes, id), now, &mut self.outbox);
             self.route_events();
         }
-        let id = self
-            .state
-            .submit(prompt, sampling, max_new_tokens, spec, now)?;
+        let id = self.state.submit(seq, now)?;
         self.routes.insert(id, events);
         self.kick(ctx);
         Ok(id)
+    }
+
+    /// Counts a request that failed the text layer's checks (they run off
+    /// this mailbox, so the core never saw it).
+    pub(crate) fn count_rejected(&mut self) {
+        self.state.count_rejected();
     }
 }
 

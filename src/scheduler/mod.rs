@@ -33,7 +33,8 @@
 //! - [`error`]: [`SchedulerError`], the one error enum of this layer.
 //! - [`messages`]: messages in ([`Submit`], [`Cancel`], [`Stats`],
 //!   [`Shutdown`]) and events out ([`SeqEvent`]).
-//! - `validate`: turns a [`SeqRequest`] into a checked, queueable request.
+//! - `validate`: the edge's checks; the only constructor of `ValidSeq`, the
+//!   checked request the queue, the slots and the engine's `Admission` carry.
 //! - `queue`: the bounded FIFO of requests waiting for a slot.
 //! - `slots`: the slot table: running sequences, free list, KV reservations.
 //! - `plan`: the pure step planner (admission, decodes, prefill chunks).
@@ -53,7 +54,7 @@ mod plan;
 mod queue;
 mod slots;
 mod state;
-mod validate;
+pub(crate) mod validate;
 
 use std::fmt;
 

@@ -96,19 +96,13 @@ impl WaitingQueue {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::sampler::SamplingOptions;
+    use crate::scheduler::validate::tests::valid;
 
     /// A queued request with `prompt_len` tokens and the given reservation.
     pub(crate) fn queued(id: u64, prompt_len: usize, max_new: usize) -> QueuedSeq {
         QueuedSeq {
             id: RequestId(id),
-            spec: ValidSeq {
-                prompt: vec![1u32; prompt_len].into(),
-                sampling: SamplingOptions::greedy(),
-                max_new_tokens: max_new,
-                spec: None,
-                kv_reserve: prompt_len + max_new,
-            },
+            spec: valid(prompt_len, max_new),
             submitted_at: Instant::now(),
             span: tracing::Span::none(),
         }

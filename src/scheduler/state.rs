@@ -19,13 +19,12 @@ use std::time::{Duration, Instant};
 use crate::engine::{
     EngineInfo, SeqFinish, SeqOutcome, SeqProgress, SeqWork, SlotId, StepOutcome, StepPlan,
 };
-use crate::sampler::SamplingOptions;
 
 use super::metrics::{Metrics, SchedulerStats};
 use super::plan::{plan_step, PlanLimits};
 use super::queue::{QueuedSeq, WaitingQueue};
 use super::slots::{RunningSeq, SlotTable};
-use super::validate::validate_seq;
+use super::validate::ValidSeq;
 use super::{
     CancelReason, FinishReason, RequestId, SchedulerConfig, SchedulerError, SeqEvent, Timings,
     Usage,
@@ -108,16 +107,10 @@ impl SchedulerState {
         }
     }
 
-    /// Validates and queues a request. Nothing is reserved on failure.
-    pub fn submit(
-        &mut self,
-        prompt: std::sync::Arc<[u32]>,
-        sampling: SamplingOptions,
-        max_new_tokens: usize,
-        spec: Option<crate::engine::SpecOptions>,
-        now: Instant,
-    ) -> Result<RequestId, SchedulerError> {
-        let result = self.try_submit(prompt, sampling, max_new_tokens, spec, now);
+    /// Queues a checked request (see `validate`). Nothing is reserved on
+    /// failure (overloaded or closed).
+    pub fn submit(&mut self, seq: ValidSeq, now: Instant) -> Result<RequestId, SchedulerError> {
+        let result = self.try_submit(seq, now);
         match &result {
             Ok(_) => self.counters.submitted += 1,
             Err(_) => self.counters.rejected += 1,
@@ -125,24 +118,22 @@ impl SchedulerState {
         result
     }
 
-    fn try_submit(
-        &mut self,
-        prompt: std::sync::Arc<[u32]>,
-        sampling: SamplingOptions,
-        max_new_tokens: usize,
-        spec_options: Option<crate::engine::SpecOptions>,
-        now: Instant,
-    ) -> Result<RequestId, SchedulerError> {
+    /// Counts a request refused before it reached [`submit`](Self::submit)
+    /// (it failed validation at the edge).
+    pub fn count_rejected(&mut self) {
+        self.counters.rejected += 1;
+    }
+
+    fn try_submit(&mut self, spec: ValidSeq, now: Instant) -> Result<RequestId, SchedulerError> {
         if let Some(error) = &self.closed {
             return Err(error.clone());
         }
-        let spec = validate_seq(prompt, sampling, max_new_tokens, spec_options, &self.info)?;
         let id = RequestId(self.next_id);
         let span = tracing::debug_span!(
             "request",
             %id,
             prompt_len = spec.prompt.len(),
-            max_new_tokens
+            max_new_tokens = spec.max_new_tokens
         );
         self.queue.push(QueuedSeq {
             id,

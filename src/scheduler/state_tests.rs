@@ -26,15 +26,22 @@ fn state(max_seqs: usize) -> SchedulerState {
     SchedulerState::new(&config, info())
 }
 
-fn submit(s: &mut SchedulerState, prompt_len: usize, max_new: usize) -> RequestId {
-    s.submit(
+/// A greedy request of `prompt_len` tokens, checked against `info()`.
+fn checked(prompt_len: usize, max_new: usize) -> ValidSeq {
+    let sampling = crate::sampler::SamplingOptions::greedy();
+    super::super::validate::validate_seq(
         vec![5u32; prompt_len].into(),
-        SamplingOptions::greedy(),
+        sampling,
         max_new,
         None,
-        Instant::now(),
+        &info(),
     )
     .expect("valid request")
+}
+
+fn submit(s: &mut SchedulerState, prompt_len: usize, max_new: usize) -> RequestId {
+    s.submit(checked(prompt_len, max_new), Instant::now())
+        .expect("room in the queue")
 }
 
 fn plan(s: &mut SchedulerState, out: &mut Vec<SeqEvent>) -> StepPlan {
@@ -285,12 +292,6 @@ fn fail_all_and_stop_accepting() {
         }
     )));
     assert!(s.is_drained() && !s.plan_in_flight());
-    let err = s.submit(
-        vec![1u32].into(),
-        SamplingOptions::greedy(),
-        1,
-        None,
-        Instant::now(),
-    );
+    let err = s.submit(checked(1, 1), Instant::now());
     assert_eq!(err, Err(SchedulerError::EngineGone));
 }

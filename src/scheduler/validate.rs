@@ -1,32 +1,49 @@
-//! Edge validation: a [`SeqRequest`]'s token-level spec becomes a
-//! [`ValidSeq`] before it takes queue space or a slot.
+//! Edge validation: the one place where a token-level request becomes a
+//! [`ValidSeq`], the checked type that the scheduler queues, admits and
+//! hands to the engine.
 //!
-//! Everything the engine would otherwise reject (or worse, panic on) is
-//! checked here against the engine's [`EngineInfo`], so inner layers only see
-//! requests that fit: a non-empty prompt shorter than the context, in-vocab
-//! token ids, sane sampling options, and a KV reservation the pool can hold.
+//! # Invariants
+//! - [`validate_seq`] is the only constructor of a [`ValidSeq`] (a private
+//!   field keeps struct literals out of every other module), so holding one
+//!   proves the request was checked against the engine's [`EngineInfo`]: a
+//!   non-empty prompt shorter than the context, every prompt id inside the
+//!   vocabulary, at least one token to generate, sampling and speculation
+//!   options in range, and a KV reservation the pool can hold.
+//! - Nothing downstream checks these again. The scheduler core takes a
+//!   `ValidSeq` and only adds queue and slot admission; the engine receives
+//!   the same values in its `Admission`.
 //!
-//! [`SeqRequest`]: super::SeqRequest
+//! Callers: the scheduler's `Submit` handler (token-level requests, on the
+//! scheduler's mailbox: the checks are a pass over the prompt ids, no text)
+//! and the text layer's `Generate` path, which tokenizes and validates off
+//! the scheduler's mailbox and sends the finished `ValidSeq` in.
 
 use std::sync::Arc;
 
-use crate::engine::EngineInfo;
+use crate::engine::{EngineInfo, SpecOptions};
 use crate::sampler::SamplingOptions;
 
 use super::SchedulerError;
 
-/// A checked request, with its KV reservation resolved.
+/// A checked request, with its KV reservation resolved. Built only by
+/// [`validate_seq`]; the fields are public to the scheduler so that the
+/// planner can move them into the engine's `Admission`.
 #[derive(Debug, Clone)]
 pub(crate) struct ValidSeq {
     pub prompt: Arc<[u32]>,
     pub sampling: SamplingOptions,
     pub max_new_tokens: usize,
-    /// Speculative decoding options (validated).
-    pub spec: Option<crate::engine::SpecOptions>,
+    /// Speculative decoding options; `None` uses the engine's default.
+    pub spec: Option<SpecOptions>,
     /// `min(prompt + max_new_tokens, context_len)`: the most KV tokens the
     /// sequence can ever occupy, reserved up front at admission.
     pub kv_reserve: usize,
+    /// Private, so that no other module can build an unchecked `ValidSeq`.
+    _checked: Checked,
 }
+
+#[derive(Debug, Clone)]
+struct Checked;
 
 /// Checks a request against the engine's limits. The order matters only for
 /// which error a request with several faults reports: shape first, then
@@ -35,7 +52,7 @@ pub(crate) fn validate_seq(
     prompt: Arc<[u32]>,
     sampling: SamplingOptions,
     max_new_tokens: usize,
-    spec: Option<crate::engine::SpecOptions>,
+    spec: Option<SpecOptions>,
     info: &EngineInfo,
 ) -> Result<ValidSeq, SchedulerError> {
     if prompt.is_empty() {
@@ -81,11 +98,12 @@ pub(crate) fn validate_seq(
         max_new_tokens,
         spec,
         kv_reserve,
+        _checked: Checked,
     })
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn info() -> EngineInfo {
@@ -97,6 +115,26 @@ mod tests {
             kv_capacity_tokens: 80,
             speculation: None,
         }
+    }
+
+    /// A greedy `ValidSeq` of `prompt_len` ones, checked against an engine
+    /// large enough for any test request.
+    pub(crate) fn valid(prompt_len: usize, max_new_tokens: usize) -> ValidSeq {
+        let roomy = EngineInfo {
+            model_name: "test".into(),
+            context_len: usize::MAX,
+            vocab_size: 2,
+            eos_ids: vec![0],
+            kv_capacity_tokens: usize::MAX,
+        };
+        validate_seq(
+            vec![1u32; prompt_len].into(),
+            SamplingOptions::greedy(),
+            max_new_tokens,
+            None,
+            &roomy,
+        )
+        .expect("a valid test request")
     }
 
     fn check(prompt: &[u32], max_new: usize) -> Result<ValidSeq, SchedulerError> {
@@ -148,6 +186,23 @@ mod tests {
         let err = validate_seq([1u32].into(), bad, 5, None, &info()).err();
         assert!(
             matches!(err, Some(SchedulerError::Sampling(_))),
+            "got {err:?}"
+        );
+        let bad_spec = SpecOptions {
+            initial_draft: 9,
+            max_draft: 4,
+            ..SpecOptions::default()
+        };
+        let err = validate_seq(
+            [1u32].into(),
+            SamplingOptions::greedy(),
+            5,
+            Some(bad_spec),
+            &info(),
+        )
+        .err();
+        assert!(
+            matches!(err, Some(SchedulerError::InvalidSpec(_))),
             "got {err:?}"
         );
     }

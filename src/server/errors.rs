@@ -167,10 +167,20 @@ impl ApiError {
                 code,
                 "the scheduler is not running",
             ),
+            TandemError::ThreadSpawn { .. } | TandemError::Internal(_) => {
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, code, message)
+            }
             TandemError::Scheduler(s) => match s {
-                SchedulerError::EmptyPrompt
-                | SchedulerError::PromptTooLong { .. }
-                | SchedulerError::TokenOutOfVocab { .. } => bad(prompt_field),
+                SchedulerError::EmptyPrompt | SchedulerError::PromptTooLong { .. } => {
+                    bad(prompt_field)
+                }
+                // Only `/v1/completions` takes token ids from the client, and
+                // its field is `prompt`: name the id's position there. Chat
+                // prompts come from the template, so only the field is named.
+                SchedulerError::TokenOutOfVocab { index, .. } if prompt_field == "prompt" => {
+                    bad(&format!("prompt[{index}]"))
+                }
+                SchedulerError::TokenOutOfVocab { .. } => bad(prompt_field),
                 SchedulerError::ZeroMaxNewTokens | SchedulerError::ExceedsKvCapacity { .. } => {
                     bad("max_tokens")
                 }
@@ -278,6 +288,21 @@ mod tests {
             }));
         let e = ApiError::from_tandem(&sampling, "prompt");
         assert_eq!(e.param.as_deref(), Some("repetition_penalty"));
+        let out_of_vocab = TandemError::Scheduler(SchedulerError::TokenOutOfVocab {
+            index: 1,
+            token: 99,
+            vocab_size: 50,
+        });
+        let e = ApiError::from_tandem(&out_of_vocab, "prompt");
+        assert_eq!(
+            (e.status.as_u16(), e.param.as_deref()),
+            (400, Some("prompt[1]"))
+        );
+        let spawn = TandemError::ThreadSpawn {
+            thread: "t",
+            reason: "no".into(),
+        };
+        assert_eq!(ApiError::from_tandem(&spawn, "prompt").status, 500);
         let gone = TandemError::Scheduler(SchedulerError::ShuttingDown);
         assert_eq!(ApiError::from_tandem(&gone, "prompt").status, 503);
         assert_eq!(

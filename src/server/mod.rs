@@ -1,33 +1,63 @@
-//! The OpenAI-compatible HTTP API of the `tandem` binary, on actix-web in
-//! the same actix System as the scheduler.
+//! The OpenAI-compatible HTTP API: actix-web handlers in front of a
+//! [`TandemHandle`](crate::TandemHandle). Built with the cargo feature
+//! `server` (on by default), like the `tandem` binary that serves it.
+//!
+//! The binary runs the HTTP workers and the scheduler in one actix System;
+//! the handlers only reach the scheduler through the handle's messages, so
+//! a host may equally serve a handle whose scheduler lives elsewhere
+//! ([`TandemHandle::spawn`](crate::TandemHandle::spawn)).
 //!
 //! # Ownership
 //! - [`AppState`] is shared by every HTTP worker: the phase (loading → ready
-//!   → shutting down), the limits and the API key. Only the owner of the
-//!   server's life cycle changes the phase ([`AppState::set_ready`],
-//!   [`shutdown_gracefully`]).
+//!   → shutting down), the HTTP limits and API key ([`HttpConfig`]), and the
+//!   counters of HTTP responses. Only the owner of the server's life cycle
+//!   (the binary, or a test) changes the phase: [`AppState::set_ready`] once
+//!   the model is loaded, [`shutdown_gracefully`] on a signal.
 //! - Each generation request owns its [`EventStream`](crate::handle::EventStream).
 //!   A streaming response owns it inside its body, so a client that
 //!   disconnects drops it and the request is cancelled at the next step.
 //! - The scheduler and the engine thread are reached only through the
 //!   [`TandemHandle`](crate::TandemHandle) held in the ready state.
 //!
+//! # Validation
+//! The handlers check what the OpenAI API defines (JSON types, OpenAI's
+//! ranges, unsupported fields) and build a [`GenerateRequest`]. Everything
+//! the library itself requires (sampling options, vocabulary, context and
+//! KV limits) is checked once, by the library, when the request reaches the
+//! scheduler; [`ApiError::from_tandem`] turns its errors into 400s that name
+//! the OpenAI field.
+//!
 //! # Routes
 //! `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE with
-//! `stream: true`), `GET /v1/models`, `GET /health`, `GET /metrics`.
-//! Errors are OpenAI-style JSON bodies ([`ApiError`]).
+//! `stream: true`), `GET /v1/models`, `GET /health` (503 while loading or
+//! shutting down), `GET /metrics` (Prometheus text); any other path or
+//! method is a 404.
+//! `/v1/*` routes require the API key when one is set. Errors are
+//! OpenAI-style JSON bodies ([`ApiError`]).
+//!
+//! # Life cycle
+//! [`bind`] binds the listener and returns the server future (signals are
+//! left to the caller); [`ShutdownSignal`] catches SIGINT / SIGTERM from
+//! start-up on; [`shutdown_gracefully`] refuses new requests (503), drains
+//! the scheduler for a bounded time, then aborts what is left.
 //!
 //! # Layout
 //! - [`state`]: [`AppState`], phases, auth, HTTP counters.
 //! - [`errors`]: [`ApiError`] and the one error → status mapping.
 //! - [`body`]: size-limited body reading and per-field typed access.
 //! - [`params`]: the fields both generation routes share.
-//! - [`mtp`]: MTP flag / extension parsing (only `off` runs for now).
+//! - [`mtp`]: the `--mtp` / `--draft-max` flags (`off`, `early-exit:L`,
+//!   `head:DIR`) and a request's `tandem` extension (`mtp: on | off`,
+//!   `draft_max`).
 //! - [`routes_completions`], [`routes_chat`], [`routes_misc`]: handlers.
 //! - [`openai_types`]: response shapes; [`sse`]: the streaming body.
 //! - [`chat_template`]: minijinja rendering of the model's chat template.
 //! - [`metrics`]: Prometheus text rendering.
-//! - [`load`]: model / device / dtype loading for the binary.
+//! - [`load`]: what the binary serves (a model folder or the embedded
+//!   model) on the requested device and dtype, with its tokenizer, chat
+//!   template and draft head, as an [`Engine`](crate::engine::Engine).
+//!
+//! [`GenerateRequest`]: crate::api::GenerateRequest
 
 pub mod body;
 pub mod chat_template;

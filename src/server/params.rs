@@ -3,10 +3,11 @@
 //!
 //! Each route adds its own fields (the prompt or the messages, and the
 //! logprobs options, whose shapes differ) and turns the result into a
-//! [`GenerateRequest`]. After the OpenAI range checks the library's own
-//! [`SamplingOptions::validate`] runs too, so nothing the sampler would
-//! refuse reaches the scheduler; its field names are translated back to
-//! OpenAI's.
+//! [`GenerateRequest`]. These are the OpenAI API's own checks (types,
+//! ranges, field names); what the library requires of a request (sampling
+//! options, vocabulary, limits) it checks once, when the request reaches
+//! the scheduler, and [`ApiError::from_tandem`] names the OpenAI field of
+//! any fault it finds there.
 //!
 //! Defaults follow OpenAI, not the library: `temperature` is 1 when absent
 //! (the library's default is greedy).
@@ -14,11 +15,11 @@
 use serde_json::Value;
 
 use super::body::{describe, Fields};
-use super::errors::{openai_field_name, ApiError};
+use super::errors::ApiError;
 use super::mtp::{check_draft_max, MtpMode};
 use crate::api::{GenerateRequest, Prompt};
 use crate::engine::SpecOptions;
-use crate::sampler::{SamplerError, SamplingOptions};
+use crate::sampler::SamplingOptions;
 
 /// Most stop strings one request may give.
 pub const MAX_STOP_STRINGS: usize = 16;
@@ -98,24 +99,14 @@ impl CommonParams {
 
     /// The library request for `prompt`, with `default_max_tokens` when the
     /// client gave no limit.
-    pub fn into_request(
-        self,
-        prompt: Prompt,
-        default_max_tokens: Option<usize>,
-    ) -> Result<GenerateRequest, ApiError> {
-        self.sampling.validate().map_err(|e| match e {
-            SamplerError::InvalidOption { field, reason } => {
-                ApiError::invalid_field(openai_field_name(field), reason)
-            }
-            other => ApiError::invalid_field("sampling", other),
-        })?;
-        Ok(GenerateRequest {
+    pub fn into_request(self, prompt: Prompt, default_max_tokens: Option<usize>) -> GenerateRequest {
+        GenerateRequest {
             prompt,
             max_tokens: self.max_tokens.or(default_max_tokens),
             sampling: self.sampling,
             stop: self.stop,
             mtp: self.mtp,
-        })
+        }
     }
 }
 

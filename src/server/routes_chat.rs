@@ -65,7 +65,7 @@ async fn handle(
     let add_generation_prompt = f.get::<bool>("add_generation_prompt")?.unwrap_or(true);
     let prompt = ready.template.render(&messages, add_generation_prompt)?;
     let (stream, include_usage) = (common.stream, common.include_usage);
-    let request = common.into_request(Prompt::Text(prompt), None)?;
+    let request = common.into_request(Prompt::Text(prompt), None);
     let mut events = ready
         .handle
         .generate(request)

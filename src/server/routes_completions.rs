@@ -45,7 +45,6 @@ async fn handle(
     let body = read_limited(req, payload, state.config.body_limit).await?;
     let f = parse_object(&body)?;
     let prompt = parse_prompt(&f)?;
-    check_token_ids(&prompt, ready.handle.info().vocab_size)?;
     check_unsupported(&f)?;
     let mut common = CommonParams::parse(&f, &["max_tokens"])?;
     let logprobs = f.int_in("logprobs", 0, MAX_TOP_LOGPROBS as i64)?;
@@ -54,7 +53,7 @@ async fn handle(
         common.sampling.top_logprobs = n as usize;
     }
     let (stream, include_usage) = (common.stream, common.include_usage);
-    let request = common.into_request(prompt, Some(DEFAULT_MAX_TOKENS))?;
+    let request = common.into_request(prompt, Some(DEFAULT_MAX_TOKENS));
     let mut events = ready
         .handle
         .generate(request)
@@ -142,24 +141,6 @@ fn parse_prompt(f: &Fields) -> Result<Prompt, ApiError> {
             ),
         )
     })
-}
-
-/// Token ids must be inside the model's vocabulary. (The library checks too,
-/// but its message names its own decoder, not the request field.)
-fn check_token_ids(prompt: &Prompt, vocab_size: usize) -> Result<(), ApiError> {
-    if let Prompt::Tokens(ids) = prompt {
-        if let Some((i, id)) = ids
-            .iter()
-            .enumerate()
-            .find(|(_, &id)| id as usize >= vocab_size)
-        {
-            return Err(ApiError::invalid_field(
-                format!("prompt[{i}]"),
-                format!("token id {id} is outside the vocabulary of {vocab_size} ids"),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Fields this server accepts only at their neutral value.

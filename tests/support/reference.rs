@@ -1,20 +1,10 @@
-//! The stories260k checkpoint of `../shared` and its reference outputs.
+//! The stories260k checkpoint of the reference files and its reference
+//! outputs. Where the files are, and what an absent one does (a SKIP, or a
+//! failure under `TANDEM_REQUIRE_REFERENCES=1`), is [`tandem::testing`]'s.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-/// A path under `../shared`, or `None` (with a visible SKIP line) when the
-/// folder is absent, as on a fresh machine.
-pub fn shared(rel: &str) -> Option<PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared")
-        .join(rel);
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("SKIP: {} is absent", p.display());
-        None
-    }
-}
+pub use tandem::testing::shared;
 
 /// stories260k's directory with its reference prompts and greedy
 /// continuations (token ids, from a trusted reference implementation).
