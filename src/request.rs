@@ -244,26 +244,30 @@ impl Handler<Generate> for Scheduler {
         let checking = async move {
             // The semaphore is never closed, so the permit always comes.
             let _permit = workers.acquire_owned().await.ok();
-            tokio::task::spawn_blocking(move || check_text(request, &worker_tokenizer, &info))
-                .await
+            tokio::task::spawn_blocking(move || check_text(request, &worker_tokenizer, &info)).await
         };
-        Box::pin(checking.into_actor(self).map(move |checked, scheduler, ctx| {
-            let checked = match checked {
-                Ok(Ok(checked)) => checked,
-                Ok(Err(e)) => {
-                    scheduler.count_rejected();
-                    return Err(e);
-                }
-                Err(join) => {
-                    scheduler.count_rejected();
-                    return Err(TandemError::Internal(format!(
-                        "the worker checking the request failed: {join}"
-                    )));
-                }
-            };
-            let actor = RequestActor::new(checked.stream, events, ctx.address(), tokenizer).start();
-            Ok(scheduler.submit_valid(checked.seq, actor.recipient(), ctx)?)
-        }))
+        Box::pin(
+            checking
+                .into_actor(self)
+                .map(move |checked, scheduler, ctx| {
+                    let checked = match checked {
+                        Ok(Ok(checked)) => checked,
+                        Ok(Err(e)) => {
+                            scheduler.count_rejected();
+                            return Err(e);
+                        }
+                        Err(join) => {
+                            scheduler.count_rejected();
+                            return Err(TandemError::Internal(format!(
+                                "the worker checking the request failed: {join}"
+                            )));
+                        }
+                    };
+                    let actor =
+                        RequestActor::new(checked.stream, events, ctx.address(), tokenizer).start();
+                    Ok(scheduler.submit_valid(checked.seq, actor.recipient(), ctx)?)
+                }),
+        )
     }
 }
 

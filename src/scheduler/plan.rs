@@ -139,10 +139,11 @@ fn admit(
             out.abandoned.extend(queue.pop_front());
             continue;
         }
-        let drafting = Drafting::resolve(head.spec.spec, limits.speculation, &head.spec.sampling);
+        let drafting =
+            Drafting::resolve(head.seq.speculation, limits.speculation, &head.seq.sampling);
         let step_tokens = limits.reserved_step_tokens(drafting);
         let fits_step = step_reserved + step_tokens <= limits.step_token_budget;
-        if !fits_step || !slots.can_admit(head.spec.kv_reserve) {
+        if !fits_step || !slots.can_admit(head.seq.kv_reserve) {
             break;
         }
         let Some(q) = queue.pop_front() else { break };
@@ -151,13 +152,13 @@ fn admit(
         let admission = |slot| RunningSeq {
             id: q.id,
             slot,
-            prompt_len: q.spec.prompt.len(),
+            prompt_len: q.seq.prompt.len(),
             num_prefilled: 0,
             generated: 0,
             drafted: 0,
             accepted_drafts: 0,
-            max_new_tokens: q.spec.max_new_tokens,
-            kv_reserve: q.spec.kv_reserve,
+            max_new_tokens: q.seq.max_new_tokens,
+            kv_reserve: q.seq.kv_reserve,
             drafting,
             submitted_at: q.submitted_at,
             admitted_at: now,
@@ -165,16 +166,16 @@ fn admit(
             last_token_at: None,
             span: q.span.clone(),
         };
-        let Some(slot) = slots.admit(q.spec.kv_reserve, admission) else {
+        let Some(slot) = slots.admit(q.seq.kv_reserve, admission) else {
             break; // can_admit said yes just above
         };
         out.plan.admit.push(Admission {
             slot,
-            prompt: q.spec.prompt,
-            sampling: q.spec.sampling,
-            max_new_tokens: q.spec.max_new_tokens,
-            kv_reserve: q.spec.kv_reserve,
-            spec: q.spec.spec,
+            prompt: q.seq.prompt,
+            sampling: q.seq.sampling,
+            max_new_tokens: q.seq.max_new_tokens,
+            kv_reserve: q.seq.kv_reserve,
+            spec: q.seq.speculation,
         });
         out.admitted.push(Admitted {
             id: q.id,
@@ -440,9 +441,9 @@ mod tests {
     /// A queued request that may draft (`seed`: sampled and seeded, so pinned).
     fn drafting(id: u64, prompt_len: usize, max_draft: usize, seed: Option<u64>) -> QueuedSeq {
         let mut q = queued(id, prompt_len, 100);
-        q.spec.spec = Some(SpecOptions::constant(max_draft));
+        q.seq.speculation = Some(SpecOptions::constant(max_draft));
         if let Some(seed) = seed {
-            q.spec.sampling = crate::sampler::SamplingOptions {
+            q.seq.sampling = crate::sampler::SamplingOptions {
                 temperature: 0.8,
                 seed: Some(seed),
                 ..Default::default()

@@ -16,7 +16,7 @@ use super::{RequestId, SchedulerError};
 #[derive(Debug)]
 pub(crate) struct QueuedSeq {
     pub id: RequestId,
-    pub spec: ValidSeq,
+    pub seq: ValidSeq,
     pub submitted_at: Instant,
     /// Per-request tracing span, carried into the slot table on admission.
     pub span: tracing::Span,
@@ -102,7 +102,7 @@ pub(crate) mod tests {
     pub(crate) fn queued(id: u64, prompt_len: usize, max_new: usize) -> QueuedSeq {
         QueuedSeq {
             id: RequestId(id),
-            spec: valid(prompt_len, max_new),
+            seq: valid(prompt_len, max_new),
             submitted_at: Instant::now(),
             span: tracing::Span::none(),
         }

@@ -124,7 +124,7 @@ impl SchedulerState {
         self.counters.rejected += 1;
     }
 
-    fn try_submit(&mut self, spec: ValidSeq, now: Instant) -> Result<RequestId, SchedulerError> {
+    fn try_submit(&mut self, seq: ValidSeq, now: Instant) -> Result<RequestId, SchedulerError> {
         if let Some(error) = &self.closed {
             return Err(error.clone());
         }
@@ -132,12 +132,12 @@ impl SchedulerState {
         let span = tracing::debug_span!(
             "request",
             %id,
-            prompt_len = spec.prompt.len(),
-            max_new_tokens = spec.max_new_tokens
+            prompt_len = seq.prompt.len(),
+            max_new_tokens = seq.max_new_tokens
         );
         self.queue.push(QueuedSeq {
             id,
-            spec,
+            seq,
             submitted_at: now,
             span,
         })?;
@@ -578,7 +578,7 @@ fn queued_finished(q: &QueuedSeq, reason: FinishReason, now: Instant) -> SeqEven
         id: q.id,
         reason,
         usage: Usage {
-            prompt_tokens: q.spec.prompt.len(),
+            prompt_tokens: q.seq.prompt.len(),
             completion_tokens: 0,
             ..Usage::default()
         },

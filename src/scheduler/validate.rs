@@ -34,7 +34,7 @@ pub(crate) struct ValidSeq {
     pub sampling: SamplingOptions,
     pub max_new_tokens: usize,
     /// Speculative decoding options; `None` uses the engine's default.
-    pub spec: Option<SpecOptions>,
+    pub speculation: Option<SpecOptions>,
     /// `min(prompt + max_new_tokens, context_len)`: the most KV tokens the
     /// sequence can ever occupy, reserved up front at admission.
     pub kv_reserve: usize,
@@ -96,7 +96,7 @@ pub(crate) fn validate_seq(
         prompt,
         sampling,
         max_new_tokens,
-        spec,
+        speculation: spec,
         kv_reserve,
         _checked: Checked,
     })
@@ -126,6 +126,7 @@ pub(crate) mod tests {
             vocab_size: 2,
             eos_ids: vec![0],
             kv_capacity_tokens: usize::MAX,
+            speculation: None,
         };
         validate_seq(
             vec![1u32; prompt_len].into(),
