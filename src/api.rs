@@ -168,7 +168,10 @@ pub enum TandemError {
     /// The operating system refused a thread Tandem needs (the actor
     /// thread of [`crate::TandemHandle::spawn`]); not the request's fault.
     #[error("cannot start the `{thread}` thread: {reason}")]
-    ThreadSpawn { thread: &'static str, reason: String },
+    ThreadSpawn {
+        thread: &'static str,
+        reason: String,
+    },
     /// A fault inside Tandem while serving the request (a worker thread
     /// that panicked); not the request's fault.
     #[error("internal error: {0}")]

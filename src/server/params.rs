@@ -99,7 +99,11 @@ impl CommonParams {
 
     /// The library request for `prompt`, with `default_max_tokens` when the
     /// client gave no limit.
-    pub fn into_request(self, prompt: Prompt, default_max_tokens: Option<usize>) -> GenerateRequest {
+    pub fn into_request(
+        self,
+        prompt: Prompt,
+        default_max_tokens: Option<usize>,
+    ) -> GenerateRequest {
         GenerateRequest {
             prompt,
             max_tokens: self.max_tokens.or(default_max_tokens),
