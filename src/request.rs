@@ -250,24 +250,30 @@ impl Handler<Generate> for Scheduler {
             checking
                 .into_actor(self)
                 .map(move |checked, scheduler, ctx| {
-                    let checked = match checked {
-                        Ok(Ok(checked)) => checked,
-                        Ok(Err(e)) => {
-                            scheduler.count_rejected();
-                            return Err(e);
-                        }
-                        Err(join) => {
-                            scheduler.count_rejected();
-                            return Err(TandemError::Internal(format!(
-                                "the worker checking the request failed: {join}"
-                            )));
-                        }
-                    };
-                    let actor =
-                        RequestActor::new(checked.stream, events, ctx.address(), tokenizer).start();
-                    Ok(scheduler.submit_valid(checked.seq, actor.recipient(), ctx)?)
+                    let checked = checked.unwrap_or_else(|join| {
+                        Err(TandemError::Internal(format!(
+                            "the worker checking the request failed: {join}"
+                        )))
+                    });
+                    scheduler.queue_text(checked, events, tokenizer, ctx)
                 }),
         )
+    }
+}
+
+impl Scheduler {
+    /// Back on the mailbox with a checked text request: starts its request
+    /// actor and queues it; a refusal is counted like one at `Submit`.
+    fn queue_text(
+        &mut self,
+        checked: Result<CheckedText, TandemError>,
+        events: EventSink,
+        tokenizer: Arc<Tokenizer>,
+        ctx: &mut Context<Self>,
+    ) -> Result<RequestId, TandemError> {
+        let checked = checked.inspect_err(|_| self.count_rejected())?;
+        let actor = RequestActor::new(checked.stream, events, ctx.address(), tokenizer).start();
+        Ok(self.submit_valid(checked.seq, actor.recipient(), ctx)?)
     }
 }
 

@@ -284,6 +284,7 @@ async fn invalid_requests_are_rejected_before_taking_a_slot() {
             "stop",
         ),
     ];
+    let refused = bad.len() as u64;
     for (req, field) in bad {
         let err = handle.generate(req).await.err().expect("rejected");
         assert!(err.is_invalid_request(), "{err}");
@@ -302,6 +303,8 @@ async fn invalid_requests_are_rejected_before_taking_a_slot() {
     assert_eq!(n, 30, "the running request was not disturbed");
     let stats = handle.stats().await.unwrap();
     assert_eq!(stats.requests_submitted, 1);
+    // Checked off the scheduler's mailbox, yet counted by the scheduler.
+    assert_eq!(stats.requests_rejected, refused);
 }
 
 #[actix::test]
