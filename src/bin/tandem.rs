@@ -162,8 +162,12 @@ struct ServeArgs {
 struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// The prompt.
+    /// The prompt (with --chat: the user's message).
     prompt: String,
+    /// Send the prompt as one user message through the model's chat
+    /// template (as /v1/chat/completions does) instead of as raw text.
+    #[arg(long)]
+    chat: bool,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -359,7 +363,19 @@ async fn generate(args: GenerateArgs) -> Result<(), BoxError> {
         seed: args.seed,
         ..SamplingOptions::default()
     };
-    let request = GenerateRequest::new(args.prompt, args.max_tokens)
+    let prompt = if args.chat {
+        let message = tandem::server::chat_template::ChatMessage {
+            role: "user".into(),
+            content: args.prompt,
+        };
+        loaded
+            .template
+            .render(&[message], true)
+            .map_err(|e| format!("--chat: {}", e.message))?
+    } else {
+        args.prompt
+    };
+    let request = GenerateRequest::new(prompt, args.max_tokens)
         .with_sampling(sampling)
         .with_stop(args.stop);
     let mut events = handle.generate(request).await?;
