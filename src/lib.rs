@@ -33,6 +33,8 @@
 //! - [`engine`]: the plain-data step protocol, the engine thread and the
 //!   [`Engine`](engine::Engine) executor that owns every tensor.
 //! - [`model`], [`kv`], [`sampler`]: the tensor code (candle).
+//! - [`slot`]: [`SlotId`](slot::SlotId), the sequence identifier shared by
+//!   the engine and the tensor code (a leaf: it imports nothing).
 //! - [`tokenizer`]: HF tokenizers, incremental detokenizer, stop matching.
 //! - [`tiny`]: the embedded default model.
 //! - [`server`]: the OpenAI-compatible HTTP API (actix-web) of the `tandem`
@@ -47,6 +49,7 @@ pub mod request;
 pub mod sampler;
 pub mod scheduler;
 pub mod server;
+pub mod slot;
 pub mod tiny;
 pub mod tokenizer;
 pub mod train;

@@ -12,7 +12,7 @@ use super::history::HistoryPool;
 use super::host;
 use super::transform::{self, Plan, RowFault, RowJob, RowScratch};
 use super::{SamplePath, SampleResult, SamplerError, SamplingOptions};
-use crate::engine::SlotId;
+use crate::slot::SlotId;
 
 /// Below this many logits (rows × V) per extra thread, the uniform path
 /// stays on the calling thread: spawning costs more than it saves.

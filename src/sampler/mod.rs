@@ -107,7 +107,7 @@ mod transform;
 pub use batched::Sampler;
 pub use options::{SamplingOptions, MAX_TOP_LOGPROBS};
 
-use crate::engine::SlotId;
+use crate::slot::SlotId;
 
 /// Which dispatch path a [`Sampler::sample`] call took.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
