@@ -1,7 +1,7 @@
 //! Attention for a whole batch in a fixed number of ops, over pooled KV.
 //!
 //! On a GPU each op is a kernel launch, and launching the per-sequence
-//! attention of [`super::llama`] B times per layer costs more than the
+//! attention of [`super::candle_step`] B times per layer costs more than the
 //! arithmetic at decode batch sizes. With pooled KV storage
 //! ([`KvCache::pooled`]) every slot's rows live in one buffer per layer,
 //! so the batch's new K/V rows are written with one scatter and every
@@ -13,7 +13,7 @@
 //! Padding costs arithmetic, so when the sequences differ a lot in length
 //! (a long prefill chunk next to decodes) only the shorter ones form the
 //! padded group and each longer one is attended on its own (the
-//! per-sequence path of [`super::llama`]); their outputs are put back in
+//! per-sequence path of [`super::candle_step`]); their outputs are put back in
 //! batch order with one gather.
 
 use candle_core::{DType, Device, Tensor};
