@@ -33,6 +33,8 @@
 //! - [`engine`]: the plain-data step protocol, the engine thread and the
 //!   [`Engine`](engine::Engine) executor that owns every tensor.
 //! - [`model`], [`kv`], [`sampler`]: the tensor code (candle).
+//! - [`slot`]: [`SlotId`](slot::SlotId), the sequence identifier shared by
+//!   the engine and the tensor code (a leaf: it imports nothing).
 //! - [`tokenizer`]: HF tokenizers, incremental detokenizer, stop matching.
 //! - [`tiny`]: the embedded default model.
 //! - `server` (cargo feature `server`, on by default): the OpenAI-compatible
@@ -56,6 +58,7 @@ pub mod sampler;
 pub mod scheduler;
 #[cfg(feature = "server")]
 pub mod server;
+pub mod slot;
 #[doc(hidden)]
 pub mod testing;
 pub mod tiny;

@@ -19,8 +19,7 @@ use std::time::Duration;
 use crate::engine::EngineError;
 use crate::sampler::SamplingOptions;
 
-/// Identifies a sequence inside the engine (sampler row, KV cache, routing).
-pub type SlotId = u32;
+pub use crate::slot::SlotId;
 
 /// What the scheduler needs to know about the engine to plan steps.
 #[derive(Debug, Clone)]

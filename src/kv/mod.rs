@@ -31,7 +31,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::engine::SlotId;
+use crate::slot::SlotId;
 
 /// KV cache errors; the engine maps them to per-sequence failures.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

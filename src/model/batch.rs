@@ -1,6 +1,6 @@
 //! The ragged batch: many sequences' tokens concatenated into one forward pass.
 
-use crate::engine::SlotId;
+use crate::slot::SlotId;
 
 /// Which positions of a sequence the caller wants hidden states for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! Attention for a whole batch in a fixed number of ops, over pooled KV.
 //!
 //! On a GPU each op is a kernel launch, and launching the per-sequence
-//! attention of [`super::llama`] B times per layer costs more than the
+//! attention of [`super::candle_step`] B times per layer costs more than the
 //! arithmetic at decode batch sizes. With pooled KV storage
 //! ([`KvCache::pooled`]) every slot's rows live in one buffer per layer,
 //! so the batch's new K/V rows are written with one scatter and every
@@ -13,7 +13,7 @@
 //! Padding costs arithmetic, so when the sequences differ a lot in length
 //! (a long prefill chunk next to decodes) only the shorter ones form the
 //! padded group and each longer one is attended on its own (the
-//! per-sequence path of [`super::llama`]); their outputs are put back in
+//! per-sequence path of [`super::candle_step`]); their outputs are put back in
 //! batch order with one gather.
 
 use candle_core::{DType, Device, Tensor};
@@ -71,89 +71,17 @@ impl BatchedAttention {
         if !kv.is_pooled() || spans.len() < 2 {
             return Ok(None);
         }
-        let g = cfg.group_size();
-        // The group: the most sequences, shortest first, whose padding at
-        // most doubles their tokens and whose mask stays small.
-        let mut by_len: Vec<usize> = (0..spans.len()).collect();
-        by_len.sort_by_key(|&i| spans[i].0.len);
-        let (mut size, mut tokens, mut keys) = (0, 0, 0);
-        let (mut best, mut best_keys) = (0, 0);
-        for &i in &by_len {
-            let s = &spans[i].0;
-            size += 1;
-            tokens += s.len;
-            keys = keys.max(s.offset + s.len);
-            if size * s.len <= 2 * tokens && size * s.len * g * keys <= MAX_MASK_ELEMENTS {
-                (best, best_keys) = (size, keys);
-            }
-        }
-        if best < 2 {
+        let Some((in_group, keys)) = choose_group(spans, cfg) else {
             return Ok(None); // one sequence attends over its own range more cheaply
-        }
-        let keys = best_keys;
-        let mut in_group = vec![false; spans.len()];
-        for &i in &by_len[..best] {
-            in_group[i] = true;
-        }
+        };
         let group: Vec<usize> = (0..spans.len()).filter(|&i| in_group[i]).collect();
-        let seqs = group.len();
-        let max_queries = group.iter().map(|&i| spans[i].0.len).max().unwrap_or(0);
-        let group_tokens: usize = group.iter().map(|&i| spans[i].0.len).sum();
-
-        let mut group_rows = Vec::with_capacity(group_tokens);
-        let mut key_rows = Vec::with_capacity(seqs * keys);
-        let mut mask = vec![f32::NEG_INFINITY; seqs * max_queries * g * keys];
-        let mut any_hidden = false;
-        let mut q_rows = Vec::with_capacity(seqs * max_queries);
-        let mut out_rows = Vec::with_capacity(group_tokens);
-        for (gi, &i) in group.iter().enumerate() {
-            let (s, start) = &spans[i];
-            let base = kv.pool_base(s.slot)?;
-            let total = s.offset + s.len;
-            group_rows.extend((*start..start + s.len).map(|r| r as u32));
-            key_rows.extend((0..keys).map(|c| (base + if c < total { c } else { 0 }) as u32));
-            for j in 0..max_queries {
-                let pos = s.offset + j;
-                for h in 0..g {
-                    let row = &mut mask[((gi * max_queries + j) * g + h) * keys..][..keys];
-                    if j >= s.len {
-                        row[0] = 0.0; // padding query: any finite row will do
-                        continue;
-                    }
-                    let first = match cfg.sliding_window {
-                        Some(w) if pos + 1 > w => pos + 1 - w,
-                        _ => 0,
-                    };
-                    row[first..=pos].fill(0.0);
-                    any_hidden |= first > 0 || pos + 1 < keys;
-                }
-                if j < s.len {
-                    q_rows.push((start + j) as u32);
-                    out_rows.push((gi * max_queries + j) as u32);
-                } else {
-                    q_rows.push(n as u32);
-                }
-            }
-        }
+        let t = GroupTables::build(spans, &group, keys, n, kv, cfg)?;
         let singles: Vec<(SeqSpan, usize)> = (0..spans.len())
             .filter(|&i| !in_group[i])
             .map(|i| spans[i])
             .collect();
-        // Batch row → row of [group output; singles' outputs].
-        let order = (!singles.is_empty()).then(|| {
-            let mut order = vec![0u32; n];
-            for (k, &r) in group_rows.iter().enumerate() {
-                order[r as usize] = k as u32;
-            }
-            let mut at = group_tokens;
-            for (s, start) in &singles {
-                for j in 0..s.len {
-                    order[start + j] = (at + j) as u32;
-                }
-                at += s.len;
-            }
-            order
-        });
+        let group_tokens = t.group_rows.len();
+        let order = (!singles.is_empty()).then(|| batch_order(&t.group_rows, &singles, n));
         let write_rows = pool_write_rows(
             group.iter().map(|&i| &spans[i].0),
             kv,
@@ -161,29 +89,28 @@ impl BatchedAttention {
             group_tokens,
             device,
         )?;
+        let (seqs, max_queries) = (group.len(), t.max_queries);
         let padding = if seqs * max_queries == group_tokens && singles.is_empty() {
             None
         } else {
             Some((
-                Tensor::new(q_rows.as_slice(), device)?,
-                Tensor::new(out_rows.as_slice(), device)?,
+                Tensor::new(t.q_rows.as_slice(), device)?,
+                Tensor::new(t.out_rows.as_slice(), device)?,
             ))
         };
+        let mask_shape = (seqs, 1, max_queries * cfg.group_size(), keys);
         Ok(Some(Self {
             seqs,
             max_queries,
             keys,
             group_rows: match singles.is_empty() {
                 true => None,
-                false => Some(Tensor::new(group_rows.as_slice(), device)?),
+                false => Some(Tensor::new(t.group_rows.as_slice(), device)?),
             },
             write_rows,
-            key_rows: Tensor::new(key_rows.as_slice(), device)?,
-            mask: match any_hidden {
-                true => Some(
-                    Tensor::from_vec(mask, (seqs, 1, max_queries * g, keys), device)?
-                        .to_dtype(dtype)?,
-                ),
+            key_rows: Tensor::new(t.key_rows.as_slice(), device)?,
+            mask: match t.any_hidden {
+                true => Some(Tensor::from_vec(t.mask, mask_shape, device)?.to_dtype(dtype)?),
                 false => None,
             },
             padding,
@@ -267,6 +194,135 @@ impl BatchedAttention {
             None => out,
         })
     }
+}
+
+/// The padded group: the most sequences, shortest first, whose padding at
+/// most doubles their tokens and whose mask stays small. Returns which
+/// spans belong to it and the keys each of its sequences is padded to, or
+/// `None` when fewer than two qualify.
+fn choose_group(spans: &[(SeqSpan, usize)], cfg: &ModelConfig) -> Option<(Vec<bool>, usize)> {
+    let g = cfg.group_size();
+    let mut by_len: Vec<usize> = (0..spans.len()).collect();
+    by_len.sort_by_key(|&i| spans[i].0.len);
+    let (mut size, mut tokens, mut keys) = (0, 0, 0);
+    let (mut best, mut best_keys) = (0, 0);
+    for &i in &by_len {
+        let s = &spans[i].0;
+        size += 1;
+        tokens += s.len;
+        keys = keys.max(s.offset + s.len);
+        if size * s.len <= 2 * tokens && size * s.len * g * keys <= MAX_MASK_ELEMENTS {
+            (best, best_keys) = (size, keys);
+        }
+    }
+    if best < 2 {
+        return None;
+    }
+    let mut in_group = vec![false; spans.len()];
+    for &i in &by_len[..best] {
+        in_group[i] = true;
+    }
+    Some((in_group, best_keys))
+}
+
+/// The group's host-side index tables and mask, before they become tensors.
+struct GroupTables {
+    max_queries: usize,
+    /// Batch rows of the group's tokens, in group order.
+    group_rows: Vec<u32>,
+    /// `[seqs·keys]` pool rows gathered per sequence.
+    key_rows: Vec<u32>,
+    /// `[seqs · max_queries · group · keys]` additive mask.
+    mask: Vec<f32>,
+    /// Whether the mask hides any key from a real query.
+    any_hidden: bool,
+    /// Per padded query: its batch row, or `n` (the zero row) for padding.
+    q_rows: Vec<u32>,
+    /// Padded output rows that hold real tokens.
+    out_rows: Vec<u32>,
+}
+
+impl GroupTables {
+    /// The tables for the `group` (indices into `spans`, batch order),
+    /// every sequence padded to the longest's queries and to `keys` keys.
+    fn build(
+        spans: &[(SeqSpan, usize)],
+        group: &[usize],
+        keys: usize,
+        n: usize,
+        kv: &KvCache,
+        cfg: &ModelConfig,
+    ) -> Result<Self, ModelError> {
+        let g = cfg.group_size();
+        let seqs = group.len();
+        let max_queries = group.iter().map(|&i| spans[i].0.len).max().unwrap_or(0);
+        let group_tokens: usize = group.iter().map(|&i| spans[i].0.len).sum();
+        let mut t = Self {
+            max_queries,
+            group_rows: Vec::with_capacity(group_tokens),
+            key_rows: Vec::with_capacity(seqs * keys),
+            mask: vec![f32::NEG_INFINITY; seqs * max_queries * g * keys],
+            any_hidden: false,
+            q_rows: Vec::with_capacity(seqs * max_queries),
+            out_rows: Vec::with_capacity(group_tokens),
+        };
+        for (gi, &i) in group.iter().enumerate() {
+            let (s, start) = &spans[i];
+            let base = kv.pool_base(s.slot)?;
+            let total = s.offset + s.len;
+            t.group_rows
+                .extend((*start..start + s.len).map(|r| r as u32));
+            t.key_rows
+                .extend((0..keys).map(|c| (base + if c < total { c } else { 0 }) as u32));
+            for j in 0..max_queries {
+                t.unmask_query(cfg, gi, j, s, keys);
+                if j < s.len {
+                    t.q_rows.push((start + j) as u32);
+                    t.out_rows.push((gi * max_queries + j) as u32);
+                } else {
+                    t.q_rows.push(n as u32);
+                }
+            }
+        }
+        Ok(t)
+    }
+
+    /// Opens the keys query `j` of group sequence `gi` (span `s`) sees, for
+    /// each of its heads in the KV group.
+    fn unmask_query(&mut self, cfg: &ModelConfig, gi: usize, j: usize, s: &SeqSpan, keys: usize) {
+        let g = cfg.group_size();
+        let pos = s.offset + j;
+        for h in 0..g {
+            let row = &mut self.mask[((gi * self.max_queries + j) * g + h) * keys..][..keys];
+            if j >= s.len {
+                row[0] = 0.0; // padding query: any finite row will do
+                continue;
+            }
+            let first = match cfg.sliding_window {
+                Some(w) if pos + 1 > w => pos + 1 - w,
+                _ => 0,
+            };
+            row[first..=pos].fill(0.0);
+            self.any_hidden |= first > 0 || pos + 1 < keys;
+        }
+    }
+}
+
+/// For each of the `n` batch rows, its row in `[group output; singles'
+/// outputs in order]`.
+fn batch_order(group_rows: &[u32], singles: &[(SeqSpan, usize)], n: usize) -> Vec<u32> {
+    let mut order = vec![0u32; n];
+    for (k, &r) in group_rows.iter().enumerate() {
+        order[r as usize] = k as u32;
+    }
+    let mut at = group_rows.len();
+    for (s, start) in singles {
+        for j in 0..s.len {
+            order[start + j] = (at + j) as u32;
+        }
+        at += s.len;
+    }
+    order
 }
 
 /// Scatter indices `[tokens, kv_heads·head_dim]` (u32) of the new K/V rows

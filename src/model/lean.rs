@@ -10,8 +10,12 @@
 //! the weights. Here a layer is ten calls over buffers sized once.
 //!
 //! # Ownership and invariants
-//! - [`Lean`] belongs to its [`Model`]; its workspace sits behind a mutex
-//!   only so the model stays `Sync` (the engine thread is its one user).
+//! - [`Lean`] belongs to its [`Model`](super::Model) and holds only this
+//!   path's own state: f32 copies of the small vectors, the rotary tables,
+//!   the thread count and the workspace. The weights are the model's
+//!   ([`ModelWeights`]), passed to every call.
+//! - The workspace sits behind a mutex only so the model stays `Sync` (the
+//!   engine thread is its one user).
 //! - Activations are f32 whatever the weights are (f32, f16 or quantised);
 //!   the KV cache is in the model's dtype (f32 or f16) and is converted on
 //!   write and read, never copied per step.
@@ -21,15 +25,15 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
+use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor};
 use half::f16;
 
 use super::kernels::attention::{attention, Heads, SeqAttn};
 use super::kernels::math::{narrow, rms_norm, rope, silu_mul};
 use super::kernels::pool::{for_each_range, threads, SharedMut};
 use super::kernels::Isa;
-use super::llama::Model;
-use super::{Batch, ModelError};
+use super::llama_weights::{LayerWeights, ModelWeights};
+use super::{Batch, ModelConfig, ModelError};
 use crate::kv::KvCache;
 
 /// Step phases the profile reports, in step order.
@@ -68,6 +72,8 @@ struct Workspace {
 
 /// The lean path's state, built at load on CPU.
 pub(crate) struct Lean {
+    /// The model's dtype: of the hidden states `forward` returns.
+    dtype: DType,
     isa: Isa,
     threads: usize,
     layers: Vec<LayerVecs>,
@@ -97,29 +103,37 @@ const ROW_GRAIN: usize = 8;
 const PARALLEL_ELEMENTS: usize = 1 << 17;
 
 impl Lean {
-    /// Converts the model's norms, biases and rotary tables to f32.
+    /// Converts the weights' norms and biases and the rotary tables (f32,
+    /// from `rope_tables`) to f32 buffers, the tables rounded to `dtype`
+    /// first as the candle path rounds them, to stay within rounding of it.
     pub(crate) fn new(
-        model_layers: &[(Tensor, Tensor, Option<Tensor>)],
-        final_norm: &Tensor,
-        cos: Vec<f32>,
-        sin: Vec<f32>,
+        weights: &ModelWeights,
+        (cos, sin): (Vec<f32>, Vec<f32>),
+        dtype: DType,
         thread_cap: Option<usize>,
     ) -> candle_core::Result<Self> {
-        let mut layers = Vec::with_capacity(model_layers.len());
-        for (attn_norm, mlp_norm, bias) in model_layers {
+        let mut layers = Vec::with_capacity(weights.layers.len());
+        for l in &weights.layers {
             layers.push(LayerVecs {
-                attn_norm: to_f32_vec(attn_norm)?,
-                mlp_norm: to_f32_vec(mlp_norm)?,
-                qkv_bias: bias.as_ref().map(to_f32_vec).transpose()?,
+                attn_norm: to_f32_vec(&l.attn_norm)?,
+                mlp_norm: to_f32_vec(&l.mlp_norm)?,
+                qkv_bias: l.qkv_bias.as_ref().map(to_f32_vec).transpose()?,
             });
         }
+        let round = |v: &[f32]| -> candle_core::Result<Vec<f32>> {
+            Tensor::new(v, &Device::Cpu)?
+                .to_dtype(dtype)?
+                .to_dtype(DType::F32)?
+                .to_vec1()
+        };
         Ok(Self {
+            dtype,
             isa: Isa::detect(),
             threads: threads(thread_cap),
             layers,
-            final_norm: to_f32_vec(final_norm)?,
-            cos,
-            sin,
+            final_norm: to_f32_vec(&weights.norm)?,
+            cos: round(&cos)?,
+            sin: round(&sin)?,
             ws: Mutex::new(Workspace::default()),
         })
     }
@@ -215,266 +229,404 @@ fn cpu_ptr<T: candle_core::WithDType>(
     }
 }
 
-impl Model {
-    /// [`Model::forward_layers`] on the lean CPU path (batch already checked).
-    pub(super) fn forward_lean(
+/// The sizes a step works with, from the config.
+#[derive(Clone, Copy)]
+struct Dims {
+    hidden: usize,
+    inter: usize,
+    head_dim: usize,
+    /// Widths of the q part and of the k (or v) part of a projection row.
+    qw: usize,
+    kvw: usize,
+    /// Floats per projection row: q, k, v.
+    ldqkv: usize,
+    eps: f32,
+    heads: Heads,
+    /// The softmax scale the queries carry.
+    scale: f32,
+}
+
+impl Dims {
+    fn new(cfg: &ModelConfig) -> Self {
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        Self {
+            hidden: cfg.hidden_size,
+            inter: cfg.intermediate_size,
+            head_dim: hd,
+            qw: nh * hd,
+            kvw: nkv * hd,
+            ldqkv: (nh + 2 * nkv) * hd,
+            eps: cfg.rms_norm_eps as f32,
+            heads: Heads {
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+                sliding_window: cfg.sliding_window,
+            },
+            scale: 1.0 / (hd as f32).sqrt(),
+        }
+    }
+}
+
+/// Layer `index`'s weights with the lean path's f32 copies of its vectors.
+#[derive(Clone, Copy)]
+struct LayerRef<'a> {
+    index: usize,
+    weights: &'a LayerWeights,
+    vecs: &'a LayerVecs,
+}
+
+/// Phase times of one step; added to the profile only when the step
+/// succeeds.
+struct StepTimes {
+    on: bool,
+    times: [Duration; PHASES.len()],
+    at: Instant,
+}
+
+impl StepTimes {
+    fn start(on: bool) -> Self {
+        Self {
+            on,
+            times: [Duration::ZERO; PHASES.len()],
+            at: Instant::now(),
+        }
+    }
+
+    /// Adds the time since the previous tick to `phase`.
+    fn tick(&mut self, phase: usize) {
+        if self.on {
+            let now = Instant::now();
+            self.times[phase] += now - self.at;
+            self.at = now;
+        }
+    }
+
+    fn add_to(self, profile: &mut Option<[Duration; PHASES.len()]>) {
+        if let Some(p) = profile.as_mut() {
+            for (p, t) in p.iter_mut().zip(self.times) {
+                *p += t;
+            }
+        }
+    }
+}
+
+impl Lean {
+    /// The first `num_layers` layers of `weights` over the batch (already
+    /// checked, room reserved), from the token embeddings or from the
+    /// caller's `embeddings`; returns the hidden states of the rows the
+    /// batch asks for, in the model's dtype.
+    pub(super) fn forward(
         &self,
-        lean: &Lean,
+        cfg: &ModelConfig,
+        weights: &ModelWeights,
         batch: &Batch,
         kv: &mut KvCache,
         num_layers: usize,
         embeddings: Option<&Tensor>,
     ) -> Result<Tensor, ModelError> {
-        let mut guard = lean.ws.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.ws.lock().unwrap_or_else(|e| e.into_inner());
         let ws = &mut *guard;
-        let cfg = &self.cfg;
-        let (n, hsz, inter) = (batch.tokens.len(), cfg.hidden_size, cfg.intermediate_size);
-        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let (qw, kvw) = (nh * hd, nkv * hd);
-        let ldqkv = qw + 2 * kvw;
-        let eps = cfg.rms_norm_eps as f32;
-        let (isa, threads) = (lean.isa, lean.threads);
-        // Phase times of this step; added to the profile only on success.
-        let profiling = ws.profile.is_some();
-        let mut times = [Duration::ZERO; PHASES.len()];
-        let mut clock = Instant::now();
-        let mut tick = |phase: usize| {
-            if profiling {
-                let now = Instant::now();
-                times[phase] += now - clock;
-                clock = now;
-            }
-        };
+        let d = Dims::new(cfg);
+        let n = batch.tokens.len();
+        let mut times = StepTimes::start(ws.profile.is_some());
 
         ws.positions.clear();
         for s in &batch.seqs {
             ws.positions.extend(s.offset..s.offset + s.len);
         }
-        let x = grow(&mut ws.x, n * hsz);
+        let x = grow(&mut ws.x, n * d.hidden);
         match embeddings {
             // Input rows given by the caller (an MTP head's projected inputs).
             Some(e) => x.copy_from_slice(&e.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
-            None => self.embed_rows(&batch.tokens, x)?,
+            None => embed_rows(&weights.embed, d.hidden, &batch.tokens, x)?,
         }
-        tick(0);
+        times.tick(0);
 
-        let heads = Heads {
-            num_heads: nh,
-            num_kv_heads: nkv,
-            head_dim: hd,
-            sliding_window: cfg.sliding_window,
-        };
-        let scale = 1.0 / (hd as f32).sqrt();
-        for (l, layer) in self.layers.iter().take(num_layers).enumerate() {
-            let vecs = &lean.layers[l];
-            let h = grow(&mut ws.h, n * hsz);
-            lean.norm_rows(x, &vecs.attn_norm, eps, h, n);
-            tick(1);
-            let qkv = grow(&mut ws.qkv, n * ldqkv);
-            layer.qkv.forward_cpu(isa, threads, h, n, qkv, false)?;
-            if let Some(b) = &vecs.qkv_bias {
-                for row in qkv.chunks_exact_mut(ldqkv) {
-                    for (v, b) in row.iter_mut().zip(b) {
-                        *v += b;
-                    }
-                }
-            }
-            tick(2);
-            let half = hd / 2;
-            for (row, &p) in qkv.chunks_exact_mut(ldqkv).zip(&ws.positions) {
-                let (cos, sin) = (
-                    &lean.cos[p * half..(p + 1) * half],
-                    &lean.sin[p * half..(p + 1) * half],
-                );
-                // Queries carry the softmax scale (after rotation, as the
-                // candle path rounds it).
-                rope(&mut row[..qw], hd, cos, sin, scale);
-                rope(&mut row[qw..qw + kvw], hd, cos, sin, 1.0);
-            }
-            // Each sequence's cache of this layer, shared by the writes and
-            // the attention below.
-            let views = batch
-                .seqs
-                .iter()
-                .map(|s| kv.view(s.slot, l, s.offset + s.len))
-                .collect::<Result<Vec<_>, _>>()?;
-            let mut start = 0;
-            for (s, (kc, vc)) in batch.seqs.iter().zip(&views) {
-                let rows = &qkv[start * ldqkv..(start + s.len) * ldqkv];
-                for (t, col) in [(kc, qw), (vc, qw + kvw)] {
-                    t.inplace_op1(&WriteRows {
-                        src: &rows[col..],
-                        ld: ldqkv,
-                        width: kvw,
-                        rows: s.len,
-                        at: s.offset,
-                    })?;
-                }
-                start += s.len;
-            }
-            tick(3);
-            let attn = grow(&mut ws.attn, n * qw);
-            attention_lean(
-                isa,
-                threads,
-                heads,
-                batch,
-                &views,
-                kv.layout().dtype,
-                qkv,
-                ldqkv,
-                attn,
-            )?;
-            tick(4);
-            layer.o_proj.forward_cpu(isa, threads, attn, n, x, true)?;
-            tick(5);
-            lean.norm_rows(x, &vecs.mlp_norm, eps, h, n);
-            tick(1);
-            let gu = grow(&mut ws.gu, n * 2 * inter);
-            layer.gate_up.forward_cpu(isa, threads, h, n, gu, false)?;
-            tick(6);
-            let act = grow(&mut ws.act, n * inter);
-            let (gu, a) = (&*gu, SharedMut(act.as_mut_ptr()));
-            lean.rows(n, inter, |r| {
-                let row = &gu[r * 2 * inter..(r + 1) * 2 * inter];
-                // SAFETY: row r of `act` is written by this call alone.
-                let dst = unsafe { std::slice::from_raw_parts_mut(a.at(r * inter), inter) };
-                silu_mul(isa, &row[..inter], &row[inter..], dst);
-            });
-            tick(7);
-            layer.down.forward_cpu(isa, threads, act, n, x, true)?;
-            tick(8);
+        for (index, weights) in weights.layers.iter().take(num_layers).enumerate() {
+            let vecs = &self.layers[index];
+            let layer = LayerRef {
+                index,
+                weights,
+                vecs,
+            };
+            self.attention_block(d, layer, batch, kv, ws, &mut times)?;
+            self.mlp_block(d, layer, n, ws, &mut times)?;
         }
         for s in &batch.seqs {
             kv.set_len(s.slot, s.offset + s.len)?;
         }
 
+        let (x, hsz) = (&ws.x[..n * d.hidden], d.hidden);
         let wanted = batch.output_indices();
         let mut out = Vec::with_capacity(wanted.len() * hsz);
         for &r in &wanted {
             out.extend_from_slice(&x[r as usize * hsz..(r as usize + 1) * hsz]);
         }
-        if let Some(p) = ws.profile.as_mut() {
-            for (p, t) in p.iter_mut().zip(times) {
-                *p += t;
-            }
-        }
-        let out = Tensor::from_vec(out, (wanted.len(), hsz), &self.device)?;
+        times.add_to(&mut ws.profile);
+        let out = Tensor::from_vec(out, (wanted.len(), hsz), &Device::Cpu)?;
         Ok(out.to_dtype(self.dtype)?)
     }
 
-    /// Embedding rows of `ids` into `x` (`ids.len() · hidden` floats).
-    fn embed_rows(&self, ids: &[u32], x: &mut [f32]) -> Result<(), ModelError> {
-        let h = self.cfg.hidden_size;
-        let (storage, layout) = self.embed.storage_and_layout();
-        for (r, &id) in ids.iter().enumerate() {
-            let dst = &mut x[r * h..(r + 1) * h];
-            let off = id as usize * h;
-            match self.embed.dtype() {
-                DType::F32 => {
-                    let p = cpu_ptr::<f32>(&storage, layout)?;
-                    // SAFETY: ids were checked against the vocabulary.
-                    dst.copy_from_slice(unsafe { std::slice::from_raw_parts(p.add(off), h) });
-                }
-                DType::F16 => {
-                    let p = cpu_ptr::<f16>(&storage, layout)?;
-                    let src = unsafe { std::slice::from_raw_parts(p.add(off), h) };
-                    super::kernels::math::widen(src, dst);
-                }
-                other => {
-                    return Err(ModelError::UnsupportedDType(format!(
-                        "{other:?} embeddings"
-                    )))
+    /// Layer `l`'s attention half: norm, q/k/v projection, RoPE, the new
+    /// K/V into each slot, attention, and the o projection added to `x`.
+    fn attention_block(
+        &self,
+        d: Dims,
+        layer: LayerRef<'_>,
+        batch: &Batch,
+        kv: &mut KvCache,
+        ws: &mut Workspace,
+        times: &mut StepTimes,
+    ) -> Result<(), ModelError> {
+        let (isa, threads, n) = (self.isa, self.threads, batch.tokens.len());
+        let LayerRef {
+            index: l,
+            weights: w,
+            vecs,
+        } = layer;
+        let x = grow(&mut ws.x, n * d.hidden);
+        let h = grow(&mut ws.h, n * d.hidden);
+        self.norm_rows(x, &vecs.attn_norm, d.eps, h, n);
+        times.tick(1);
+        let qkv = grow(&mut ws.qkv, n * d.ldqkv);
+        w.qkv.forward_cpu(isa, threads, h, n, qkv, false)?;
+        if let Some(b) = &vecs.qkv_bias {
+            for row in qkv.chunks_exact_mut(d.ldqkv) {
+                for (v, b) in row.iter_mut().zip(b) {
+                    *v += b;
                 }
             }
         }
+        times.tick(2);
+        self.rotate(d, qkv, &ws.positions);
+        // Each sequence's cache of this layer, shared by the writes and
+        // the attention below.
+        let views = batch
+            .seqs
+            .iter()
+            .map(|s| kv.view(s.slot, l, s.offset + s.len))
+            .collect::<Result<Vec<_>, _>>()?;
+        write_kv(d, batch, &views, qkv)?;
+        times.tick(3);
+        let attn = grow(&mut ws.attn, n * d.qw);
+        self.attend(d, batch, &views, kv.layout().dtype, qkv, attn)?;
+        times.tick(4);
+        w.o_proj.forward_cpu(isa, threads, attn, n, x, true)?;
+        times.tick(5);
         Ok(())
     }
 
-    /// [`Model::unembed`] on the lean CPU path.
-    pub(super) fn unembed_lean(&self, lean: &Lean, hidden: &Tensor) -> Result<Tensor, ModelError> {
+    /// Layer `l`'s MLP half: norm, gate/up projection, SiLU·up, and the
+    /// down projection added to `x`.
+    fn mlp_block(
+        &self,
+        d: Dims,
+        layer: LayerRef<'_>,
+        n: usize,
+        ws: &mut Workspace,
+        times: &mut StepTimes,
+    ) -> Result<(), ModelError> {
+        let (isa, threads, inter) = (self.isa, self.threads, d.inter);
+        let LayerRef {
+            weights: w, vecs, ..
+        } = layer;
+        let x = grow(&mut ws.x, n * d.hidden);
+        let h = grow(&mut ws.h, n * d.hidden);
+        self.norm_rows(x, &vecs.mlp_norm, d.eps, h, n);
+        times.tick(1);
+        let gu = grow(&mut ws.gu, n * 2 * inter);
+        w.gate_up.forward_cpu(isa, threads, h, n, gu, false)?;
+        times.tick(6);
+        let act = grow(&mut ws.act, n * inter);
+        let (gu, a) = (&*gu, SharedMut(act.as_mut_ptr()));
+        self.rows(n, inter, |r| {
+            let row = &gu[r * 2 * inter..(r + 1) * 2 * inter];
+            // SAFETY: row r of `act` is written by this call alone.
+            let dst = unsafe { std::slice::from_raw_parts_mut(a.at(r * inter), inter) };
+            silu_mul(isa, &row[..inter], &row[inter..], dst);
+        });
+        times.tick(7);
+        w.down.forward_cpu(isa, threads, act, n, x, true)?;
+        times.tick(8);
+        Ok(())
+    }
+
+    /// RoPE on the q and k parts of every projection row, by the row's
+    /// position; queries also carry the softmax scale (after rotation, as
+    /// the candle path rounds it).
+    fn rotate(&self, d: Dims, qkv: &mut [f32], positions: &[usize]) {
+        let half = d.head_dim / 2;
+        for (row, &p) in qkv.chunks_exact_mut(d.ldqkv).zip(positions) {
+            let (cos, sin) = (
+                &self.cos[p * half..(p + 1) * half],
+                &self.sin[p * half..(p + 1) * half],
+            );
+            rope(&mut row[..d.qw], d.head_dim, cos, sin, d.scale);
+            rope(&mut row[d.qw..d.qw + d.kvw], d.head_dim, cos, sin, 1.0);
+        }
+    }
+
+    /// Final norm and unembedding of `hidden` (`[rows, hidden]`) by
+    /// `weights`' unembedding: `[rows, vocab]` logits (f32).
+    pub(super) fn unembed(
+        &self,
+        cfg: &ModelConfig,
+        weights: &ModelWeights,
+        hidden: &Tensor,
+    ) -> Result<Tensor, ModelError> {
         let start = Instant::now();
         let (rows, h) = hidden.dims2()?;
         let x: Vec<f32> = hidden.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         let mut normed = vec![0f32; rows * h];
-        lean.norm_rows(
+        self.norm_rows(
             &x,
-            &lean.final_norm,
-            self.cfg.rms_norm_eps as f32,
+            &self.final_norm,
+            cfg.rms_norm_eps as f32,
             &mut normed,
             rows,
         );
-        let vocab = self.cfg.vocab_size;
+        let vocab = cfg.vocab_size;
         let mut logits = vec![0f32; rows * vocab];
-        self.lm_head
-            .forward_cpu(lean.isa, lean.threads, &normed, rows, &mut logits, false)?;
-        let mut ws = lean.ws.lock().unwrap_or_else(|e| e.into_inner());
+        weights
+            .lm_head
+            .forward_cpu(self.isa, self.threads, &normed, rows, &mut logits, false)?;
+        let mut ws = self.ws.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = ws.profile.as_mut() {
             p[PHASES.len() - 1] += start.elapsed();
         }
-        Ok(Tensor::from_vec(logits, (rows, vocab), &self.device)?)
+        Ok(Tensor::from_vec(logits, (rows, vocab), &Device::Cpu)?)
     }
 }
 
-/// Attention of every sequence over its cache (`views`: K and V of the
-/// layer, one pair per sequence in batch order, in `kv_dtype`).
-#[allow(clippy::too_many_arguments)]
-fn attention_lean(
-    isa: Isa,
-    threads: usize,
-    heads: Heads,
+/// Writes every sequence's new K and V rows (from the projection rows
+/// `qkv`) into its cache `views` (one (K, V) pair per sequence, batch order).
+fn write_kv(
+    d: Dims,
     batch: &Batch,
     views: &[(Tensor, Tensor)],
-    kv_dtype: DType,
     qkv: &[f32],
-    ldqkv: usize,
-    out: &mut [f32],
 ) -> Result<(), ModelError> {
-    let guards: Vec<_> = views
-        .iter()
-        .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()))
-        .collect();
-    let ldo = heads.num_heads * heads.head_dim;
-    let o = SharedMut(out.as_mut_ptr());
-    type Guard<'a> = (candle_core::StorageRef<'a>, &'a Layout);
-    fn seqs<T: candle_core::WithDType>(
-        batch: &Batch,
-        guards: &[(Guard, Guard)],
-        qkv: &[f32],
-        ldqkv: usize,
-        o: SharedMut<f32>,
-        ldo: usize,
-    ) -> candle_core::Result<Vec<SeqAttn<T>>> {
-        let mut out = Vec::with_capacity(batch.seqs.len());
-        let mut start = 0;
-        for (s, ((ks, kl), (vs, vl))) in batch.seqs.iter().zip(guards) {
-            out.push(SeqAttn {
-                q: qkv[start * ldqkv..].as_ptr(),
-                ldq: ldqkv,
-                // SAFETY (at use): rows start..start+len belong to this sequence.
-                out: SharedMut(unsafe { o.at(start * ldo) }),
-                ldo,
-                offset: s.offset,
-                len: s.len,
-                k: cpu_ptr::<T>(ks, kl)?,
-                v: cpu_ptr::<T>(vs, vl)?,
-            });
-            start += s.len;
+    let mut start = 0;
+    for (s, (kc, vc)) in batch.seqs.iter().zip(views) {
+        let rows = &qkv[start * d.ldqkv..(start + s.len) * d.ldqkv];
+        for (t, col) in [(kc, d.qw), (vc, d.qw + d.kvw)] {
+            t.inplace_op1(&WriteRows {
+                src: &rows[col..],
+                ld: d.ldqkv,
+                width: d.kvw,
+                rows: s.len,
+                at: s.offset,
+            })?;
         }
-        Ok(out)
-    }
-    match kv_dtype {
-        DType::F32 => {
-            let s = seqs::<f32>(batch, &guards, qkv, ldqkv, o, ldo)?;
-            // SAFETY: every pointer comes from a live guard or buffer of
-            // the shape the batch describes (checked before the step).
-            unsafe { attention(isa, threads, heads, &s) };
-        }
-        DType::F16 => {
-            let s = seqs::<f16>(batch, &guards, qkv, ldqkv, o, ldo)?;
-            unsafe { attention(isa, threads, heads, &s) };
-        }
-        other => return Err(ModelError::UnsupportedDType(format!("{other:?} KV cache"))),
+        start += s.len;
     }
     Ok(())
+}
+
+/// Embedding rows of `ids` (checked against the vocabulary) from `embed`
+/// (`[vocab, hidden]` on the CPU) into `x` (`ids.len() · hidden` floats).
+fn embed_rows(embed: &Tensor, h: usize, ids: &[u32], x: &mut [f32]) -> Result<(), ModelError> {
+    let (storage, layout) = embed.storage_and_layout();
+    for (r, &id) in ids.iter().enumerate() {
+        let dst = &mut x[r * h..(r + 1) * h];
+        let off = id as usize * h;
+        match embed.dtype() {
+            DType::F32 => {
+                let p = cpu_ptr::<f32>(&storage, layout)?;
+                // SAFETY: ids were checked against the vocabulary, so row
+                // `id` of the `[vocab, hidden]` matrix lies inside the
+                // storage, which the guard keeps alive.
+                dst.copy_from_slice(unsafe { std::slice::from_raw_parts(p.add(off), h) });
+            }
+            DType::F16 => {
+                let p = cpu_ptr::<f16>(&storage, layout)?;
+                // SAFETY: as for f32: row `id` is inside the guarded
+                // `[vocab, hidden]` storage.
+                let src = unsafe { std::slice::from_raw_parts(p.add(off), h) };
+                super::kernels::math::widen(src, dst);
+            }
+            other => {
+                return Err(ModelError::UnsupportedDType(format!(
+                    "{other:?} embeddings"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Lean {
+    /// Attention of every sequence over its cache (`views`: K and V of the
+    /// layer, one pair per sequence in batch order, in `kv_dtype`) for the
+    /// rotated queries of the projection rows `qkv`, into `out`
+    /// (`[n, heads·head_dim]`).
+    fn attend(
+        &self,
+        d: Dims,
+        batch: &Batch,
+        views: &[(Tensor, Tensor)],
+        kv_dtype: DType,
+        qkv: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let guards: Vec<_> = views
+            .iter()
+            .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()))
+            .collect();
+        let o = SharedMut(out.as_mut_ptr());
+        let (isa, threads, heads) = (self.isa, self.threads, d.heads);
+        match kv_dtype {
+            DType::F32 => {
+                let s = seq_attns::<f32>(d, batch, &guards, qkv, o)?;
+                // SAFETY: every pointer comes from a live guard or buffer of
+                // the shape the batch describes (checked before the step),
+                // and the sequences' output rows are disjoint.
+                unsafe { attention(isa, threads, heads, &s) };
+            }
+            DType::F16 => {
+                let s = seq_attns::<f16>(d, batch, &guards, qkv, o)?;
+                // SAFETY: as for f32: live guards and buffers of the checked
+                // shapes, disjoint output rows per sequence.
+                unsafe { attention(isa, threads, heads, &s) };
+            }
+            other => return Err(ModelError::UnsupportedDType(format!("{other:?} KV cache"))),
+        }
+        Ok(())
+    }
+}
+
+/// A storage guard and its layout.
+type Guard<'a> = (candle_core::StorageRef<'a>, &'a Layout);
+
+/// Each sequence's part of the attention call: its query rows in `qkv`,
+/// its output rows behind `o` (`[n, heads·head_dim]`) and its cache
+/// (`guards`, K then V, in `T`).
+fn seq_attns<T: candle_core::WithDType>(
+    d: Dims,
+    batch: &Batch,
+    guards: &[(Guard, Guard)],
+    qkv: &[f32],
+    o: SharedMut<f32>,
+) -> candle_core::Result<Vec<SeqAttn<T>>> {
+    let (ldqkv, ldo) = (d.ldqkv, d.qw);
+    let mut out = Vec::with_capacity(batch.seqs.len());
+    let mut start = 0;
+    for (s, ((ks, kl), (vs, vl))) in batch.seqs.iter().zip(guards) {
+        out.push(SeqAttn {
+            q: qkv[start * ldqkv..].as_ptr(),
+            ldq: ldqkv,
+            // SAFETY: the spans cover the batch's rows back to back, so row
+            // `start` is inside `out`'s `n` rows and rows start..start+len
+            // belong to this sequence alone.
+            out: SharedMut(unsafe { o.at(start * ldo) }),
+            ldo,
+            offset: s.offset,
+            len: s.len,
+            k: cpu_ptr::<T>(ks, kl)?,
+            v: cpu_ptr::<T>(vs, vl)?,
+        });
+        start += s.len;
+    }
+    Ok(out)
 }

@@ -5,11 +5,16 @@
 //! - [`weights`]: safetensors (single or sharded) or in-memory tensors.
 //! - [`batch`]: the ragged [`Batch`] a forward pass consumes.
 //! - [`llama`]: the [`Model`]: `forward` (→ hidden), `unembed`
-//!   (hidden → logits), `token_embeddings` (ids → embeddings), and the
-//!   candle-op implementation of the step (GPUs, and the CPU reference).
+//!   (hidden → logits), `token_embeddings` (ids → embeddings); it owns the
+//!   config and the weights and picks the step's implementation at load.
+//! - `llama_weights`: the fused weights (`ModelWeights`, `LayerWeights`),
+//!   each loaded from its checkpoint names.
+//! - `candle_step`: the candle-op implementation of the step (GPUs, and
+//!   the CPU reference), with its attention plan chosen once per pass.
 //! - [`linear`]: projection weights in their [`WeightFormat`] (compute
 //!   dtype, or Q8_0 / Q4_K quantised at load).
-//! - `lean`: the CPU implementation of the step over reused f32 buffers,
+//! - `lean`: the CPU implementation of the step over reused f32 buffers
+//!   (the weights passed in),
 //!   with the kernels of `kernels` (decode-fast linear, attention in place
 //!   over the KV cache, RMSNorm/RoPE/SiLU), runtime-dispatched to AVX-512,
 //!   AVX2 or portable code.
@@ -23,6 +28,7 @@
 
 pub mod batch;
 mod batched_attention;
+mod candle_step;
 pub mod config;
 #[cfg(feature = "cuda")]
 mod cuda_view;
@@ -33,6 +39,7 @@ mod lean;
 mod lean_tests;
 pub mod linear;
 pub mod llama;
+mod llama_weights;
 pub mod mtp;
 mod pooled_attention;
 pub mod weights;

@@ -39,8 +39,8 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 
 use super::{Batch, LoadOptions, Model, ModelConfig, ModelError, Weights};
-use crate::engine::SlotId;
 use crate::kv::KvCache;
+use crate::slot::SlotId;
 
 /// File name of a head's weights.
 pub const MTP_FILE: &str = "mtp.safetensors";

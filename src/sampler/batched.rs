@@ -12,7 +12,7 @@ use super::history::HistoryPool;
 use super::host;
 use super::transform::{self, Plan, RowFault, RowJob, RowScratch};
 use super::{SamplePath, SampleResult, SamplerError, SamplingOptions};
-use crate::engine::SlotId;
+use crate::slot::SlotId;
 
 /// Below this many logits (rows × V) per extra thread, the uniform path
 /// stays on the calling thread: spawning costs more than it saves.
@@ -67,6 +67,18 @@ struct CallCtx<'a> {
     shared: Option<&'a Plan>,
     logprobs: bool,
     top_k: usize,
+}
+
+/// Where a call runs (see the module docs' *Where the work happens*).
+enum Site {
+    /// Logits on a CUDA GPU: one kernel launch for every row.
+    CudaKernel,
+    /// Logits on another GPU and no logprob request: plain greedy rows take
+    /// their argmax there; the `others` (row indices of the call) go to the
+    /// host.
+    DeviceArgmax { others: Vec<u32> },
+    /// Every row on the host.
+    Host,
 }
 
 /// A batched, slot-based sampler. See the [module docs](crate::sampler).
@@ -412,6 +424,29 @@ impl Sampler {
         self.max_top_logprobs = askers.map(|s| s.options.top_logprobs).max().unwrap_or(0);
     }
 
+    /// Where this call's work runs, from where the logits live and what
+    /// the named rows need; decided once, at the top of the call.
+    fn site(&self, idx: &[usize], logits: &Tensor) -> Site {
+        if logits.device().is_cuda() {
+            return Site::CudaKernel;
+        }
+        if self.any_logprobs || !host::on_device(logits) {
+            return Site::Host;
+        }
+        let plain_greedy = |r: usize| {
+            let plan = &self.slots[r].plan;
+            plan.is_greedy() && !plan.uses_history()
+        };
+        let others: Vec<u32> = (0..idx.len() as u32)
+            .filter(|&i| !plain_greedy(idx[i as usize]))
+            .collect();
+        if others.len() < idx.len() {
+            Site::DeviceArgmax { others }
+        } else {
+            Site::Host
+        }
+    }
+
     fn run(
         &mut self,
         idx: &[usize],
@@ -419,45 +454,54 @@ impl Sampler {
         path: SamplePath,
     ) -> Result<SampleResult, SamplerError> {
         let (b, vocab) = host::check_shape(logits, idx.len())?;
-        let empty = SampleResult {
-            tokens: Vec::new(),
-            logprobs: None,
-            top_logprobs: None,
-            path,
-        };
         if b == 0 {
-            return Ok(empty);
+            return Ok(SampleResult::empty(path));
         }
-        if logits.device().is_cuda() {
-            return self.run_on_device(idx, logits, vocab, path);
+        match self.site(idx, logits) {
+            Site::CudaKernel => self.run_on_device(idx, logits, vocab, path),
+            Site::DeviceArgmax { others } => self.run_split(idx, logits, vocab, &others, path),
+            Site::Host => self.run_host(idx, logits, vocab, path),
         }
-        if !self.any_logprobs && host::on_device(logits) {
-            // Plain greedy rows take their argmax where the logits live;
-            // only the other rows' logits cross to the host.
-            let plain_greedy = |r: usize| {
-                let plan = &self.slots[r].plan;
-                plan.is_greedy() && !plan.uses_history()
-            };
-            let others: Vec<u32> = (0..b as u32)
-                .filter(|&i| !plain_greedy(idx[i as usize]))
-                .collect();
-            if others.len() < b {
-                let mut tokens = host::device_argmax(logits)?;
-                if !others.is_empty() {
-                    let rows = Tensor::new(others.as_slice(), logits.device())
-                        .and_then(|rows| logits.index_select(&rows, 0))
-                        .and_then(|l| l.to_device(&candle_core::Device::Cpu))
-                        .map_err(host::tensor_err)?;
-                    let sub_idx: Vec<usize> = others.iter().map(|&i| idx[i as usize]).collect();
-                    let sampled = self.run(&sub_idx, &rows, path)?;
-                    for (&i, t) in others.iter().zip(sampled.tokens) {
-                        tokens[i as usize] = t;
-                    }
-                }
-                return Ok(SampleResult { tokens, ..empty });
+    }
+
+    /// Plain greedy rows take their argmax where the logits live; only the
+    /// `others` rows' logits cross to the host, for the host chain.
+    fn run_split(
+        &mut self,
+        idx: &[usize],
+        logits: &Tensor,
+        vocab: usize,
+        others: &[u32],
+        path: SamplePath,
+    ) -> Result<SampleResult, SamplerError> {
+        let mut tokens = host::device_argmax(logits)?;
+        if !others.is_empty() {
+            let rows = Tensor::new(others, logits.device())
+                .and_then(|rows| logits.index_select(&rows, 0))
+                .and_then(|l| l.to_device(&candle_core::Device::Cpu))
+                .map_err(host::tensor_err)?;
+            let sub_idx: Vec<usize> = others.iter().map(|&i| idx[i as usize]).collect();
+            let sampled = self.run_host(&sub_idx, &rows, vocab, path)?;
+            for (&i, t) in others.iter().zip(sampled.tokens) {
+                tokens[i as usize] = t;
             }
         }
+        Ok(SampleResult {
+            tokens,
+            ..SampleResult::empty(path)
+        })
+    }
 
+    /// Every row on the host chain, over the logits read to the host once
+    /// (in place when they already are a contiguous CPU f32 tensor).
+    fn run_host(
+        &mut self,
+        idx: &[usize],
+        logits: &Tensor,
+        vocab: usize,
+        path: SamplePath,
+    ) -> Result<SampleResult, SamplerError> {
+        let b = idx.len();
         let top_k = if self.any_logprobs {
             self.max_top_logprobs.min(vocab)
         } else {
@@ -545,7 +589,8 @@ impl Sampler {
             let slot = &self.slots[r];
             let mut rng = slot.rng.clone();
             let uniform = (!slot.plan.is_greedy()).then(|| rng.random::<f64>());
-            params.extend_from_slice(&device::row_params(slot, r, uniform, self.any_logprobs));
+            let row = device::row_params(&slot.plan, slot.len, r, uniform, self.any_logprobs);
+            params.extend_from_slice(&row);
             rngs.push(rng);
         }
         let history =

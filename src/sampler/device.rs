@@ -24,9 +24,9 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::batched::SlotState;
 use super::history::HistoryPool;
 use super::host::tensor_err;
+use super::transform::Plan;
 use super::SamplerError;
 
 /// u32 fields per row of the parameter block (see `sampling.cu`).
@@ -102,15 +102,16 @@ impl DeviceHistory {
     }
 }
 
-/// The parameter row of one slot. `pool_row` is its registration index;
-/// `uniform` is the draw for a non-greedy row.
+/// The parameter row of one slot: its `plan`, the tokens `len` its ring
+/// has seen, its registration index `pool_row`, and `uniform`, the draw
+/// for a non-greedy row.
 pub(crate) fn row_params(
-    slot: &SlotState,
+    plan: &Plan,
+    len: u64,
     pool_row: usize,
     uniform: Option<f64>,
     logprobs: bool,
 ) -> [u32; PARAM_WIDTH] {
-    let plan = &slot.plan;
     let mut p = [0u32; PARAM_WIDTH];
     let mut flags = 0;
     if plan.is_greedy() {
@@ -120,8 +121,8 @@ pub(crate) fn row_params(
         let window = plan.penalty.window as u64;
         flags |= F_HISTORY;
         p[P_POOL_ROW] = pool_row as u32;
-        p[P_FILLED] = slot.len.min(window) as u32;
-        p[P_WRITE_POS] = (slot.len % window) as u32;
+        p[P_FILLED] = len.min(window) as u32;
+        p[P_WRITE_POS] = (len % window) as u32;
     }
     if logprobs {
         flags |= F_LOGPROBS;

@@ -83,7 +83,9 @@
 //!
 //! # Layout
 //! - `options.rs`: [`SamplingOptions`] and their validation / normalisation.
-//! - `batched.rs`: [`Sampler`], registration, dispatch, the two paths.
+//! - `batched.rs`: [`Sampler`], registration, dispatch: where the call
+//!   runs (CUDA kernel, argmax on another GPU, host; chosen once per call)
+//!   and the two host paths.
 //! - `speculative.rs`: distributions, commit and draws for MTP verification.
 //! - `transform.rs`: the per-row chain; `select.rs`: partial selection
 //!   (top-k, top-p, top logprobs); `draw.rs`: the categorical walk;
@@ -107,7 +109,7 @@ mod transform;
 pub use batched::Sampler;
 pub use options::{SamplingOptions, MAX_TOP_LOGPROBS};
 
-use crate::engine::SlotId;
+use crate::slot::SlotId;
 
 /// Which dispatch path a [`Sampler::sample`] call took.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,6 +136,16 @@ pub struct SampleResult {
 }
 
 impl SampleResult {
+    /// No rows: what a call over zero rows returns.
+    pub(crate) fn empty(path: SamplePath) -> Self {
+        Self {
+            tokens: Vec::new(),
+            logprobs: None,
+            top_logprobs: None,
+            path,
+        }
+    }
+
     /// What row `row`'s request asked for: its token's logprob when
     /// `options.logprobs`, and its top list cut to `options.top_logprobs`.
     /// A row out of range yields `(None, [])`.

@@ -19,7 +19,7 @@ use rand::Rng;
 use super::batched::fault;
 use super::transform::{self, RowJob, RowScratch};
 use super::{draw, host, Sampler, SamplerError};
-use crate::engine::SlotId;
+use crate::slot::SlotId;
 
 impl Sampler {
     /// For each of the `T` rows of `logits` (`[T, V]`), the probability

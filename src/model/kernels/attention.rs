@@ -45,6 +45,7 @@ pub(crate) struct SeqAttn<T> {
 
 // SAFETY: workers read q, k, v and write disjoint output rows/heads.
 unsafe impl<T: Sync> Sync for SeqAttn<T> {}
+// SAFETY: as for Sync: the buffers outlive the call that hands them over.
 unsafe impl<T: Send> Send for SeqAttn<T> {}
 
 /// Query rows per work unit: long prefills split across threads.

@@ -52,6 +52,7 @@ pub(crate) fn silu_mul(isa: Isa, gate: &[f32], up: &[f32], out: &mut [f32]) {
         // SAFETY: the tier was detected on this CPU.
         Isa::Avx512 => unsafe { x86::silu_mul_avx512(&gate[..n], &up[..n], &mut out[..n]) },
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: the tier was detected on this CPU.
         Isa::Avx2 => unsafe { x86::silu_mul_avx2(&gate[..n], &up[..n], &mut out[..n]) },
         _ => {
             for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
@@ -92,6 +93,7 @@ pub(crate) fn exp_shifted_sum(isa: Isa, s: &mut [f32], max: f32) -> f32 {
         // SAFETY: the tier was detected on this CPU.
         Isa::Avx512 => unsafe { x86::exp_shifted_sum_avx512(s, max) },
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: the tier was detected on this CPU.
         Isa::Avx2 => unsafe { x86::exp_shifted_sum_avx2(s, max) },
         _ => {
             let mut sum = 0f32;

@@ -137,6 +137,7 @@ pub(crate) struct SharedMut<T>(pub *mut T);
 // elements of it while the owner waits for them (for_each_range returns
 // after every worker is done).
 unsafe impl<T: Send> Send for SharedMut<T> {}
+// SAFETY: as for Send: workers share the pointer, never an element.
 unsafe impl<T: Send> Sync for SharedMut<T> {}
 
 impl<T> SharedMut<T> {

@@ -201,6 +201,10 @@ fn attention_reference(
     out
 }
 
+/// One attention case's inputs per sequence: q, K, V (f32) and an output
+/// buffer, for the (offset, len) `shapes`.
+type AttnCase = Vec<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)>;
+
 #[test]
 fn attention_matches_reference() {
     let mut rng = ChaCha8Rng::seed_from_u64(4);
@@ -227,70 +231,76 @@ fn attention_matches_reference() {
                 let v = randn(&mut rng, (offset + len) * nkv * hd);
                 data.push((q, k, v, vec![0f32; len * nh * hd]));
             }
-            let kh: Vec<Vec<f16>> = data
-                .iter()
-                .map(|d| d.1.iter().map(|&x| f16::from_f32(x)).collect())
-                .collect();
-            let vh: Vec<Vec<f16>> = data
-                .iter()
-                .map(|d| d.2.iter().map(|&x| f16::from_f32(x)).collect())
-                .collect();
-            let seqs: Vec<SeqAttn<f32>> = data
-                .iter_mut()
-                .zip(&shapes)
-                .map(|(d, &(offset, len))| SeqAttn {
-                    q: d.0.as_ptr(),
-                    ldq: nh * hd,
-                    out: SharedMut(d.3.as_mut_ptr()),
-                    ldo: nh * hd,
-                    offset,
-                    len,
-                    k: d.1.as_ptr(),
-                    v: d.2.as_ptr(),
-                })
-                .collect();
-            unsafe { attention(isa, 2, h, &seqs) };
-            for (d, &(offset, len)) in data.iter().zip(&shapes) {
-                let want = attention_reference(h, &d.0, &d.1, &d.2, offset, len);
-                for (i, (&g, &w)) in d.3.iter().zip(&want).enumerate() {
-                    assert!(
-                        (g as f64 - w).abs() <= 1e-5,
-                        "{isa:?} f32 attn [{i}]: {g} vs {w}"
-                    );
-                }
-            }
-            // f16 cache: same inputs rounded, compared with the f64 reference
-            // over the rounded values.
-            let mut outs: Vec<Vec<f32>> = shapes
-                .iter()
-                .map(|&(_, l)| vec![0f32; l * nh * hd])
-                .collect();
-            let seqs: Vec<SeqAttn<f16>> = outs
-                .iter_mut()
-                .enumerate()
-                .map(|(s, o)| SeqAttn {
-                    q: data[s].0.as_ptr(),
-                    ldq: nh * hd,
-                    out: SharedMut(o.as_mut_ptr()),
-                    ldo: nh * hd,
-                    offset: shapes[s].0,
-                    len: shapes[s].1,
-                    k: kh[s].as_ptr(),
-                    v: vh[s].as_ptr(),
-                })
-                .collect();
-            unsafe { attention(isa, 2, h, &seqs) };
-            for (s, &(offset, len)) in shapes.iter().enumerate() {
-                let k: Vec<f32> = kh[s].iter().map(|x| x.to_f32()).collect();
-                let v: Vec<f32> = vh[s].iter().map(|x| x.to_f32()).collect();
-                let want = attention_reference(h, &data[s].0, &k, &v, offset, len);
-                for (i, (&g, &w)) in outs[s].iter().zip(&want).enumerate() {
-                    assert!(
-                        (g as f64 - w).abs() <= 1e-5,
-                        "{isa:?} f16 attn [{i}]: {g} vs {w}"
-                    );
-                }
-            }
+            check_attention_f32(isa, h, &shapes, &mut data);
+            check_attention_f16(isa, h, &shapes, &data);
+        }
+    }
+}
+
+/// The kernel over an f32 cache against the f64 reference.
+fn check_attention_f32(isa: Isa, h: Heads, shapes: &[(usize, usize)], data: &mut AttnCase) {
+    let ld = h.num_heads * h.head_dim;
+    let seqs: Vec<SeqAttn<f32>> = data
+        .iter_mut()
+        .zip(shapes)
+        .map(|(d, &(offset, len))| SeqAttn {
+            q: d.0.as_ptr(),
+            ldq: ld,
+            out: SharedMut(d.3.as_mut_ptr()),
+            ldo: ld,
+            offset,
+            len,
+            k: d.1.as_ptr(),
+            v: d.2.as_ptr(),
+        })
+        .collect();
+    // SAFETY: every pointer is into a live buffer of the shape its
+    // sequence's (offset, len) implies; outputs are separate vectors.
+    unsafe { attention(isa, 2, h, &seqs) };
+    for (d, &(offset, len)) in data.iter().zip(shapes) {
+        let want = attention_reference(h, &d.0, &d.1, &d.2, offset, len);
+        for (i, (&g, &w)) in d.3.iter().zip(&want).enumerate() {
+            assert!(
+                (g as f64 - w).abs() <= 1e-5,
+                "{isa:?} f32 attn [{i}]: {g} vs {w}"
+            );
+        }
+    }
+}
+
+/// The kernel over an f16 cache (the same inputs rounded) against the f64
+/// reference over the rounded values.
+fn check_attention_f16(isa: Isa, h: Heads, shapes: &[(usize, usize)], data: &AttnCase) {
+    let ld = h.num_heads * h.head_dim;
+    let round = |x: &[f32]| -> Vec<f16> { x.iter().map(|&x| f16::from_f32(x)).collect() };
+    let kh: Vec<Vec<f16>> = data.iter().map(|d| round(&d.1)).collect();
+    let vh: Vec<Vec<f16>> = data.iter().map(|d| round(&d.2)).collect();
+    let mut outs: Vec<Vec<f32>> = shapes.iter().map(|&(_, l)| vec![0f32; l * ld]).collect();
+    let seqs: Vec<SeqAttn<f16>> = outs
+        .iter_mut()
+        .enumerate()
+        .map(|(s, o)| SeqAttn {
+            q: data[s].0.as_ptr(),
+            ldq: ld,
+            out: SharedMut(o.as_mut_ptr()),
+            ldo: ld,
+            offset: shapes[s].0,
+            len: shapes[s].1,
+            k: kh[s].as_ptr(),
+            v: vh[s].as_ptr(),
+        })
+        .collect();
+    // SAFETY: as for f32: live buffers of the implied shapes, separate outputs.
+    unsafe { attention(isa, 2, h, &seqs) };
+    for (s, &(offset, len)) in shapes.iter().enumerate() {
+        let k: Vec<f32> = kh[s].iter().map(|x| x.to_f32()).collect();
+        let v: Vec<f32> = vh[s].iter().map(|x| x.to_f32()).collect();
+        let want = attention_reference(h, &data[s].0, &k, &v, offset, len);
+        for (i, (&g, &w)) in outs[s].iter().zip(&want).enumerate() {
+            assert!(
+                (g as f64 - w).abs() <= 1e-5,
+                "{isa:?} f16 attn [{i}]: {g} vs {w}"
+            );
         }
     }
 }

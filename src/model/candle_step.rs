@@ -1,0 +1,486 @@
+//! The candle-op implementation of the step: every GPU, and the CPU
+//! reference the lean path is tested against.
+//!
+//! A pass embeds nothing itself (the [`Model`](super::Model) hands it the
+//! input rows), runs every layer with candle ops over the fused weights of
+//! [`ModelWeights`] and writes each sequence's K/V into its slot. Attention
+//! is the only per-sequence part, and how it runs is chosen once per pass,
+//! before the layer loop, as an [`AttentionPlan`]:
+//! - **pooled**: over pooled KV on CUDA, Tandem's own kernels
+//!   ([`super::pooled_attention`]) straight from the q/k/v projection; they
+//!   rotate by position themselves;
+//! - **batched**: over pooled KV elsewhere (or past the kernels' bounds),
+//!   padded candle ops for a group of sequences
+//!   ([`super::batched_attention`]), the rest one by one;
+//! - **per sequence**: over per-slot KV, each sequence over its own cache.
+//!
+//! # Ownership
+//! [`CandleStep`] belongs to its model and holds only what this path adds
+//! to the weights: the rotary tables as tensors, whether the q scale is
+//! folded into the weights, and the profile (behind a mutex only so the
+//! model stays `Sync`; the engine thread is its one user).
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+
+use super::batched_attention::BatchedAttention;
+use super::fused;
+use super::llama_weights::{LayerWeights, ModelWeights, QScale};
+use super::pooled_attention::PooledAttention;
+use super::{Batch, ModelConfig, ModelError, SeqSpan};
+use crate::kv::KvCache;
+
+/// Phases of the candle path's profile, in step order.
+const CANDLE_PHASES: [&str; 5] = [
+    "other",
+    "qkv+rope",
+    "attention",
+    "o_proj+add+norm",
+    "mlp+add+norm",
+];
+
+type PhaseTimes = [Duration; CANDLE_PHASES.len()];
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Accumulates the time since the previous lap into a phase, after
+/// synchronising the device; does nothing when profiling is off.
+struct PhaseClock<'a> {
+    device: &'a Device,
+    times: Option<PhaseTimes>,
+    at: Instant,
+}
+
+impl<'a> PhaseClock<'a> {
+    fn start(device: &'a Device, times: Option<PhaseTimes>) -> Self {
+        Self {
+            device,
+            times,
+            at: Instant::now(),
+        }
+    }
+
+    fn lap(&mut self, phase: usize) -> Result<(), ModelError> {
+        if let Some(t) = self.times.as_mut() {
+            self.device.synchronize()?;
+            let now = Instant::now();
+            t[phase] += now - self.at;
+            self.at = now;
+        }
+        Ok(())
+    }
+
+    fn finish(self) -> Option<PhaseTimes> {
+        self.times
+    }
+}
+
+/// A sequence's span with its first row in the batch.
+type Span = (SeqSpan, usize);
+
+/// The batch's rows of the rotary tables (one per token, by position).
+struct RopeRows {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// A layer's queries `[n, heads, head_dim]` (rotated and scaled), keys
+/// `[n, kv_heads, head_dim]` (rotated) and values, in batch order.
+struct Rotated {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+}
+
+/// How a pass attends, chosen once before the layer loop and shared by
+/// every layer.
+enum AttentionPlan {
+    /// CUDA kernels over pooled KV, from the projection rows as they are.
+    Pooled(PooledAttention),
+    /// Padded candle ops for a group of sequences over pooled KV; the
+    /// plan's singles attend one by one.
+    Batched {
+        rope: RopeRows,
+        plan: BatchedAttention,
+    },
+    /// candle ops sequence by sequence, each over its own cache.
+    PerSequence { rope: RopeRows, spans: Vec<Span> },
+}
+
+/// The candle path's state, built at load.
+pub(super) struct CandleStep {
+    dtype: DType,
+    device: Device,
+    /// `[max_positions, head_dim / 2]` rotary tables in the compute dtype.
+    cos: Tensor,
+    sin: Tensor,
+    q_scale: QScale,
+    /// Per-phase times while profiling (`None`: off).
+    profile: Mutex<Option<PhaseTimes>>,
+}
+
+impl CandleStep {
+    /// The path for `cfg` with the f32 rotary tables (`rope_tables`) and
+    /// the weights' q scale.
+    pub(super) fn new(
+        cfg: &ModelConfig,
+        (cos, sin): (Vec<f32>, Vec<f32>),
+        q_scale: QScale,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let shape = (cfg.max_position_embeddings, cfg.head_dim / 2);
+        Ok(Self {
+            dtype,
+            device: device.clone(),
+            cos: Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?,
+            sin: Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?,
+            q_scale,
+            profile: Mutex::new(None),
+        })
+    }
+
+    /// Starts (or stops) accumulating per-phase step times.
+    pub(super) fn set_profiling(&self, on: bool) {
+        *lock(&self.profile) = on.then_some(Default::default());
+    }
+
+    /// Per-phase times accumulated since the last call (then reset).
+    pub(super) fn take_profile(&self) -> Vec<(&'static str, Duration)> {
+        lock(&self.profile)
+            .as_mut()
+            .map(|p| CANDLE_PHASES.into_iter().zip(std::mem::take(p)).collect())
+            .unwrap_or_default()
+    }
+
+    /// Final norm and unembedding: `[n, hidden]` → `[n, vocab]` logits (f32).
+    pub(super) fn unembed(
+        &self,
+        cfg: &ModelConfig,
+        weights: &ModelWeights,
+        hidden: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let x = candle_nn::ops::rms_norm(
+            &hidden.contiguous()?,
+            &weights.norm,
+            cfg.rms_norm_eps as f32,
+        )?;
+        Ok(weights.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+
+    /// The factor the queries still need (1 when folded into the weights).
+    fn query_scale(&self, cfg: &ModelConfig) -> f64 {
+        match self.q_scale {
+            QScale::Folded(_) => 1.0,
+            QScale::Unfolded => 1.0 / (cfg.head_dim as f64).sqrt(),
+        }
+    }
+
+    /// The first `num_layers` layers over input rows `x` (`[n, hidden]`,
+    /// compute dtype; batch already checked, room reserved). Returns the
+    /// hidden states of the rows the batch asks for.
+    pub(super) fn forward(
+        &self,
+        cfg: &ModelConfig,
+        weights: &ModelWeights,
+        batch: &Batch,
+        mut x: Tensor,
+        kv: &mut KvCache,
+        num_layers: usize,
+    ) -> Result<Tensor, ModelError> {
+        let plan = self.plan(cfg, batch, kv)?;
+        let eps = cfg.rms_norm_eps as f32;
+        let mut clock = PhaseClock::start(&self.device, lock(&self.profile).take());
+        let layers = &weights.layers[..num_layers.min(weights.layers.len())];
+        // `h` is the normed input of the next block; each residual add is
+        // fused with the norm that follows it.
+        let mut h = match layers.first() {
+            Some(first) => candle_nn::ops::rms_norm(&x, &first.attn_norm, eps)?,
+            None => x.clone(),
+        };
+        for (l, layer) in layers.iter().enumerate() {
+            clock.lap(0)?;
+            let attn = self.attend(cfg, layer, l, &h, &plan, kv, &mut clock)?;
+            clock.lap(2)?;
+            let o = layer.o_proj.forward(&attn)?;
+            (x, h) = fused::add_rms_norm(&x, &o, &layer.mlp_norm, eps)?;
+            clock.lap(3)?;
+
+            let gu = layer.gate_up.forward(&h)?;
+            let down = layer
+                .down
+                .forward(&fused::silu_mul(&gu, cfg.intermediate_size)?)?;
+            match layers.get(l + 1) {
+                Some(next) => (x, h) = fused::add_rms_norm(&x, &down, &next.attn_norm, eps)?,
+                None => x = (x + down)?,
+            }
+            clock.lap(4)?;
+        }
+        *lock(&self.profile) = clock.finish();
+        for s in &batch.seqs {
+            kv.set_len(s.slot, s.offset + s.len)?;
+        }
+        self.output_rows(batch, x)
+    }
+
+    /// The rows of `x` the batch asks for.
+    fn output_rows(&self, batch: &Batch, x: Tensor) -> Result<Tensor, ModelError> {
+        let wanted = batch.output_indices();
+        if wanted.len() == batch.tokens.len() {
+            return Ok(x);
+        }
+        if wanted.is_empty() {
+            // A view: CUDA refuses zero-byte allocations.
+            return Ok(x.narrow(0, 0, 0)?);
+        }
+        let idx = Tensor::new(wanted.as_slice(), &self.device)?;
+        Ok(x.index_select(&idx, 0)?)
+    }
+
+    /// This pass's attention plan: the CUDA kernels when they can take the
+    /// batch, else padded ops when some sequences are worth padding
+    /// together, else sequence by sequence.
+    fn plan(
+        &self,
+        cfg: &ModelConfig,
+        batch: &Batch,
+        kv: &KvCache,
+    ) -> Result<AttentionPlan, ModelError> {
+        if let Some(pooled) = PooledAttention::plan(batch, kv, cfg, &self.device)? {
+            return Ok(AttentionPlan::Pooled(pooled));
+        }
+        let spans: Vec<Span> = batch
+            .seqs
+            .iter()
+            .scan(0, |at, s| {
+                *at += s.len;
+                Some((*s, *at - s.len))
+            })
+            .collect();
+        let n = batch.tokens.len();
+        let batched = BatchedAttention::plan(&spans, n, kv, cfg, self.dtype, &self.device)?;
+        let rope = self.rope_rows(batch)?;
+        Ok(match batched {
+            Some(plan) => AttentionPlan::Batched { rope, plan },
+            None => AttentionPlan::PerSequence { rope, spans },
+        })
+    }
+
+    /// The rotary tables' rows at the batch's positions.
+    fn rope_rows(&self, batch: &Batch) -> Result<RopeRows, ModelError> {
+        let positions: Vec<u32> = batch
+            .seqs
+            .iter()
+            .flat_map(|s| (s.offset..s.offset + s.len).map(|p| p as u32))
+            .collect();
+        let positions = Tensor::new(positions.as_slice(), &self.device)?;
+        Ok(RopeRows {
+            cos: self.cos.index_select(&positions, 0)?,
+            sin: self.sin.index_select(&positions, 0)?,
+        })
+    }
+
+    /// Layer `l`'s q/k/v projection of `h` and its attention output
+    /// `[n, heads·head_dim]` in batch order, writing the new K/V.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        cfg: &ModelConfig,
+        layer: &LayerWeights,
+        l: usize,
+        h: &Tensor,
+        plan: &AttentionPlan,
+        kv: &mut KvCache,
+        clock: &mut PhaseClock<'_>,
+    ) -> Result<Tensor, ModelError> {
+        let mut qkv = layer.qkv.forward(h)?;
+        if let Some(b) = &layer.qkv_bias {
+            qkv = qkv.broadcast_add(b)?;
+        }
+        match plan {
+            AttentionPlan::Pooled(pooled) => {
+                clock.lap(1)?;
+                let q_scale = self.query_scale(cfg) as f32;
+                pooled.forward(cfg, kv, l, &qkv, (&self.cos, &self.sin), q_scale)
+            }
+            AttentionPlan::Batched { rope, plan } => {
+                let r = self.rotated(cfg, &qkv, rope)?;
+                clock.lap(1)?;
+                if plan.singles().is_empty() {
+                    return plan.forward(cfg, kv, l, &r.q, &r.k, &r.v);
+                }
+                let mut parts = vec![plan.forward(cfg, kv, l, &r.q, &r.k, &r.v)?];
+                parts.extend(self.attend_each(cfg, plan.singles(), kv, l, &r)?);
+                plan.reorder(&parts)
+            }
+            AttentionPlan::PerSequence { rope, spans } => {
+                let r = self.rotated(cfg, &qkv, rope)?;
+                clock.lap(1)?;
+                let mut parts = self.attend_each(cfg, spans, kv, l, &r)?;
+                Ok(if parts.len() == 1 {
+                    parts.pop().expect("one part")
+                } else {
+                    Tensor::cat(&parts, 0)?
+                })
+            }
+        }
+    }
+
+    /// Splits the projection `[n, (heads + 2·kv_heads)·head_dim]` into
+    /// rotated (and scaled) queries, rotated keys and values.
+    fn rotated(
+        &self,
+        cfg: &ModelConfig,
+        qkv: &Tensor,
+        rope: &RopeRows,
+    ) -> Result<Rotated, ModelError> {
+        let n = qkv.dim(0)?;
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let q = qkv
+            .narrow(1, 0, nh * hd)?
+            .contiguous()?
+            .reshape((1, n, nh, hd))?;
+        let k = qkv
+            .narrow(1, nh * hd, nkv * hd)?
+            .contiguous()?
+            .reshape((1, n, nkv, hd))?;
+        let v = qkv
+            .narrow(1, (nh + nkv) * hd, nkv * hd)?
+            .contiguous()?
+            .reshape((n, nkv, hd))?;
+        let q = candle_nn::rotary_emb::rope_thd(&q, &rope.cos, &rope.sin)?.squeeze(0)?;
+        let q = match self.q_scale {
+            QScale::Folded(_) => q,
+            QScale::Unfolded => (q * self.query_scale(cfg))?,
+        };
+        let k = candle_nn::rotary_emb::rope_thd(&k, &rope.cos, &rope.sin)?.squeeze(0)?;
+        Ok(Rotated { q, k, v })
+    }
+
+    /// Attention sequence by sequence: writes each one's new K/V (rows
+    /// `start..start + len` of the batch) into its slot and attends over its
+    /// cache in place; one output per sequence.
+    fn attend_each(
+        &self,
+        cfg: &ModelConfig,
+        spans: &[Span],
+        kv: &mut KvCache,
+        layer: usize,
+        Rotated { q, k, v }: &Rotated,
+    ) -> Result<Vec<Tensor>, ModelError> {
+        let mut outs = Vec::with_capacity(spans.len());
+        for &(s, start) in spans {
+            kv.write(
+                s.slot,
+                layer,
+                s.offset,
+                &k.narrow(0, start, s.len)?,
+                &v.narrow(0, start, s.len)?,
+            )?;
+            let (kc, vc) = kv.view(s.slot, layer, s.offset + s.len)?;
+            let q = q.narrow(0, start, s.len)?;
+            outs.push(self.sequence_attention(cfg, &q, &kc, &vc, s.offset)?);
+        }
+        Ok(outs)
+    }
+
+    /// Causal attention of one sequence's queries `[len, heads, head_dim]`
+    /// (already scaled) over its cache `[offset + len, kv_heads, head_dim]`.
+    fn sequence_attention(
+        &self,
+        cfg: &ModelConfig,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        offset: usize,
+    ) -> Result<Tensor, ModelError> {
+        let (nh, nkv, hd, g) = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.group_size(),
+        );
+        let len = q.dim(0)?;
+        let total = k.dim(0)?;
+        // Keys before the sliding window of the *first* query are never seen.
+        let first_key = match cfg.sliding_window {
+            Some(w) if offset + 1 > w => offset + 1 - w,
+            _ => 0,
+        };
+        let (k, v) = if first_key > 0 {
+            (
+                k.narrow(0, first_key, total - first_key)?,
+                v.narrow(0, first_key, total - first_key)?,
+            )
+        } else {
+            (k.clone(), v.clone())
+        };
+        let keys = total - first_key;
+
+        // Group the query heads that share a KV head: rows are (position, head-in-group).
+        let qg = q
+            .reshape((len, nkv, g, hd))?
+            .permute((1, 0, 2, 3))?
+            .contiguous()?
+            .reshape((nkv, len * g, hd))?;
+        let kt = k.permute((1, 2, 0))?; // [kv_heads, head_dim, keys]
+        let vt = v.permute((1, 0, 2))?; // [kv_heads, keys, head_dim]
+        let (kt, vt) = if self.device.is_cpu() {
+            (kt, vt)
+        } else {
+            (kt.contiguous()?, vt.contiguous()?)
+        };
+        let mut scores = qg.matmul(&kt)?; // [kv_heads, len·g, keys]
+        if len > 1 || cfg.sliding_window.is_some() {
+            let mask = self.mask(cfg, len, offset, first_key, keys)?;
+            if let Some(mask) = mask {
+                scores = scores.broadcast_add(&mask)?;
+            }
+        }
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs.matmul(&vt)?; // [kv_heads, len·g, head_dim]
+        Ok(out
+            .reshape((nkv, len, g, hd))?
+            .permute((1, 0, 2, 3))?
+            .contiguous()?
+            .reshape((len, nh * hd))?)
+    }
+
+    /// Additive mask `[len·g, keys]` (g: query heads per KV head): query
+    /// row r sits at position `offset + r / g` and sees keys at positions ≤
+    /// its own (and inside the sliding window). `None` when nothing is
+    /// masked.
+    fn mask(
+        &self,
+        cfg: &ModelConfig,
+        len: usize,
+        offset: usize,
+        first_key: usize,
+        keys: usize,
+    ) -> Result<Option<Tensor>, ModelError> {
+        let (window, g) = (cfg.sliding_window, cfg.group_size());
+        let mut any = false;
+        let mut data = vec![0f32; len * g * keys];
+        for r in 0..len * g {
+            let pos = offset + r / g;
+            for j in 0..keys {
+                let kpos = first_key + j;
+                let hidden = kpos > pos || window.is_some_and(|w| kpos + w <= pos);
+                if hidden {
+                    data[r * keys + j] = f32::NEG_INFINITY;
+                    any = true;
+                }
+            }
+        }
+        if !any {
+            return Ok(None);
+        }
+        Ok(Some(
+            Tensor::from_vec(data, (len * g, keys), &self.device)?.to_dtype(self.dtype)?,
+        ))
+    }
+}
