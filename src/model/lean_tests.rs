@@ -1,7 +1,6 @@
 //! The lean CPU step against the candle-op path (the reference), and the
 //! agreement of f16 / Q8_0 / Q4_K greedy decoding with f32.
 
-use std::path::Path;
 
 use candle_core::{DType, Device};
 
@@ -212,14 +211,10 @@ pub(crate) fn agreement(a: &[Vec<u32>], b: &[Vec<u32>]) -> f64 {
 
 #[test]
 fn stories260k_greedy_agreement_with_f32() {
-    let dir = Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../shared/models/stories260k"
-    ));
-    if !dir.exists() {
-        eprintln!("SKIP: {} is absent", dir.display());
+    let Some(dir) = crate::testing::shared("models/stories260k") else {
         return;
-    }
+    };
+    let dir = dir.as_path();
     let cfg = ModelConfig::from_dir(dir).expect("config");
     let w = Weights::from_dir(dir).expect("weights");
     let reference: serde_json::Value = serde_json::from_str(
