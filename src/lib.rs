@@ -33,12 +33,12 @@
 //! - [`engine`]: the plain-data step protocol, the engine thread and the
 //!   [`Engine`](engine::Engine) executor that owns every tensor.
 //! - [`model`], [`kv`], [`sampler`]: the tensor code (candle).
-//! - [`slot`]: [`SlotId`](slot::SlotId), the sequence identifier shared by
-//!   the engine and the tensor code (a leaf: it imports nothing).
 //! - [`tokenizer`]: HF tokenizers, incremental detokenizer, stop matching.
 //! - [`tiny`]: the embedded default model.
 //! - [`server`]: the OpenAI-compatible HTTP API (actix-web) of the `tandem`
 //!   binary.
+//! - [`slot`]: [`SlotId`](slot::SlotId), the sequence identifier shared by
+//!   the engine and the tensor code (a leaf: it imports nothing).
 
 pub mod api;
 pub mod engine;
