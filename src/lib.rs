@@ -24,6 +24,8 @@
 //!
 //! # Layout
 //! - [`api`]: public request / event / error types.
+//! - [`slot`]: [`SlotId`](slot::SlotId), the sequence identifier shared by
+//!   the engine and the tensor code (a leaf: it imports nothing).
 //! - [`handle`]: [`TandemHandle`], the cloneable async front door, and
 //!   [`EventStream`](handle::EventStream).
 //! - [`request`]: per-request actors (detokenizer, stop strings, sinks) and
@@ -37,8 +39,6 @@
 //! - [`tiny`]: the embedded default model.
 //! - [`server`]: the OpenAI-compatible HTTP API (actix-web) of the `tandem`
 //!   binary.
-//! - [`slot`]: [`SlotId`](slot::SlotId), the sequence identifier shared by
-//!   the engine and the tensor code (a leaf: it imports nothing).
 
 pub mod api;
 pub mod engine;
@@ -49,9 +49,11 @@ pub mod request;
 pub mod sampler;
 pub mod scheduler;
 pub mod server;
-pub mod slot;
 pub mod tiny;
 pub mod tokenizer;
 pub mod train;
+
+// The leaf every layer shares (engine and tensor code alike).
+pub mod slot;
 
 pub use handle::TandemHandle;
