@@ -24,6 +24,8 @@
 //!
 //! # Layout
 //! - [`api`]: public request / event / error types.
+//! - [`slot`]: [`SlotId`](slot::SlotId), the sequence identifier shared by
+//!   the engine and the tensor code (a leaf: it imports nothing).
 //! - [`handle`]: [`TandemHandle`], the cloneable async front door, and
 //!   [`EventStream`](handle::EventStream).
 //! - [`request`]: per-request actors (detokenizer, stop strings, sinks) and
@@ -33,8 +35,6 @@
 //! - [`engine`]: the plain-data step protocol, the engine thread and the
 //!   [`Engine`](engine::Engine) executor that owns every tensor.
 //! - [`model`], [`kv`], [`sampler`]: the tensor code (candle).
-//! - [`slot`]: [`SlotId`](slot::SlotId), the sequence identifier shared by
-//!   the engine and the tensor code (a leaf: it imports nothing).
 //! - [`tokenizer`]: HF tokenizers, incremental detokenizer, stop matching.
 //! - [`tiny`]: the embedded default model.
 //! - `server` (cargo feature `server`, on by default): the OpenAI-compatible
@@ -58,11 +58,13 @@ pub mod sampler;
 pub mod scheduler;
 #[cfg(feature = "server")]
 pub mod server;
-pub mod slot;
 #[doc(hidden)]
 pub mod testing;
 pub mod tiny;
 pub mod tokenizer;
 pub mod train;
+
+// The leaf every layer shares (engine and tensor code alike).
+pub mod slot;
 
 pub use handle::TandemHandle;

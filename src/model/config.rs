@@ -130,6 +130,153 @@ struct RawConfig {
     eos_token_id: Option<OneOrMany>,
 }
 
+/// A config error (the caller adds the path).
+fn bad(reason: String) -> ModelError {
+    ModelError::Config {
+        path: Default::default(),
+        reason,
+    }
+}
+
+/// `v`, or an error naming `field` when it is 0.
+fn positive(field: &str, v: usize) -> Result<usize, ModelError> {
+    if v == 0 {
+        Err(bad(format!("`{field}` must be positive")))
+    } else {
+        Ok(v)
+    }
+}
+
+/// The checked sizes of a config.
+struct Sizes {
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_layers: usize,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl RawConfig {
+    /// The architecture, from `architectures` or else `model_type`; only
+    /// the SiLU activation is supported.
+    fn architecture(&self) -> Result<Architecture, ModelError> {
+        let arch_name = self
+            .architectures
+            .as_ref()
+            .and_then(|a| a.first().cloned())
+            .or_else(|| {
+                self.model_type.as_deref().map(|t| match t {
+                    "llama" => "LlamaForCausalLM".to_string(),
+                    "mistral" => "MistralForCausalLM".to_string(),
+                    "qwen2" => "Qwen2ForCausalLM".to_string(),
+                    other => other.to_string(),
+                })
+            })
+            .ok_or_else(|| bad("no `architectures` or `model_type`".into()))?;
+        let architecture = Architecture::from_hf(&arch_name)
+            .ok_or_else(|| ModelError::UnsupportedArchitecture(arch_name.clone()))?;
+        if let Some(act) = self.hidden_act.as_deref() {
+            if act != "silu" {
+                return Err(bad(format!("unsupported hidden_act `{act}` (only `silu`)")));
+            }
+        }
+        Ok(architecture)
+    }
+
+    /// Sizes, all positive, with heads that divide evenly and an even
+    /// head dimension (RoPE pairs dimensions).
+    fn sizes(&self) -> Result<Sizes, ModelError> {
+        let vocab_size = positive("vocab_size", self.vocab_size)?;
+        let hidden_size = positive("hidden_size", self.hidden_size)?;
+        let intermediate_size = positive("intermediate_size", self.intermediate_size)?;
+        let num_layers = positive("num_hidden_layers", self.num_hidden_layers)?;
+        let num_heads = positive("num_attention_heads", self.num_attention_heads)?;
+        let num_kv_heads = positive(
+            "num_key_value_heads",
+            self.num_key_value_heads.unwrap_or(num_heads),
+        )?;
+        if num_heads % num_kv_heads != 0 {
+            return Err(bad(format!("num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")));
+        }
+        let head_dim = match self.head_dim {
+            Some(d) => positive("head_dim", d)?,
+            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None => {
+                return Err(bad(format!(
+                "hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}"
+            )))
+            }
+        };
+        if head_dim % 2 != 0 {
+            return Err(bad(format!("head_dim {head_dim} must be even for RoPE")));
+        }
+        Ok(Sizes {
+            vocab_size,
+            hidden_size,
+            intermediate_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        })
+    }
+
+    /// `rope_theta` (positive) and the scaling.
+    fn rope(&self) -> Result<(f64, RopeScaling), ModelError> {
+        // transformers 5 moved theta and scaling into `rope_parameters`.
+        let rope = self.rope_parameters.as_ref().or(self.rope_scaling.as_ref());
+        let rope_theta = rope
+            .and_then(|r| r.rope_theta)
+            .or(self.rope_theta)
+            .unwrap_or(10_000.0);
+        let rope_scaling = match rope {
+            None => RopeScaling::None,
+            Some(r) => r.scaling()?,
+        };
+        if !(rope_theta.is_finite() && rope_theta > 0.0) {
+            return Err(bad(format!(
+                "rope_theta must be positive, got {rope_theta}"
+            )));
+        }
+        Ok((rope_theta, rope_scaling))
+    }
+}
+
+impl RawRope {
+    /// The scaling this `rope_type` (default, linear, llama3) describes.
+    fn scaling(&self) -> Result<RopeScaling, ModelError> {
+        Ok(match self.rope_type.as_deref().unwrap_or("default") {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear {
+                factor: self
+                    .factor
+                    .ok_or_else(|| bad("linear rope scaling without `factor`".into()))?,
+            },
+            "llama3" => {
+                let need = |name: &str, v: Option<f64>| {
+                    v.ok_or_else(|| bad(format!("llama3 rope scaling without `{name}`")))
+                };
+                RopeScaling::Llama3 {
+                    factor: need("factor", self.factor)?,
+                    low_freq_factor: need("low_freq_factor", self.low_freq_factor)?,
+                    high_freq_factor: need("high_freq_factor", self.high_freq_factor)?,
+                    original_max_position_embeddings: need(
+                        "original_max_position_embeddings",
+                        self.original_max_position_embeddings,
+                    )?,
+                }
+            }
+            other => {
+                return Err(bad(format!(
+                    "unsupported rope type `{other}` (supported: default, linear, llama3)"
+                )))
+            }
+        })
+    }
+}
+
 impl ModelConfig {
     /// Reads and checks `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
@@ -149,109 +296,11 @@ impl ModelConfig {
 
     /// Parses a `config.json` text (errors carry an empty path).
     pub fn from_json(text: &str) -> Result<Self, ModelError> {
-        let bad = |reason: String| ModelError::Config {
-            path: Default::default(),
-            reason,
-        };
         let raw: RawConfig =
             serde_json::from_str(text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
-
-        let arch_name = raw
-            .architectures
-            .as_ref()
-            .and_then(|a| a.first().cloned())
-            .or_else(|| {
-                raw.model_type.as_deref().map(|t| match t {
-                    "llama" => "LlamaForCausalLM".to_string(),
-                    "mistral" => "MistralForCausalLM".to_string(),
-                    "qwen2" => "Qwen2ForCausalLM".to_string(),
-                    other => other.to_string(),
-                })
-            })
-            .ok_or_else(|| bad("no `architectures` or `model_type`".into()))?;
-        let architecture = Architecture::from_hf(&arch_name)
-            .ok_or_else(|| ModelError::UnsupportedArchitecture(arch_name.clone()))?;
-        if let Some(act) = raw.hidden_act.as_deref() {
-            if act != "silu" {
-                return Err(bad(format!("unsupported hidden_act `{act}` (only `silu`)")));
-            }
-        }
-
-        let positive = |field: &str, v: usize| {
-            if v == 0 {
-                Err(bad(format!("`{field}` must be positive")))
-            } else {
-                Ok(v)
-            }
-        };
-        let vocab_size = positive("vocab_size", raw.vocab_size)?;
-        let hidden_size = positive("hidden_size", raw.hidden_size)?;
-        let intermediate_size = positive("intermediate_size", raw.intermediate_size)?;
-        let num_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
-        let num_heads = positive("num_attention_heads", raw.num_attention_heads)?;
-        let num_kv_heads = positive(
-            "num_key_value_heads",
-            raw.num_key_value_heads.unwrap_or(num_heads),
-        )?;
-        if num_heads % num_kv_heads != 0 {
-            return Err(bad(format!("num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")));
-        }
-        let head_dim = match raw.head_dim {
-            Some(d) => positive("head_dim", d)?,
-            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
-            None => {
-                return Err(bad(format!(
-                "hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}"
-            )))
-            }
-        };
-        if head_dim % 2 != 0 {
-            return Err(bad(format!("head_dim {head_dim} must be even for RoPE")));
-        }
-
-        // transformers 5 moved theta and scaling into `rope_parameters`.
-        let rope = raw.rope_parameters.or(raw.rope_scaling);
-        let rope_theta = rope
-            .as_ref()
-            .and_then(|r| r.rope_theta)
-            .or(raw.rope_theta)
-            .unwrap_or(10_000.0);
-        let rope_scaling = match rope {
-            None => RopeScaling::None,
-            Some(r) => match r.rope_type.as_deref().unwrap_or("default") {
-                "default" => RopeScaling::None,
-                "linear" => RopeScaling::Linear {
-                    factor: r
-                        .factor
-                        .ok_or_else(|| bad("linear rope scaling without `factor`".into()))?,
-                },
-                "llama3" => {
-                    let need = |name: &str, v: Option<f64>| {
-                        v.ok_or_else(|| bad(format!("llama3 rope scaling without `{name}`")))
-                    };
-                    RopeScaling::Llama3 {
-                        factor: need("factor", r.factor)?,
-                        low_freq_factor: need("low_freq_factor", r.low_freq_factor)?,
-                        high_freq_factor: need("high_freq_factor", r.high_freq_factor)?,
-                        original_max_position_embeddings: need(
-                            "original_max_position_embeddings",
-                            r.original_max_position_embeddings,
-                        )?,
-                    }
-                }
-                other => {
-                    return Err(bad(format!(
-                        "unsupported rope type `{other}` (supported: default, linear, llama3)"
-                    )))
-                }
-            },
-        };
-        if !(rope_theta.is_finite() && rope_theta > 0.0) {
-            return Err(bad(format!(
-                "rope_theta must be positive, got {rope_theta}"
-            )));
-        }
-
+        let architecture = raw.architecture()?;
+        let sizes = raw.sizes()?;
+        let (rope_theta, rope_scaling) = raw.rope()?;
         let max_position_embeddings = raw.max_position_embeddings.unwrap_or(2048);
         let sliding_window = match architecture {
             Architecture::Mistral => raw.sliding_window.filter(|&w| w < max_position_embeddings),
@@ -266,13 +315,13 @@ impl ModelConfig {
 
         Ok(Self {
             architecture,
-            vocab_size,
-            hidden_size,
-            intermediate_size,
-            num_layers,
-            num_heads,
-            num_kv_heads,
-            head_dim,
+            vocab_size: sizes.vocab_size,
+            hidden_size: sizes.hidden_size,
+            intermediate_size: sizes.intermediate_size,
+            num_layers: sizes.num_layers,
+            num_heads: sizes.num_heads,
+            num_kv_heads: sizes.num_kv_heads,
+            head_dim: sizes.head_dim,
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
             rope_theta,
             rope_scaling,

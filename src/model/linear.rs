@@ -1,6 +1,6 @@
 //! Projection weights in the format they are multiplied in, and the two
 //! ways to multiply them: candle ops on tensors (any device) and the lean
-//! CPU path on slices (the kernels of [`super::kernels`]).
+//! CPU path on slices (the kernels of `kernels`).
 //!
 //! # Formats
 //! - [`WeightFormat::AsCompute`]: weights in the compute dtype, `[n, k]` as

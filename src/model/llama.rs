@@ -12,16 +12,16 @@
 //! it. Using the interleaved pairing on them would silently give garbage.
 //!
 //! # Weights, and one implementation of the step per backend
-//! [`Model`] owns the config and the weights ([`super::llama_weights`],
+//! [`Model`] owns the config and the weights (`llama_weights`,
 //! loaded layer by layer) and runs every step through one implementation,
 //! chosen once at load:
-//! - on CPU, the lean path ([`super::lean`]: Tandem's own kernels over
+//! - on CPU, the lean path (`lean`: Tandem's own kernels over
 //!   reused buffers);
 //! - elsewhere, or with [`LoadOptions::lean_cpu`] off, candle ops
-//!   ([`super::candle_step`]), which choose once per pass how to attend:
-//!   Tandem's kernels over pooled KV on CUDA ([`super::pooled_attention`]),
+//!   (`candle_step`), which choose once per pass how to attend:
+//!   Tandem's kernels over pooled KV on CUDA (`pooled_attention`),
 //!   padded candle ops over pooled KV elsewhere
-//!   ([`super::batched_attention`]), or sequence by sequence over per-slot
+//!   (`batched_attention`), or sequence by sequence over per-slot
 //!   KV.
 //!
 //! Both read the same weights and caches and agree within rounding; the
