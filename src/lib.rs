@@ -33,6 +33,7 @@
 //! - [`engine`]: the plain-data step protocol, the engine thread and the
 //!   [`Engine`](engine::Engine) executor that owns every tensor.
 //! - [`model`], [`kv`], [`sampler`]: the tensor code (candle).
+//! - [`gguf`]: GGUF model files: reader, config, weights (dequantised).
 //! - [`tokenizer`]: HF tokenizers, incremental detokenizer, stop matching.
 //! - [`tiny`]: the embedded default model.
 //! - [`server`]: the OpenAI-compatible HTTP API (actix-web) of the `tandem`
@@ -40,6 +41,7 @@
 
 pub mod api;
 pub mod engine;
+pub mod gguf;
 pub mod handle;
 pub mod kv;
 pub mod model;
