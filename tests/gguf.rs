@@ -12,6 +12,8 @@ use std::time::Instant;
 use support::reference::shared;
 use tandem::gguf::GgufFile;
 use tandem::model::{LoadOptions, Model};
+use tandem::server::chat_template::{ChatMessage, ChatTemplate};
+use tandem::tokenizer::Tokenizer;
 
 const DIR: &str = "models/smollm2-135m-instruct";
 const GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -130,4 +132,99 @@ fn model_from_gguf_opens_the_file() {
     let model = Model::from_gguf(&path, &LoadOptions::default()).expect("from_gguf");
     eprintln!("Model::from_gguf: {:?}", t0.elapsed());
     assert_eq!(model.config().vocab_size, 49152);
+}
+
+/// Deterministic test strings: runs of whitespace, code, digits, accents,
+/// CJK, emoji, special tokens, mixed at random.
+fn tokenizer_corpus(n: usize) -> Vec<String> {
+    use rand::{Rng, SeedableRng};
+    const PIECES: &[&str] = &[
+        "hello", "Hello", " world", "the", " The", "don't", "it's", "I'M", "we'll", "you'd",
+        " ", "  ", "   ", "        ", "\t", "\t\t", "\n", "\n\n", "\r\n", " \n ", "\u{a0}",
+        "fn main() {\n    println!(\"hi\");\n}", "x = [1, 2, 3]", "def f(a, b):\n\treturn a+b",
+        "<div class=\"a\">", "// comment", "#include <stdio.h>", "a_b-c.d/e", "https://example.com/a?b=1&c=2",
+        "0", "7", "42", "2024", "3.14159", "1,000,000", "-12e5", "0x1F",
+        "café", "naïve", "Ünïcödé", "façade", "Straße", "ñandú", "Ελληνικά", "русский",
+        "日本語", "中文字符", "한국어", "ไทย", "عربى", "עברית",
+        "👍", "👍🏽", "🤗", "👨‍👩‍👧", "🇫🇷", "✨",
+        "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<file_sep>", "<repo_name>", "<|im_start|>user\n",
+        "!", "?!", "...", "—", "«»", "(", ")", "{", "}", "$", "%", "&&", "||", "::", "->", "=>",
+    ];
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(16);
+    let mut out: Vec<String> = PIECES.iter().map(|s| s.to_string()).collect();
+    while out.len() < n {
+        let mut s = String::new();
+        for _ in 0..rng.random_range(1..12) {
+            if rng.random_range(0..8) == 0 {
+                // A random code point from a few blocks (ASCII to astral).
+                let c = match rng.random_range(0..4) {
+                    0 => rng.random_range(0x20..0x7f),
+                    1 => rng.random_range(0xa0..0x800),
+                    2 => rng.random_range(0x3000..0xa000),
+                    _ => rng.random_range(0x1f300..0x1fa00),
+                };
+                s.extend(char::from_u32(c));
+            } else {
+                s.push_str(PIECES[rng.random_range(0..PIECES.len())]);
+            }
+        }
+        out.push(s);
+    }
+    out
+}
+
+#[test]
+fn smollm2_gguf_tokenizer_equals_its_tokenizer_json() {
+    let Some((path, _)) = smollm2() else {
+        return;
+    };
+    let t0 = Instant::now();
+    let gguf = Tokenizer::from_gguf_path(&path).expect("tokenizer from GGUF");
+    eprintln!("tokenizer from GGUF metadata: {:?}", t0.elapsed());
+    let hf = Tokenizer::from_dir(path.parent().unwrap()).expect("tokenizer.json");
+    assert_eq!(gguf.vocab_size(), hf.vocab_size());
+    assert_eq!(gguf.bos_id(), hf.bos_id());
+    assert_eq!(gguf.eos_ids(), hf.eos_ids());
+    assert_eq!(gguf.chat_template(), hf.chat_template());
+    let corpus = tokenizer_corpus(3000);
+    for text in &corpus {
+        let ids = hf.encode(text).unwrap();
+        assert_eq!(gguf.encode(text).unwrap(), ids, "encode {text:?}");
+        assert_eq!(gguf.encode_plain(text).unwrap(), hf.encode_plain(text).unwrap(), "encode_plain {text:?}");
+        assert_eq!(gguf.decode(&ids).unwrap(), hf.decode(&ids).unwrap(), "decode {text:?}");
+        let (g, h) = (gguf.inner(), hf.inner());
+        assert_eq!(g.decode(&ids, false).unwrap(), h.decode(&ids, false).unwrap(), "decode with specials {text:?}");
+    }
+    eprintln!("{} strings tokenize identically", corpus.len());
+}
+
+#[test]
+fn smollm2_gguf_chat_template_renders_the_reference_prompt_ids() {
+    let Some((path, prompts)) = smollm2() else {
+        return;
+    };
+    let tokenizer = Tokenizer::from_gguf_path(&path).expect("tokenizer from GGUF");
+    let template = ChatTemplate::from_tokenizer(&tokenizer).expect("template compiles");
+    assert!(template.has_template(), "the GGUF has tokenizer.chat_template");
+    let mut chats = 0;
+    for p in &prompts {
+        let text = if p.kind == "chat" {
+            chats += 1;
+            let messages: Vec<ChatMessage> = p
+                .messages
+                .iter()
+                .map(|(role, content)| ChatMessage {
+                    role: role.clone(),
+                    content: content.clone(),
+                })
+                .collect();
+            let rendered = template.render(&messages, true).expect("render");
+            assert_eq!(rendered, p.text, "rendered `{}`", p.name);
+            rendered
+        } else {
+            p.text.clone()
+        };
+        assert_eq!(tokenizer.encode(&text).unwrap(), p.prompt_ids, "prompt ids of `{}`", p.name);
+    }
+    assert_eq!(chats, 3);
 }

@@ -104,6 +104,9 @@ pub enum GgufError {
     /// Building the model from the file's weights failed.
     #[error(transparent)]
     Model(#[from] crate::model::ModelError),
+    /// The tokenizer built from the metadata is unusable.
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
     #[error("tensor `{tensor}`: {source}")]
     Tensor {
         tensor: String,
