@@ -10,7 +10,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use support::reference::shared;
-use tandem::gguf::GgufFile;
+use tandem::gguf::writer::GgufWriter;
+use tandem::gguf::{GgufFile, Value, ValueType};
 use tandem::model::{LoadOptions, Model};
 use tandem::server::chat_template::{ChatMessage, ChatTemplate};
 use tandem::tokenizer::Tokenizer;
@@ -227,4 +228,70 @@ fn smollm2_gguf_chat_template_renders_the_reference_prompt_ids() {
         assert_eq!(tokenizer.encode(&text).unwrap(), p.prompt_ids, "prompt ids of `{}`", p.name);
     }
     assert_eq!(chats, 3);
+}
+
+/// A GGUF holding only stories260k's tokenizer as llama.cpp writes a
+/// SentencePiece (`llama`) vocabulary: pieces in id order, scores `-id` for
+/// normal pieces (SentencePiece BPE scores a piece by its merge rank), 0 for
+/// the unknown, control and byte tokens.
+fn stories260k_tokenizer_gguf(dir: &std::path::Path) -> GgufFile {
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap()).unwrap();
+    let vocab = json["model"]["vocab"].as_object().unwrap();
+    let mut pieces: Vec<(u64, &str)> = vocab.iter().map(|(t, i)| (i.as_u64().unwrap(), t.as_str())).collect();
+    pieces.sort();
+    let kind = |id: u64, t: &str| match (id, t) {
+        (0, _) => 2,
+        (1 | 2, _) => 3,
+        (_, t) if t.starts_with("<0x") => 6,
+        _ => 1,
+    };
+    let strings = |v: Vec<String>| Value::Array(ValueType::String, v.into_iter().map(Value::String).collect());
+    let mut w = GgufWriter::new();
+    w.kv("general.architecture", Value::String("llama".into()))
+        .kv("tokenizer.ggml.model", Value::String("llama".into()))
+        .kv("tokenizer.ggml.tokens", strings(pieces.iter().map(|p| p.1.to_string()).collect()))
+        .kv(
+            "tokenizer.ggml.scores",
+            Value::Array(
+                ValueType::F32,
+                pieces
+                    .iter()
+                    .map(|&(i, t)| Value::F32(if kind(i, t) == 1 { -(i as f32) } else { 0.0 }))
+                    .collect(),
+            ),
+        )
+        .kv(
+            "tokenizer.ggml.token_type",
+            Value::Array(ValueType::I32, pieces.iter().map(|&(i, t)| Value::I32(kind(i, t))).collect()),
+        )
+        .kv("tokenizer.ggml.bos_token_id", Value::U32(1))
+        .kv("tokenizer.ggml.eos_token_id", Value::U32(2))
+        .kv("tokenizer.ggml.unknown_token_id", Value::U32(0));
+    GgufFile::from_bytes(w.to_bytes()).expect("a valid GGUF")
+}
+
+#[test]
+fn spm_gguf_tokenizer_equals_stories260k_tokenizer_json() {
+    let Some(dir) = shared("models/stories260k") else {
+        return;
+    };
+    let gguf = Tokenizer::from_gguf(&stories260k_tokenizer_gguf(&dir)).expect("SPM tokenizer");
+    let hf = Tokenizer::from_dir(&dir).expect("tokenizer.json");
+    assert_eq!(gguf.vocab_size(), hf.vocab_size());
+    assert_eq!((gguf.bos_id(), gguf.eos_ids()), (hf.bos_id(), hf.eos_ids()));
+    let corpus = tokenizer_corpus(3000);
+    for text in corpus.iter().map(|s| s.replace("<|im_start|>", "<s>").replace("<|im_end|>", "</s>")) {
+        let ids = hf.encode(&text).unwrap();
+        assert_eq!(gguf.encode(&text).unwrap(), ids, "encode {text:?}");
+        assert_eq!(gguf.encode_plain(&text).unwrap(), hf.encode_plain(&text).unwrap(), "encode_plain {text:?}");
+        assert_eq!(gguf.decode(&ids).unwrap(), hf.decode(&ids).unwrap(), "decode {text:?}");
+    }
+    // The reference prompts too.
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    for p in reference["prompts"].as_array().unwrap() {
+        let text = p["text"].as_str().unwrap();
+        assert_eq!(gguf.encode(text).unwrap(), ids(&p["prompt_ids"]), "prompt {text:?}");
+    }
 }
