@@ -295,3 +295,60 @@ fn spm_gguf_tokenizer_equals_stories260k_tokenizer_json() {
         assert_eq!(gguf.encode(text).unwrap(), ids(&p["prompt_ids"]), "prompt {text:?}");
     }
 }
+
+/// Corrupted copies of the real file fail with typed errors naming what is
+/// wrong, at parse time or when the model is built; none panics.
+#[test]
+fn corrupted_copies_of_the_smollm2_gguf_are_typed_errors() {
+    use tandem::gguf::GgufError;
+    let Some((path, _)) = smollm2() else {
+        return;
+    };
+    let bytes = std::fs::read(&path).unwrap();
+    let parse = |b: Vec<u8>| GgufFile::from_bytes(b);
+    let poke = |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+    let find = |needle: &[u8]| bytes.windows(needle.len()).position(|w| w == needle).unwrap();
+
+    let mut b = bytes[..4096].to_vec();
+    b[..4].copy_from_slice(b"GGML");
+    assert!(matches!(parse(b), Err(GgufError::BadMagic { .. })));
+
+    // Truncated: in the header, the token list, the merges, the tensor
+    // infos, and the tensor data (first tensor, middle, last byte).
+    let infos = find(b"\x11\0\0\0\0\0\0\0token_embd.weight");
+    for len in [3, 20, 1000, 600_000, 1_500_000, infos + 10, infos + 5000, 5_000_000, 60_000_000, bytes.len() - 1] {
+        let e = parse(bytes[..len].to_vec()).err().unwrap_or_else(|| panic!("truncated at {len} parsed"));
+        assert!(matches!(e, GgufError::Truncated { .. } | GgufError::Limit { .. }), "at {len}: {e}");
+        eprintln!("truncated at {len}: {e}");
+    }
+
+    // Tensor count one too many: the data is read as a tensor info.
+    let mut b = bytes.clone();
+    poke(&mut b, 8, 273);
+    let e = parse(b).unwrap_err();
+    eprintln!("273 tensors: {e}");
+    // One too few: the last tensor is missing when the model is built.
+    let mut b = bytes.clone();
+    poke(&mut b, 8, 271);
+    let file = parse(b).unwrap();
+    let last = GgufFile::open(&path).unwrap().tensors().last().unwrap().name.clone();
+    let e = tandem::gguf::load_model(&file, &LoadOptions::default()).err().unwrap();
+    assert!(matches!(&e, GgufError::MissingTensor(n) if *n == last), "{e}");
+
+    // Absurd dimensions of token_embd.weight (its first dim follows the
+    // name and the dimension count).
+    let dim0 = infos + 8 + 17 + 4;
+    let mut b = bytes.clone();
+    poke(&mut b, dim0, 1 << 62);
+    let e = parse(b).unwrap_err().to_string();
+    assert!(e.contains("token_embd.weight") && e.contains("dimension"), "{e}");
+    let mut b = bytes.clone();
+    poke(&mut b, dim0 + 8, 1 << 36);
+    let e = parse(b).unwrap_err().to_string();
+    assert!(e.contains("token_embd.weight"), "{e}");
+    // An unknown type id.
+    let mut b = bytes.clone();
+    b[dim0 + 16..dim0 + 20].copy_from_slice(&77u32.to_le_bytes());
+    let e = parse(b).unwrap_err().to_string();
+    assert!(e.contains("token_embd.weight") && e.contains("unknown GGML type 77"), "{e}");
+}

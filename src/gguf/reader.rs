@@ -476,14 +476,16 @@ impl<'a> Cursor<'a> {
     }
 
     /// Rejects a count whose items (at least `min_size` bytes each) cannot
-    /// fit in the rest of the file.
+    /// fit in the rest of the file: a corrupt count is a truncated file,
+    /// found before anything is allocated for it.
     fn check_count(&self, what: &str, count: u64, min_size: u64) -> Result<(), GgufError> {
-        let limit = self.remaining() / min_size;
-        if count > limit {
-            return Err(GgufError::Limit {
-                what: format!("{what} at offset {}", self.pos),
-                value: count,
-                limit,
+        let need = count.saturating_mul(min_size);
+        if need > self.remaining() {
+            return Err(GgufError::Truncated {
+                what: format!("{what} {count} (at least {min_size} bytes each)"),
+                offset: self.pos as u64,
+                need,
+                len: self.data.len() as u64,
             });
         }
         Ok(())

@@ -123,10 +123,13 @@ impl Value {
         })
     }
 
-    /// The value as a float, when it is a float or an integer.
+    /// The value as a float, when it is a float or an integer. An f32 is
+    /// read as its shortest decimal (`1e-5f32` → `1e-5`, not
+    /// `9.99999974e-6`): converters write f32 from the decimal in the
+    /// model's config, so this recovers the value the model was built with.
     pub fn as_f64(&self) -> Option<f64> {
         match *self {
-            Value::F32(x) => Some(x.into()),
+            Value::F32(x) => Some(x.to_string().parse().unwrap_or(x.into())),
             Value::F64(x) => Some(x),
             _ => self.as_i128().map(|x| x as f64),
         }
