@@ -22,13 +22,19 @@ fn main() {
             std::process::exit(1);
         }
     };
-    println!("{path}: GGUF v{}, parsed in {:?}", file.version, t0.elapsed());
+    println!(
+        "{path}: GGUF v{}, parsed in {:?}",
+        file.version,
+        t0.elapsed()
+    );
     for (k, v) in file.metadata() {
         let shown = match v {
             Value::Array(t, items) if items.len() > 8 => {
                 format!("[{:?}; {}] {:?} …", t, items.len(), &items[..4])
             }
-            Value::String(s) if s.len() > 200 => format!("{:?}…", &s[..s.floor_char_boundary(200)]),
+            Value::String(s) if s.len() > 200 => {
+                format!("{:?}…", s.chars().take(200).collect::<String>())
+            }
             other => format!("{other:?}"),
         };
         println!("  {k} = {shown}");
@@ -36,7 +42,12 @@ fn main() {
     println!("  {} tensors", file.tensors().len());
     if show_tensors {
         for t in file.tensors() {
-            println!("  {} {:?} {}", t.name, t.dims, t.ggml_type.name().unwrap_or("?"));
+            println!(
+                "  {} {:?} {}",
+                t.name,
+                t.dims,
+                t.ggml_type.name().unwrap_or("?")
+            );
         }
     }
 }

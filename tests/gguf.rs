@@ -94,7 +94,10 @@ fn smollm2_q4_1_gguf_matches_the_f32_greedy_references() {
         t0.elapsed()
     );
     let cfg = model.config();
-    assert_eq!((cfg.num_layers, cfg.num_heads, cfg.num_kv_heads), (30, 9, 3));
+    assert_eq!(
+        (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads),
+        (30, 9, 3)
+    );
     assert!(cfg.tie_word_embeddings);
 
     // One at a time.
@@ -109,7 +112,12 @@ fn smollm2_q4_1_gguf_matches_the_f32_greedy_references() {
             "prompt `{}`, alone",
             p.name
         );
-        eprintln!("{}: {} ids match ({:?})", p.name, p.generated_ids.len(), t.elapsed());
+        eprintln!(
+            "{}: {} ids match ({:?})",
+            p.name,
+            p.generated_ids.len(),
+            t.elapsed()
+        );
     }
 
     // All in one batch.
@@ -119,9 +127,18 @@ fn smollm2_q4_1_gguf_matches_the_f32_greedy_references() {
     let got = model.greedy(&all, steps).expect("greedy");
     for (p, g) in prompts.iter().zip(&got) {
         let g = &g[..p.generated_ids.len()];
-        assert_eq!(until_eos(g), &p.generated_ids[..], "prompt `{}`, batched", p.name);
+        assert_eq!(
+            until_eos(g),
+            &p.generated_ids[..],
+            "prompt `{}`, batched",
+            p.name
+        );
     }
-    eprintln!("all {} prompts batched match ({:?})", prompts.len(), t.elapsed());
+    eprintln!(
+        "all {} prompts batched match ({:?})",
+        prompts.len(),
+        t.elapsed()
+    );
 }
 
 #[test]
@@ -140,16 +157,85 @@ fn model_from_gguf_opens_the_file() {
 fn tokenizer_corpus(n: usize) -> Vec<String> {
     use rand::{Rng, SeedableRng};
     const PIECES: &[&str] = &[
-        "hello", "Hello", " world", "the", " The", "don't", "it's", "I'M", "we'll", "you'd",
-        " ", "  ", "   ", "        ", "\t", "\t\t", "\n", "\n\n", "\r\n", " \n ", "\u{a0}",
-        "fn main() {\n    println!(\"hi\");\n}", "x = [1, 2, 3]", "def f(a, b):\n\treturn a+b",
-        "<div class=\"a\">", "// comment", "#include <stdio.h>", "a_b-c.d/e", "https://example.com/a?b=1&c=2",
-        "0", "7", "42", "2024", "3.14159", "1,000,000", "-12e5", "0x1F",
-        "café", "naïve", "Ünïcödé", "façade", "Straße", "ñandú", "Ελληνικά", "русский",
-        "日本語", "中文字符", "한국어", "ไทย", "عربى", "עברית",
-        "👍", "👍🏽", "🤗", "👨‍👩‍👧", "🇫🇷", "✨",
-        "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<file_sep>", "<repo_name>", "<|im_start|>user\n",
-        "!", "?!", "...", "—", "«»", "(", ")", "{", "}", "$", "%", "&&", "||", "::", "->", "=>",
+        "hello",
+        "Hello",
+        " world",
+        "the",
+        " The",
+        "don't",
+        "it's",
+        "I'M",
+        "we'll",
+        "you'd",
+        " ",
+        "  ",
+        "   ",
+        "        ",
+        "\t",
+        "\t\t",
+        "\n",
+        "\n\n",
+        "\r\n",
+        " \n ",
+        "\u{a0}",
+        "fn main() {\n    println!(\"hi\");\n}",
+        "x = [1, 2, 3]",
+        "def f(a, b):\n\treturn a+b",
+        "<div class=\"a\">",
+        "// comment",
+        "#include <stdio.h>",
+        "a_b-c.d/e",
+        "https://example.com/a?b=1&c=2",
+        "0",
+        "7",
+        "42",
+        "2024",
+        "3.14159",
+        "1,000,000",
+        "-12e5",
+        "0x1F",
+        "café",
+        "naïve",
+        "Ünïcödé",
+        "façade",
+        "Straße",
+        "ñandú",
+        "Ελληνικά",
+        "русский",
+        "日本語",
+        "中文字符",
+        "한국어",
+        "ไทย",
+        "عربى",
+        "עברית",
+        "👍",
+        "👍🏽",
+        "🤗",
+        "👨‍👩‍👧",
+        "🇫🇷",
+        "✨",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<file_sep>",
+        "<repo_name>",
+        "<|im_start|>user\n",
+        "!",
+        "?!",
+        "...",
+        "—",
+        "«»",
+        "(",
+        ")",
+        "{",
+        "}",
+        "$",
+        "%",
+        "&&",
+        "||",
+        "::",
+        "->",
+        "=>",
     ];
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(16);
     let mut out: Vec<String> = PIECES.iter().map(|s| s.to_string()).collect();
@@ -191,10 +277,22 @@ fn smollm2_gguf_tokenizer_equals_its_tokenizer_json() {
     for text in &corpus {
         let ids = hf.encode(text).unwrap();
         assert_eq!(gguf.encode(text).unwrap(), ids, "encode {text:?}");
-        assert_eq!(gguf.encode_plain(text).unwrap(), hf.encode_plain(text).unwrap(), "encode_plain {text:?}");
-        assert_eq!(gguf.decode(&ids).unwrap(), hf.decode(&ids).unwrap(), "decode {text:?}");
+        assert_eq!(
+            gguf.encode_plain(text).unwrap(),
+            hf.encode_plain(text).unwrap(),
+            "encode_plain {text:?}"
+        );
+        assert_eq!(
+            gguf.decode(&ids).unwrap(),
+            hf.decode(&ids).unwrap(),
+            "decode {text:?}"
+        );
         let (g, h) = (gguf.inner(), hf.inner());
-        assert_eq!(g.decode(&ids, false).unwrap(), h.decode(&ids, false).unwrap(), "decode with specials {text:?}");
+        assert_eq!(
+            g.decode(&ids, false).unwrap(),
+            h.decode(&ids, false).unwrap(),
+            "decode with specials {text:?}"
+        );
     }
     eprintln!("{} strings tokenize identically", corpus.len());
 }
@@ -206,7 +304,10 @@ fn smollm2_gguf_chat_template_renders_the_reference_prompt_ids() {
     };
     let tokenizer = Tokenizer::from_gguf_path(&path).expect("tokenizer from GGUF");
     let template = ChatTemplate::from_tokenizer(&tokenizer).expect("template compiles");
-    assert!(template.has_template(), "the GGUF has tokenizer.chat_template");
+    assert!(
+        template.has_template(),
+        "the GGUF has tokenizer.chat_template"
+    );
     let mut chats = 0;
     for p in &prompts {
         let text = if p.kind == "chat" {
@@ -225,7 +326,12 @@ fn smollm2_gguf_chat_template_renders_the_reference_prompt_ids() {
         } else {
             p.text.clone()
         };
-        assert_eq!(tokenizer.encode(&text).unwrap(), p.prompt_ids, "prompt ids of `{}`", p.name);
+        assert_eq!(
+            tokenizer.encode(&text).unwrap(),
+            p.prompt_ids,
+            "prompt ids of `{}`",
+            p.name
+        );
     }
     assert_eq!(chats, 3);
 }
@@ -236,9 +342,13 @@ fn smollm2_gguf_chat_template_renders_the_reference_prompt_ids() {
 /// the unknown, control and byte tokens.
 fn stories260k_tokenizer_gguf(dir: &std::path::Path) -> GgufFile {
     let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
+            .unwrap();
     let vocab = json["model"]["vocab"].as_object().unwrap();
-    let mut pieces: Vec<(u64, &str)> = vocab.iter().map(|(t, i)| (i.as_u64().unwrap(), t.as_str())).collect();
+    let mut pieces: Vec<(u64, &str)> = vocab
+        .iter()
+        .map(|(t, i)| (i.as_u64().unwrap(), t.as_str()))
+        .collect();
     pieces.sort();
     let kind = |id: u64, t: &str| match (id, t) {
         (0, _) => 2,
@@ -246,11 +356,19 @@ fn stories260k_tokenizer_gguf(dir: &std::path::Path) -> GgufFile {
         (_, t) if t.starts_with("<0x") => 6,
         _ => 1,
     };
-    let strings = |v: Vec<String>| Value::Array(ValueType::String, v.into_iter().map(Value::String).collect());
+    let strings = |v: Vec<String>| {
+        Value::Array(
+            ValueType::String,
+            v.into_iter().map(Value::String).collect(),
+        )
+    };
     let mut w = GgufWriter::new();
     w.kv("general.architecture", Value::String("llama".into()))
         .kv("tokenizer.ggml.model", Value::String("llama".into()))
-        .kv("tokenizer.ggml.tokens", strings(pieces.iter().map(|p| p.1.to_string()).collect()))
+        .kv(
+            "tokenizer.ggml.tokens",
+            strings(pieces.iter().map(|p| p.1.to_string()).collect()),
+        )
         .kv(
             "tokenizer.ggml.scores",
             Value::Array(
@@ -263,7 +381,13 @@ fn stories260k_tokenizer_gguf(dir: &std::path::Path) -> GgufFile {
         )
         .kv(
             "tokenizer.ggml.token_type",
-            Value::Array(ValueType::I32, pieces.iter().map(|&(i, t)| Value::I32(kind(i, t))).collect()),
+            Value::Array(
+                ValueType::I32,
+                pieces
+                    .iter()
+                    .map(|&(i, t)| Value::I32(kind(i, t)))
+                    .collect(),
+            ),
         )
         .kv("tokenizer.ggml.bos_token_id", Value::U32(1))
         .kv("tokenizer.ggml.eos_token_id", Value::U32(2))
@@ -281,18 +405,34 @@ fn spm_gguf_tokenizer_equals_stories260k_tokenizer_json() {
     assert_eq!(gguf.vocab_size(), hf.vocab_size());
     assert_eq!((gguf.bos_id(), gguf.eos_ids()), (hf.bos_id(), hf.eos_ids()));
     let corpus = tokenizer_corpus(3000);
-    for text in corpus.iter().map(|s| s.replace("<|im_start|>", "<s>").replace("<|im_end|>", "</s>")) {
+    for text in corpus.iter().map(|s| {
+        s.replace("<|im_start|>", "<s>")
+            .replace("<|im_end|>", "</s>")
+    }) {
         let ids = hf.encode(&text).unwrap();
         assert_eq!(gguf.encode(&text).unwrap(), ids, "encode {text:?}");
-        assert_eq!(gguf.encode_plain(&text).unwrap(), hf.encode_plain(&text).unwrap(), "encode_plain {text:?}");
-        assert_eq!(gguf.decode(&ids).unwrap(), hf.decode(&ids).unwrap(), "decode {text:?}");
+        assert_eq!(
+            gguf.encode_plain(&text).unwrap(),
+            hf.encode_plain(&text).unwrap(),
+            "encode_plain {text:?}"
+        );
+        assert_eq!(
+            gguf.decode(&ids).unwrap(),
+            hf.decode(&ids).unwrap(),
+            "decode {text:?}"
+        );
     }
     // The reference prompts too.
     let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
     for p in reference["prompts"].as_array().unwrap() {
         let text = p["text"].as_str().unwrap();
-        assert_eq!(gguf.encode(text).unwrap(), ids(&p["prompt_ids"]), "prompt {text:?}");
+        assert_eq!(
+            gguf.encode(text).unwrap(),
+            ids(&p["prompt_ids"]),
+            "prompt {text:?}"
+        );
     }
 }
 
@@ -307,7 +447,12 @@ fn corrupted_copies_of_the_smollm2_gguf_are_typed_errors() {
     let bytes = std::fs::read(&path).unwrap();
     let parse = |b: Vec<u8>| GgufFile::from_bytes(b);
     let poke = |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_le_bytes());
-    let find = |needle: &[u8]| bytes.windows(needle.len()).position(|w| w == needle).unwrap();
+    let find = |needle: &[u8]| {
+        bytes
+            .windows(needle.len())
+            .position(|w| w == needle)
+            .unwrap()
+    };
 
     let mut b = bytes[..4096].to_vec();
     b[..4].copy_from_slice(b"GGML");
@@ -316,9 +461,25 @@ fn corrupted_copies_of_the_smollm2_gguf_are_typed_errors() {
     // Truncated: in the header, the token list, the merges, the tensor
     // infos, and the tensor data (first tensor, middle, last byte).
     let infos = find(b"\x11\0\0\0\0\0\0\0token_embd.weight");
-    for len in [3, 20, 1000, 600_000, 1_500_000, infos + 10, infos + 5000, 5_000_000, 60_000_000, bytes.len() - 1] {
-        let e = parse(bytes[..len].to_vec()).err().unwrap_or_else(|| panic!("truncated at {len} parsed"));
-        assert!(matches!(e, GgufError::Truncated { .. } | GgufError::Limit { .. }), "at {len}: {e}");
+    for len in [
+        3,
+        20,
+        1000,
+        600_000,
+        1_500_000,
+        infos + 10,
+        infos + 5000,
+        5_000_000,
+        60_000_000,
+        bytes.len() - 1,
+    ] {
+        let e = parse(bytes[..len].to_vec())
+            .err()
+            .unwrap_or_else(|| panic!("truncated at {len} parsed"));
+        assert!(
+            matches!(e, GgufError::Truncated { .. } | GgufError::Limit { .. }),
+            "at {len}: {e}"
+        );
         eprintln!("truncated at {len}: {e}");
     }
 
@@ -331,9 +492,20 @@ fn corrupted_copies_of_the_smollm2_gguf_are_typed_errors() {
     let mut b = bytes.clone();
     poke(&mut b, 8, 271);
     let file = parse(b).unwrap();
-    let last = GgufFile::open(&path).unwrap().tensors().last().unwrap().name.clone();
-    let e = tandem::gguf::load_model(&file, &LoadOptions::default()).err().unwrap();
-    assert!(matches!(&e, GgufError::MissingTensor(n) if *n == last), "{e}");
+    let last = GgufFile::open(&path)
+        .unwrap()
+        .tensors()
+        .last()
+        .unwrap()
+        .name
+        .clone();
+    let e = tandem::gguf::load_model(&file, &LoadOptions::default())
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&e, GgufError::MissingTensor(n) if *n == last),
+        "{e}"
+    );
 
     // Absurd dimensions of token_embd.weight (its first dim follows the
     // name and the dimension count).
@@ -341,7 +513,10 @@ fn corrupted_copies_of_the_smollm2_gguf_are_typed_errors() {
     let mut b = bytes.clone();
     poke(&mut b, dim0, 1 << 62);
     let e = parse(b).unwrap_err().to_string();
-    assert!(e.contains("token_embd.weight") && e.contains("dimension"), "{e}");
+    assert!(
+        e.contains("token_embd.weight") && e.contains("dimension"),
+        "{e}"
+    );
     let mut b = bytes.clone();
     poke(&mut b, dim0 + 8, 1 << 36);
     let e = parse(b).unwrap_err().to_string();
@@ -350,5 +525,49 @@ fn corrupted_copies_of_the_smollm2_gguf_are_typed_errors() {
     let mut b = bytes.clone();
     b[dim0 + 16..dim0 + 20].copy_from_slice(&77u32.to_le_bytes());
     let e = parse(b).unwrap_err().to_string();
-    assert!(e.contains("token_embd.weight") && e.contains("unknown GGML type 77"), "{e}");
+    assert!(
+        e.contains("token_embd.weight") && e.contains("unknown GGML type 77"),
+        "{e}"
+    );
+}
+
+/// `--model FILE.gguf`: the server's loader takes model, tokenizer and chat
+/// template from the file.
+#[test]
+fn server_load_accepts_a_gguf_file() {
+    use tandem::server::load::{load, LoadSpec, ModelSource};
+    let Some((path, prompts)) = smollm2() else {
+        return;
+    };
+    let spec = LoadSpec {
+        source: ModelSource::Dir(path),
+        dtype: candle_core::DType::F32,
+        device: candle_core::Device::Cpu,
+        kv_tokens: 4096,
+        weight_format: tandem::model::WeightFormat::AsCompute,
+        mtp: Default::default(),
+        draft_max: 4,
+    };
+    let loaded = load(&spec).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(loaded.model_name, "SmolLM2-135M-Instruct.Q4_1");
+    assert!(loaded.template.has_template());
+    assert_eq!(loaded.tokenizer.eos_ids(), [EOS]);
+    let chat = prompts.iter().find(|p| p.kind == "chat").unwrap();
+    assert_eq!(
+        loaded.tokenizer.encode(&chat.text).unwrap(),
+        chat.prompt_ids
+    );
+
+    // A file that is not GGUF says so.
+    let dir = std::env::temp_dir().join(format!("tandem-gguf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bogus = dir.join("bogus.gguf");
+    std::fs::write(&bogus, b"not a model").unwrap();
+    let spec = LoadSpec {
+        source: ModelSource::Dir(bogus),
+        ..spec
+    };
+    let e = load(&spec).err().expect("a bogus file fails").to_string();
+    assert!(e.contains("not a GGUF file"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -81,7 +81,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig, GgufError> {
         if rot != head_dim {
             return Err(GgufError::bad_meta(
                 &key("rope.dimension_count"),
-                format!("partial rotary embeddings ({rot} of {head_dim} dimensions) are unsupported"),
+                format!(
+                    "partial rotary embeddings ({rot} of {head_dim} dimensions) are unsupported"
+                ),
             ));
         }
     }
@@ -197,7 +199,11 @@ fn llama3_from_freqs(cfg: &ModelConfig, divisors: &[f32]) -> Result<RopeScaling,
     if divisors.len() != cfg.head_dim / 2 {
         return Err(GgufError::bad_tensor(
             name,
-            format!("{} divisors, expected head_dim/2 = {}", divisors.len(), cfg.head_dim / 2),
+            format!(
+                "{} divisors, expected head_dim/2 = {}",
+                divisors.len(),
+                cfg.head_dim / 2
+            ),
         ));
     }
     let factor = divisors.iter().copied().fold(1.0f32, f32::max) as f64;

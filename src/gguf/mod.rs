@@ -18,7 +18,8 @@
 //!   (`llama`, `qwen2`).
 //! - [`tensors`]: GGUF tensor names → Hugging Face names, dequantisation to
 //!   f32 (candle's GGML block code), llama.cpp's q/k row permutation undone.
-//! - [`load`]: [`Model::from_gguf`](crate::model::Model::from_gguf).
+//! - [`load`]: the loader behind
+//!   [`Model::from_gguf`](crate::model::Model::from_gguf).
 //! - [`writer`]: a small GGUF writer, for tests and tools.
 //!
 //! The tokenizer stored in the metadata is built by
@@ -56,7 +57,9 @@ pub enum GgufError {
     #[error("unsupported GGUF version {version} (supported: 2 and 3, little-endian){hint}")]
     UnsupportedVersion { version: u32, hint: &'static str },
     /// The file ends before a structure it announces.
-    #[error("truncated file: {what} needs {need} bytes at offset {offset}, but the file has {len}")]
+    #[error(
+        "truncated file: {what} needs {need} bytes at offset {offset}, but the file has {len}"
+    )]
     Truncated {
         what: String,
         offset: u64,
@@ -65,9 +68,17 @@ pub enum GgufError {
     },
     /// A count or length is beyond what the file could hold or Tandem accepts.
     #[error("{what} is {value}, over the limit of {limit}")]
-    Limit { what: String, value: u64, limit: u64 },
+    Limit {
+        what: String,
+        value: u64,
+        limit: u64,
+    },
     #[error("metadata `{key}`: unknown value type {type_id} at offset {offset}")]
-    BadValueType { key: String, type_id: u32, offset: u64 },
+    BadValueType {
+        key: String,
+        type_id: u32,
+        offset: u64,
+    },
     #[error("{what} at offset {offset} is not valid UTF-8")]
     InvalidUtf8 { what: String, offset: u64 },
     #[error("metadata key `{0}` appears twice")]

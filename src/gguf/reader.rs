@@ -375,12 +375,12 @@ fn tensor_size(name: &str, dims: &[u64], ty: GgmlType) -> Result<u64, GgufError>
                 format!("dimension {d} of {dims:?} is not between 1 and {MAX_DIM}"),
             ));
         }
-        elems = elems.checked_mul(d).ok_or_else(|| {
-            GgufError::bad_tensor(name, format!("dimensions {dims:?} overflow"))
-        })?;
+        elems = elems
+            .checked_mul(d)
+            .ok_or_else(|| GgufError::bad_tensor(name, format!("dimensions {dims:?} overflow")))?;
     }
     let block = dt.block_size() as u64;
-    if dims[0] % block != 0 {
+    if !dims[0].is_multiple_of(block) {
         return Err(GgufError::bad_tensor(
             name,
             format!(

@@ -152,7 +152,9 @@ pub fn hf_weights(
                 ),
             ));
         }
-        *types.entry(info.ggml_type.name().unwrap_or("?")).or_default() += 1;
+        *types
+            .entry(info.ggml_type.name().unwrap_or("?"))
+            .or_default() += 1;
         let mut t = dequantize(file, info)?;
         if cfg.architecture == Architecture::Llama {
             let heads = if hf.contains(".q_proj.") {
@@ -179,7 +181,11 @@ pub fn hf_weights(
         .filter(|n| hf_name(n).is_none_or(|hf| !map.contains_key(&hf)))
         .collect();
     if !unused.is_empty() {
-        tracing::warn!(count = unused.len(), first = unused[0], "GGUF tensors not used by the model");
+        tracing::warn!(
+            count = unused.len(),
+            first = unused[0],
+            "GGUF tensors not used by the model"
+        );
     }
     Ok((Weights::Memory(map), types))
 }

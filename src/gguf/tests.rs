@@ -63,7 +63,11 @@ fn every_metadata_type_round_trips_in_v2_and_v3() {
             .collect();
         assert_eq!(got, w.metadata);
         assert_eq!(f.usize("u64").unwrap(), 1 << 40);
-        assert_eq!(f.f64("f32").unwrap(), 1e-5, "f32 read as its shortest decimal");
+        assert_eq!(
+            f.f64("f32").unwrap(),
+            1e-5,
+            "f32 read as its shortest decimal"
+        );
         assert_eq!(f.str("str").unwrap(), "héllo");
         assert_eq!(f.alignment, 64);
         let a = f.tensor("a").unwrap();
@@ -79,7 +83,10 @@ fn every_metadata_type_round_trips_in_v2_and_v3() {
 fn typed_accessors_name_the_key() {
     let f = parse(&sample()).unwrap();
     let e = f.usize("missing.key").unwrap_err();
-    assert!(matches!(&e, GgufError::MissingKey(k) if k == "missing.key"), "{e}");
+    assert!(
+        matches!(&e, GgufError::MissingKey(k) if k == "missing.key"),
+        "{e}"
+    );
     let e = f.usize("i32").unwrap_err().to_string();
     assert!(e.contains("`i32`") && e.contains("non-negative"), "{e}");
     let e = f.str("u8").unwrap_err().to_string();
@@ -93,7 +100,11 @@ fn header_errors_are_typed() {
     let e = GgufFile::from_bytes(bytes).unwrap_err();
     assert!(matches!(e, GgufError::BadMagic { .. }), "{e}");
 
-    for (version, hint) in [(1u32, "version 1"), (4, ""), (3u32.swap_bytes(), "big-endian")] {
+    for (version, hint) in [
+        (1u32, "version 1"),
+        (4, ""),
+        (3u32.swap_bytes(), "big-endian"),
+    ] {
         let mut w = sample();
         w.version = version;
         let e = parse(&w).unwrap_err();
@@ -112,7 +123,9 @@ fn every_truncation_is_an_error_not_a_panic() {
     let bytes = sample().to_bytes();
     for len in 0..bytes.len() {
         let r = GgufFile::from_bytes(bytes[..len].to_vec());
-        let e = r.err().unwrap_or_else(|| panic!("truncated at {len} parsed"));
+        let e = r
+            .err()
+            .unwrap_or_else(|| panic!("truncated at {len} parsed"));
         assert!(
             matches!(e, GgufError::Truncated { .. } | GgufError::Limit { .. }),
             "truncated at {len}: {e}"
@@ -133,7 +146,10 @@ fn absurd_counts_and_lengths_are_limits_not_allocations() {
         let mut b = base.clone();
         poke_u64(&mut b, at, u64::MAX);
         let e = GgufFile::from_bytes(b).unwrap_err();
-        assert!(matches!(&e, GgufError::Truncated { what: w, .. } if w.contains(what)), "{e}");
+        assert!(
+            matches!(&e, GgufError::Truncated { what: w, .. } if w.contains(what)),
+            "{e}"
+        );
     }
     // The first key's length.
     let mut b = base.clone();
@@ -147,7 +163,10 @@ fn absurd_counts_and_lengths_are_limits_not_allocations() {
     let at = 24 + 8 + 3 + 4 + 4; // header, key, type, item type
     poke_u64(&mut b, at, 1 << 61);
     let e = GgufFile::from_bytes(b).unwrap_err();
-    assert!(e.to_string().contains("array length of metadata `arr`"), "{e}");
+    assert!(
+        e.to_string().contains("array length of metadata `arr`"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -204,7 +223,10 @@ fn misaligned_overlapping_or_outside_data_is_rejected() {
     w.metadata.retain(|(k, _)| k != "general.alignment");
     w.kv("general.alignment", Value::U32(48));
     let e = parse(&w).unwrap_err().to_string();
-    assert!(e.contains("general.alignment") && e.contains("power of two"), "{e}");
+    assert!(
+        e.contains("general.alignment") && e.contains("power of two"),
+        "{e}"
+    );
 
     // Tensor b's offset (the last u64 of its info) moved off the alignment.
     let mut b = sample().to_bytes();
@@ -277,8 +299,16 @@ fn every_supported_type_dequantises_like_candle() {
         assert_eq!(got.dims(), [4, 512]);
         let diff = (got - &expected).unwrap().abs().unwrap().max_all().unwrap();
         assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0, "{dt:?}");
-        let err = (expected - &src).unwrap().abs().unwrap().mean_all().unwrap();
-        assert!(err.to_scalar::<f32>().unwrap() < 0.5, "{dt:?} is a lossy copy of the source");
+        let err = (expected - &src)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .mean_all()
+            .unwrap();
+        assert!(
+            err.to_scalar::<f32>().unwrap() < 0.5,
+            "{dt:?} is a lossy copy of the source"
+        );
     }
 }
 
@@ -290,7 +320,10 @@ fn unpermute_inverts_llama_cpp_permute() {
         .reshape((heads * hd, hidden))
         .unwrap();
     let permuted = permute(&hf, heads);
-    assert_ne!(permuted.to_vec2::<f32>().unwrap(), hf.to_vec2::<f32>().unwrap());
+    assert_ne!(
+        permuted.to_vec2::<f32>().unwrap(),
+        hf.to_vec2::<f32>().unwrap()
+    );
     let back = tensors::unpermute(&permuted, heads).unwrap();
     assert_eq!(back.to_vec2::<f32>().unwrap(), hf.to_vec2::<f32>().unwrap());
     // Row r of a head moves to 2r (first half) or 2(r - hd/2) + 1.
@@ -333,13 +366,25 @@ fn tiny_gguf(arch: &str, cfg: &ModelConfig, w: &Weights) -> GgufWriter {
     let mut g = GgufWriter::new();
     let k = |s: &str| format!("{arch}.{s}");
     g.kv("general.architecture", s(arch))
-        .kv(&k("context_length"), Value::U32(cfg.max_position_embeddings as u32))
+        .kv(
+            &k("context_length"),
+            Value::U32(cfg.max_position_embeddings as u32),
+        )
         .kv(&k("embedding_length"), Value::U32(cfg.hidden_size as u32))
-        .kv(&k("feed_forward_length"), Value::U32(cfg.intermediate_size as u32))
+        .kv(
+            &k("feed_forward_length"),
+            Value::U32(cfg.intermediate_size as u32),
+        )
         .kv(&k("block_count"), Value::U32(cfg.num_layers as u32))
         .kv(&k("attention.head_count"), Value::U32(cfg.num_heads as u32))
-        .kv(&k("attention.head_count_kv"), Value::U32(cfg.num_kv_heads as u32))
-        .kv(&k("attention.layer_norm_rms_epsilon"), Value::F32(cfg.rms_norm_eps as f32))
+        .kv(
+            &k("attention.head_count_kv"),
+            Value::U32(cfg.num_kv_heads as u32),
+        )
+        .kv(
+            &k("attention.layer_norm_rms_epsilon"),
+            Value::F32(cfg.rms_norm_eps as f32),
+        )
         .kv(&k("rope.freq_base"), Value::F32(cfg.rope_theta as f32))
         .kv(&k("rope.dimension_count"), Value::U32(cfg.head_dim as u32));
     let mut names: Vec<&String> = map.keys().collect();
@@ -390,23 +435,40 @@ fn missing_or_unsupported_model_metadata_is_named() {
     let mut g = good.clone();
     g.metadata.retain(|(k, _)| k != "llama.block_count");
     let e = config_from_gguf(&parse(&g).unwrap()).unwrap_err();
-    assert!(matches!(&e, GgufError::MissingKey(k) if k == "llama.block_count"), "{e}");
+    assert!(
+        matches!(&e, GgufError::MissingKey(k) if k == "llama.block_count"),
+        "{e}"
+    );
 
     let mut g = good.clone();
     g.metadata[0].1 = s("mamba");
     let e = config_from_gguf(&parse(&g).unwrap()).unwrap_err();
-    assert!(matches!(&e, GgufError::UnsupportedArchitecture(a) if a == "mamba"), "{e}");
+    assert!(
+        matches!(&e, GgufError::UnsupportedArchitecture(a) if a == "mamba"),
+        "{e}"
+    );
 
     let mut g = good.clone();
-    g.metadata.push(("llama.rope.scaling.type".into(), s("yarn")));
-    let e = config_from_gguf(&parse(&g).unwrap()).unwrap_err().to_string();
-    assert!(e.contains("llama.rope.scaling.type") && e.contains("yarn"), "{e}");
+    g.metadata
+        .push(("llama.rope.scaling.type".into(), s("yarn")));
+    let e = config_from_gguf(&parse(&g).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("llama.rope.scaling.type") && e.contains("yarn"),
+        "{e}"
+    );
 
     let mut g = good.clone();
-    g.metadata.push(("llama.rope.scaling.type".into(), s("linear")));
-    g.metadata.push(("llama.rope.scaling.factor".into(), Value::F32(4.0)));
+    g.metadata
+        .push(("llama.rope.scaling.type".into(), s("linear")));
+    g.metadata
+        .push(("llama.rope.scaling.factor".into(), Value::F32(4.0)));
     let c = config_from_gguf(&parse(&g).unwrap()).unwrap();
-    assert_eq!(c.rope_scaling, crate::model::RopeScaling::Linear { factor: 4.0 });
+    assert_eq!(
+        c.rope_scaling,
+        crate::model::RopeScaling::Linear { factor: 4.0 }
+    );
 
     // A tensor missing, or with other dimensions than the metadata says.
     let mut g = good.clone();
@@ -414,15 +476,25 @@ fn missing_or_unsupported_model_metadata_is_named() {
     let e = load_model(&parse(&g).unwrap(), &LoadOptions::default())
         .err()
         .unwrap();
-    assert!(matches!(&e, GgufError::MissingTensor(n) if n == "blk.1.ffn_up.weight"), "{e}");
+    assert!(
+        matches!(&e, GgufError::MissingTensor(n) if n == "blk.1.ffn_up.weight"),
+        "{e}"
+    );
     let mut g = good.clone();
-    let t = g.tensors.iter_mut().find(|t| t.name == "blk.0.ffn_down.weight").unwrap();
+    let t = g
+        .tensors
+        .iter_mut()
+        .find(|t| t.name == "blk.0.ffn_down.weight")
+        .unwrap();
     t.dims.reverse();
     let e = load_model(&parse(&g).unwrap(), &LoadOptions::default())
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("blk.0.ffn_down.weight") && e.contains("dimensions"), "{e}");
+    assert!(
+        e.contains("blk.0.ffn_down.weight") && e.contains("dimensions"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -461,7 +533,9 @@ fn llama3_rope_freqs_are_recognised() {
     bad[0] = 3.0;
     g.tensors.pop();
     g.f32_tensor("rope_freqs.weight", &[4], &bad);
-    let e = config_from_gguf(&parse(&g).unwrap()).unwrap_err().to_string();
+    let e = config_from_gguf(&parse(&g).unwrap())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("rope_freqs.weight"), "{e}");
 }
 

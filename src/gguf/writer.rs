@@ -39,7 +39,11 @@ impl GgufWriter {
 
     /// An f32 tensor of row-major `shape` (written with GGML's reversed dims).
     pub fn f32_tensor(&mut self, name: &str, shape: &[usize], data: &[f32]) -> &mut Self {
-        assert_eq!(shape.iter().product::<usize>(), data.len(), "shape of {name}");
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "shape of {name}"
+        );
         self.tensors.push(RawTensor {
             name: name.to_string(),
             dims: shape.iter().rev().map(|&d| d as u64).collect(),

@@ -49,7 +49,10 @@ impl Tokenizer {
     pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer, GgufError> {
         let json = tokenizer_json(file)?;
         let inner: tokenizers::Tokenizer = serde_json::from_value(json).map_err(|e| {
-            GgufError::bad_meta("tokenizer.ggml.model", format!("rejected by tokenizers: {e}"))
+            GgufError::bad_meta(
+                "tokenizer.ggml.model",
+                format!("rejected by tokenizers: {e}"),
+            )
         })?;
         let id = |key: &str| -> Result<Option<u32>, GgufError> {
             Ok(file.opt_usize(key)?.map(|v| v as u32))
@@ -107,9 +110,14 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<Json, GgufError> {
                 .str_array("tokenizer.ggml.merges")?
                 .into_iter()
                 .map(|m| {
-                    m.split_once(' ').map(|(a, b)| json!([a, b])).ok_or_else(|| {
-                        GgufError::bad_meta("tokenizer.ggml.merges", format!("merge {m:?} has no space"))
-                    })
+                    m.split_once(' ')
+                        .map(|(a, b)| json!([a, b]))
+                        .ok_or_else(|| {
+                            GgufError::bad_meta(
+                                "tokenizer.ggml.merges",
+                                format!("merge {m:?} has no space"),
+                            )
+                        })
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             let pre = file.opt_str("tokenizer.ggml.pre")?.unwrap_or("default");
@@ -213,12 +221,8 @@ fn added_tokens(tokens: &[&str], types: &[i64]) -> Vec<Json> {
 /// BPE, by llama.cpp's pre-tokenizer name, as the models' own
 /// `tokenizer.json` files have them.
 fn bpe_components(pre: &str) -> Result<(Json, Json, Json, bool), GgufError> {
-    let byte_level = |trim: bool, regex: bool| {
-        json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": trim, "use_regex": regex})
-    };
-    let split = |pattern: &str| {
-        json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false})
-    };
+    let byte_level = |trim: bool, regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": trim, "use_regex": regex});
+    let split = |pattern: &str| json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
     let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
     Ok(match pre {
         "default" | "gpt-2" | "gpt2" => (Json::Null, byte_level(true, true), decoder, false),
