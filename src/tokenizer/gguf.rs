@@ -290,3 +290,131 @@ fn merges_from_scores(tokens: &[&str], scores: &[f32]) -> Vec<Json> {
     merges.sort_by(|a, b| b.2.partial_cmp(&a.2).unwrap_or(std::cmp::Ordering::Equal));
     merges.into_iter().map(|(l, r, _)| json!([l, r])).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::writer::GgufWriter;
+    use crate::gguf::{Value, ValueType};
+
+    /// A byte-level BPE GGUF: two control tokens, the 256 byte characters,
+    /// digit merges `1 2`, `12 3`, `4 5`, and a user-defined `<tool>`.
+    fn bpe_gguf(pre: Option<&str>, model: &str) -> GgufFile {
+        let mut alphabet: Vec<char> = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet()
+            .into_iter()
+            .collect();
+        alphabet.sort();
+        let mut tokens = vec!["<s>".to_string(), "</s>".to_string()];
+        tokens.extend(alphabet.iter().map(|c| c.to_string()));
+        tokens.extend(["12", "123", "45", "<tool>"].map(String::from));
+        let mut types = vec![3, 3];
+        types.extend(std::iter::repeat_n(1, tokens.len() - 3));
+        types.push(4);
+        let strings = |v: &[String]| {
+            Value::Array(
+                ValueType::String,
+                v.iter().cloned().map(Value::String).collect(),
+            )
+        };
+        let mut w = GgufWriter::new();
+        w.kv("tokenizer.ggml.model", Value::String(model.into()))
+            .kv("tokenizer.ggml.tokens", strings(&tokens))
+            .kv(
+                "tokenizer.ggml.token_type",
+                Value::Array(ValueType::I32, types.into_iter().map(Value::I32).collect()),
+            )
+            .kv(
+                "tokenizer.ggml.merges",
+                strings(&["1 2", "12 3", "4 5"].map(String::from)),
+            )
+            .kv("tokenizer.ggml.bos_token_id", Value::U32(0))
+            .kv("tokenizer.ggml.eos_token_id", Value::U32(1));
+        if let Some(pre) = pre {
+            w.kv("tokenizer.ggml.pre", Value::String(pre.into()));
+        }
+        GgufFile::from_bytes(w.to_bytes()).unwrap()
+    }
+
+    fn pieces(t: &Tokenizer, text: &str) -> Vec<String> {
+        t.encode_plain(text)
+            .unwrap()
+            .into_iter()
+            .map(|id| t.inner().id_to_token(id).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn bpe_pre_tokenizers_split_digits_as_their_models_do() {
+        let cases = [
+            (None, vec!["123", "45"]),
+            (Some("gpt-2"), vec!["123", "45"]),
+            (Some("llama-bpe"), vec!["123", "45"]),
+            (Some("smollm"), vec!["1", "2", "3", "4", "5"]),
+            (Some("qwen2"), vec!["1", "2", "3", "4", "5"]),
+        ];
+        for (pre, expected) in cases {
+            let t = Tokenizer::from_gguf(&bpe_gguf(pre, "gpt2")).unwrap();
+            assert_eq!(pieces(&t, "12345"), expected, "pre {pre:?}");
+            // Llama 3 groups digits by three.
+            if pre == Some("llama-bpe") {
+                assert_eq!(pieces(&t, "1234512"), ["123", "45", "1", "2"]);
+            }
+            // User-defined tokens are matched whole but are not special.
+            assert_eq!(pieces(&t, "a<tool>b"), ["a", "<tool>", "b"], "pre {pre:?}");
+            let ids = t.encode_plain("<s>x<tool>").unwrap();
+            assert_eq!(ids[0], 0, "control tokens are matched in the text");
+            assert_eq!(
+                t.decode(&ids).unwrap(),
+                "x<tool>",
+                "specials skipped on decode"
+            );
+            assert!(!t.inner().get_added_vocabulary().is_special_token("<tool>"));
+            assert_eq!((t.bos_id(), t.eos_ids()), (Some(0), &[1][..]));
+            assert_eq!(
+                t.encode("x").unwrap(),
+                t.encode_plain("x").unwrap(),
+                "gpt2: no BOS by default"
+            );
+        }
+    }
+
+    #[test]
+    fn unsupported_tokenizers_name_the_key() {
+        let e = Tokenizer::from_gguf(&bpe_gguf(Some("tekken"), "gpt2"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tokenizer.ggml.pre") && e.contains("tekken"),
+            "{e}"
+        );
+        let e = Tokenizer::from_gguf(&bpe_gguf(None, "bert"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tokenizer.ggml.model") && e.contains("bert"),
+            "{e}"
+        );
+        let e = Tokenizer::from_gguf(&GgufFile::from_bytes(GgufWriter::new().to_bytes()).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("tokenizer.ggml.model"), "{e}");
+    }
+
+    #[test]
+    fn spm_merges_follow_the_merged_piece_scores() {
+        // By the merged piece's score; within "abc" by the parts' scores,
+        // left part first (transformers' order): ("a", "bc") before ("ab", "c").
+        let tokens = ["a", "b", "c", "ab", "bc", "abc"];
+        let scores = [0.0, 0.0, 0.0, -1.0, -2.0, -3.0];
+        let merges = merges_from_scores(&tokens, &scores);
+        assert_eq!(
+            merges,
+            [
+                json!(["a", "b"]),
+                json!(["b", "c"]),
+                json!(["a", "bc"]),
+                json!(["ab", "c"])
+            ]
+        );
+    }
+}
