@@ -5,7 +5,8 @@
 //! byte is read:
 //! - every length and count is bounded by the bytes left in the file (a
 //!   count of 2⁶⁰ strings is rejected, not allocated), plus fixed limits on
-//!   key length, nesting and dimensions;
+//!   key, tensor and array-item counts, key length, nesting and dimensions,
+//!   and nothing is allocated ahead for more than a few thousand entries;
 //! - each tensor's dimensions are positive, at most four, and multiply
 //!   without overflow to an element count divisible by its type's block size;
 //! - each tensor's data is aligned to `general.alignment`, lies inside the
@@ -29,6 +30,17 @@ const MAX_DIMS: u32 = 4;
 /// Largest single dimension accepted (2⁴⁰ elements; real ones are < 2³²).
 const MAX_DIM: u64 = 1 << 40;
 const DEFAULT_ALIGNMENT: u64 = 32;
+/// Most metadata keys (real files have ~50).
+const MAX_KV: u64 = 1 << 16;
+/// Most tensors (real files have up to a few thousand).
+const MAX_TENSORS: u64 = 1 << 20;
+/// Most items of one metadata array. The largest real ones are vocabularies
+/// and merge lists (~10⁵–10⁶); each parsed item takes 32 bytes, so this
+/// bounds one array at 128 MiB whatever a corrupt length claims.
+const MAX_ARRAY_LEN: u64 = 1 << 22;
+/// Most entries allocated ahead of parsing them; beyond, vectors grow only
+/// as entries actually parse.
+const MAX_PREALLOC: u64 = 4096;
 
 /// A GGML tensor type, as the file's type id names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -205,9 +217,11 @@ impl GgufFile {
         // Each key/value takes at least 12 bytes, each tensor info 24.
         c.check_count("metadata count", n_kv, 12)?;
         c.check_count("tensor count", n_tensors, 24)?;
+        check_limit("metadata count", n_kv, MAX_KV)?;
+        check_limit("tensor count", n_tensors, MAX_TENSORS)?;
 
-        let mut metadata = Vec::with_capacity(n_kv as usize);
-        let mut index = HashMap::with_capacity(n_kv as usize);
+        let mut metadata = Vec::with_capacity(n_kv.min(MAX_PREALLOC) as usize);
+        let mut index = HashMap::with_capacity(n_kv.min(MAX_PREALLOC) as usize);
         for _ in 0..n_kv {
             let key = c.string("metadata key", MAX_NAME)?;
             let type_at = c.pos as u64;
@@ -238,8 +252,8 @@ impl GgufFile {
             }
         };
 
-        let mut tensors = Vec::with_capacity(n_tensors as usize);
-        let mut tensor_index = HashMap::with_capacity(n_tensors as usize);
+        let mut tensors = Vec::with_capacity(n_tensors.min(MAX_PREALLOC) as usize);
+        let mut tensor_index = HashMap::with_capacity(n_tensors.min(MAX_PREALLOC) as usize);
         for _ in 0..n_tensors {
             let t = c.tensor_info()?;
             if tensor_index.insert(t.name.clone(), tensors.len()).is_some() {
@@ -347,6 +361,17 @@ impl GgufFile {
         let start = (self.data_offset + t.offset) as usize;
         &self.bytes.as_slice()[start..start + t.size as usize]
     }
+}
+
+fn check_limit(what: &str, value: u64, limit: u64) -> Result<(), GgufError> {
+    if value > limit {
+        return Err(GgufError::Limit {
+            what: what.to_string(),
+            value,
+            limit,
+        });
+    }
+    Ok(())
 }
 
 fn align_up(x: u64, a: u64) -> u64 {
@@ -551,12 +576,10 @@ impl<'a> Cursor<'a> {
                     offset: at,
                 })?;
                 let n = self.u64(&format!("array length of metadata `{key}`"))?;
-                self.check_count(
-                    &format!("array length of metadata `{key}`"),
-                    n,
-                    item.min_size(),
-                )?;
-                let mut items = Vec::with_capacity(n as usize);
+                let what = format!("array length of metadata `{key}`");
+                self.check_count(&what, n, item.min_size())?;
+                check_limit(&what, n, MAX_ARRAY_LEN)?;
+                let mut items = Vec::with_capacity(n.min(MAX_PREALLOC) as usize);
                 for _ in 0..n {
                     items.push(self.value(key, item, depth + 1)?);
                 }

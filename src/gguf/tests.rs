@@ -167,6 +167,18 @@ fn absurd_counts_and_lengths_are_limits_not_allocations() {
         e.to_string().contains("array length of metadata `arr`"),
         "{e}"
     );
+    // A length the bytes could back but over the per-array limit: a corrupt
+    // length over tensor data must not become gigabytes of parsed values.
+    let mut w = GgufWriter::new();
+    w.kv("arr", Value::Array(ValueType::U8, vec![Value::U8(0)]));
+    let mut b = w.to_bytes();
+    poke_u64(&mut b, at, (1 << 22) + 1);
+    b.resize(b.len() + (1 << 22) + 1, 0);
+    let e = GgufFile::from_bytes(b).unwrap_err();
+    assert!(
+        matches!(e, GgufError::Limit { limit, .. } if limit == 1 << 22),
+        "{e}"
+    );
 }
 
 #[test]
