@@ -4,6 +4,8 @@
 //! `reference.json`, and its GGUF tokenizer and chat template must give the
 //! reference prompt ids. Skips, saying so, when `../shared` is absent.
 
+#[path = "server_support/mod.rs"]
+mod server_support;
 mod support;
 
 use std::path::PathBuf;
@@ -570,4 +572,68 @@ fn server_load_accepts_a_gguf_file() {
     let e = load(&spec).err().expect("a bogus file fails").to_string();
     assert!(e.contains("not a GGUF file"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `tandem serve --model FILE.gguf`: `/v1/chat/completions` renders the
+/// GGUF's chat template and reproduces the reference replies over HTTP;
+/// `/v1/completions` the plain ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_serves_the_gguf_with_reference_replies() {
+    use serde_json::{json, Value};
+    use server_support::{post_json, BinaryServer};
+    let Some((path, _)) = smollm2() else {
+        return;
+    };
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(path.with_file_name("reference.json")).unwrap(),
+    )
+    .unwrap();
+    let server = BinaryServer::spawn(&["--model", path.to_str().unwrap(), "--kv-tokens", "8192"]);
+    let c = reqwest::Client::new();
+    let models: Value = c
+        .get(server.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1");
+    for case in reference["prompts"].as_array().unwrap() {
+        let n = case["generated_ids"].as_array().unwrap().len();
+        let (route, body, field) = if case["kind"] == "chat" {
+            (
+                "/v1/chat/completions",
+                json!({"messages": case["messages"], "max_tokens": n, "temperature": 0}),
+                "/message/content",
+            )
+        } else {
+            (
+                "/v1/completions",
+                json!({"prompt": case["text"], "max_tokens": n, "temperature": 0}),
+                "/text",
+            )
+        };
+        let (status, v) = post_json(&c, &server.url(route), &body).await;
+        assert_eq!(status, 200, "{v}");
+        let choice = &v["choices"][0];
+        assert_eq!(
+            choice.pointer(field).and_then(Value::as_str),
+            case["generated_text"].as_str(),
+            "{}",
+            case["name"]
+        );
+        assert_eq!(
+            v["usage"]["prompt_tokens"],
+            case["prompt_ids"].as_array().unwrap().len(),
+            "{}",
+            case["name"]
+        );
+        let reason = if case["stopped_at_eos"] == true {
+            "stop"
+        } else {
+            "length"
+        };
+        assert_eq!(choice["finish_reason"], reason, "{}", case["name"]);
+    }
 }
