@@ -6,6 +6,12 @@
 //! multiplies GGUF blocks directly yet, so a Q4_1 file takes the memory of
 //! its f32 (or f16) weights once loaded. Keeping the file's blocks on the
 //! lean CPU path is a later step.
+//!
+//! Measured (release, `examples/gguf_info --load`, SmolLM2-135M Q4_1,
+//! 98 MB, on a shared 2-core machine): parsing the memory-mapped file
+//! 31–115 ms; dequantising every weight to f32 (both cores) 0.39–0.9 s;
+//! the whole `load_model` 0.43 s when the machine was quiet, 1.1–1.9 s
+//! with other builds running (load average 4.3); the tokenizer 0.18–0.37 s.
 
 use std::path::Path;
 use std::time::Instant;

@@ -126,6 +126,32 @@ pub enum GgufError {
 }
 
 impl GgufError {
+    /// A fixed, machine-readable name for the error's kind (metrics label
+    /// and the `type` of an error body).
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            GgufError::Io { .. } => "gguf_io",
+            GgufError::BadMagic { .. }
+            | GgufError::Truncated { .. }
+            | GgufError::Limit { .. }
+            | GgufError::BadValueType { .. }
+            | GgufError::InvalidUtf8 { .. }
+            | GgufError::DuplicateKey(_)
+            | GgufError::DuplicateTensor(_)
+            | GgufError::BadTensor { .. } => "gguf_corrupt",
+            GgufError::UnsupportedVersion { .. }
+            | GgufError::UnknownTensorType { .. }
+            | GgufError::UnsupportedTensorType { .. }
+            | GgufError::UnsupportedArchitecture(_) => "gguf_unsupported",
+            GgufError::MissingKey(_)
+            | GgufError::WrongType { .. }
+            | GgufError::BadMetadata { .. } => "gguf_metadata",
+            GgufError::MissingTensor(_) | GgufError::Tensor { .. } => "gguf_tensor",
+            GgufError::Model(_) => "model_load",
+            GgufError::Tokenizer(e) => e.error_type(),
+        }
+    }
+
     pub(crate) fn bad_meta(key: &str, reason: impl Into<String>) -> Self {
         GgufError::BadMetadata {
             key: key.to_string(),

@@ -99,6 +99,7 @@ fn header_errors_are_typed() {
     bytes[0] = b'X';
     let e = GgufFile::from_bytes(bytes).unwrap_err();
     assert!(matches!(e, GgufError::BadMagic { .. }), "{e}");
+    assert_eq!(e.error_type(), "gguf_corrupt");
 
     for (version, hint) in [
         (1u32, "version 1"),
@@ -459,6 +460,7 @@ fn missing_or_unsupported_model_metadata_is_named() {
         matches!(&e, GgufError::UnsupportedArchitecture(a) if a == "mamba"),
         "{e}"
     );
+    assert_eq!(e.error_type(), "gguf_unsupported");
 
     let mut g = good.clone();
     g.metadata
