@@ -210,6 +210,16 @@ fn load(args: &Args) -> anyhow_like::Result<(Model, Tokenizer, String)> {
             word_level_tokenizer(cfg.vocab_size, 0)?
         })
     };
+    if let Some(path) = args
+        .model
+        .as_ref()
+        .filter(|p| tandem::gguf::is_gguf_path(p))
+    {
+        let file = tandem::gguf::GgufFile::open(path)?;
+        let tok = Tokenizer::from_gguf(&file)?;
+        let model = tandem::gguf::load_model(&file, &opts)?;
+        return Ok((model, tok, path.display().to_string()));
+    }
     if let Some(dir) = &args.model {
         let model = Model::from_dir(dir, &opts)?;
         let tok = tokenizer(dir, model.config())?;

@@ -35,6 +35,7 @@
 //! - [`engine`]: the plain-data step protocol, the engine thread and the
 //!   [`Engine`](engine::Engine) executor that owns every tensor.
 //! - [`model`], [`kv`], [`sampler`]: the tensor code (candle).
+//! - [`gguf`]: GGUF model files: reader, config, weights (dequantised).
 //! - [`tokenizer`]: HF tokenizers, incremental detokenizer, stop matching.
 //! - [`tiny`]: the embedded default model.
 //! - `server` (cargo feature `server`, on by default): the OpenAI-compatible
@@ -50,6 +51,7 @@
 
 pub mod api;
 pub mod engine;
+pub mod gguf;
 pub mod handle;
 pub mod kv;
 pub mod model;

@@ -102,8 +102,8 @@ struct TrainArgs {
 
 #[derive(Args, Debug, Clone)]
 struct ModelArgs {
-    /// Hugging Face model folder (config.json, *.safetensors, tokenizer.json). Without it, the embedded random-weight model is served.
-    #[arg(long, value_name = "DIR")]
+    /// Hugging Face model folder (config.json, *.safetensors, tokenizer.json), or a GGUF file (model, tokenizer and chat template from its metadata; weights dequantised at load). Without it, the embedded random-weight model is served.
+    #[arg(long, value_name = "DIR|FILE.gguf")]
     model: Option<PathBuf>,
     /// Which embedded model to use without --model: `default` (≈32 M parameters) or `test` (≈0.14 M, for smoke tests).
     #[arg(long, default_value = "default", value_parser = ["default", "test"])]
@@ -220,8 +220,8 @@ fn main() -> ExitCode {
 /// Checks the model flags and opens the device (before any weight is read).
 fn load_spec(args: &ModelArgs) -> Result<LoadSpec, BoxError> {
     let source = match &args.model {
-        Some(dir) if !dir.is_dir() => {
-            return Err(format!("--model {}: not a directory", dir.display()).into())
+        Some(dir) if !dir.is_dir() && !tandem::gguf::is_gguf_path(dir) => {
+            return Err(format!("--model {}: not a directory or a GGUF file", dir.display()).into())
         }
         Some(dir) => ModelSource::Dir(dir.clone()),
         None if args.embedded == "test" => ModelSource::Embedded(TinyPreset::Test),

@@ -1,5 +1,6 @@
-//! Loading what the server serves: a model folder or the embedded model, on
-//! the requested device and dtype, wrapped in an [`Engine`].
+//! Loading what the server serves: a model folder, a GGUF file or the
+//! embedded model, on the requested device and dtype, wrapped in an
+//! [`Engine`].
 //!
 //! Device and dtype are parsed before any weight is read, so that a build
 //! without CUDA answers `--device cuda` at once with a clear error instead
@@ -31,6 +32,8 @@ pub enum LoadError {
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
     Tiny(#[from] TinyError),
+    #[error(transparent)]
+    Gguf(#[from] crate::gguf::GgufError),
     #[error(transparent)]
     Template(#[from] TemplateError),
     /// `--mtp` names a draft head that cannot be built.
@@ -106,7 +109,9 @@ pub fn parse_dtype(s: &str) -> Result<(DType, WeightFormat), LoadError> {
 /// Where the weights come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelSource {
-    /// A Hugging Face folder (config.json, safetensors, tokenizer.json).
+    /// A Hugging Face folder (config.json, safetensors, tokenizer.json), or
+    /// a GGUF file (a path ending in `.gguf`, or any file): model,
+    /// tokenizer and chat template all from the file.
     Dir(PathBuf),
     /// The embedded random-weight model.
     Embedded(TinyPreset),
@@ -144,6 +149,16 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, LoadError> {
         ..LoadOptions::default()
     };
     let (model, tokenizer, model_name) = match &spec.source {
+        ModelSource::Dir(path) if crate::gguf::is_gguf_path(path) => {
+            let file = crate::gguf::GgufFile::open(path)?;
+            let tokenizer = Tokenizer::from_gguf(&file)?;
+            let model = crate::gguf::load_model(&file, &opts)?;
+            let name = path
+                .file_stem()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| path.display().to_string());
+            (model, tokenizer, name)
+        }
         ModelSource::Dir(dir) => {
             let tokenizer = Tokenizer::from_dir(dir)?;
             let model = Model::from_dir(dir, &opts)?;

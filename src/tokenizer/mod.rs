@@ -18,6 +18,8 @@
 //! - [`error`]: [`TokenizerError`], the layer's one error enum.
 //! - `config`: reading `tokenizer_config.json`, `generation_config.json` and
 //!   `config.json` into the special-token facts.
+//! - [`gguf`]: [`Tokenizer::from_gguf`], the tokenizer in a GGUF file's
+//!   metadata, rebuilt as its Hugging Face `tokenizer.json`.
 //! - [`incremental`]: [`IncrementalDecoder`], text from a stream of ids,
 //!   emitted only at valid UTF-8 boundaries, with per-token payloads.
 //! - [`stop`]: [`StopFilter`] and [`TextStream`], the request actor's output
@@ -27,6 +29,7 @@
 
 mod config;
 pub mod error;
+pub mod gguf;
 pub mod incremental;
 pub mod stop;
 pub mod word_vocab;
