@@ -66,7 +66,8 @@ fn main() {
 fn time_load(file: &GgufFile) -> Result<(), tandem::gguf::GgufError> {
     let t = Instant::now();
     let cfg = tandem::gguf::config_from_gguf(file)?;
-    let (weights, _) = tandem::gguf::tensors::hf_weights(file, &cfg)?;
+    let (weights, _) =
+        tandem::gguf::tensors::hf_weights(file, &cfg, tandem::gguf::tensors::Blocks::Dequantise)?;
     println!("dequantised every weight to f32 in {:?}", t.elapsed());
     let t = Instant::now();
     let model = tandem::model::Model::load(cfg, &weights, &Default::default())?;

@@ -45,8 +45,8 @@ struct Args {
     /// Compute device: cpu, cuda or metal (GPU backends need a build with `--features cuda` / `metal`).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Weights and compute dtype: f32, f16, bf16 (GPU), q8_0 or q4_k (CPU, quantised at load).
-    #[arg(long, default_value = "f32")]
+    /// Weights and compute dtype: auto (f32; a GGUF's quantised weights stay quantised on the CPU), f32, f16, bf16 (GPU), q8_0 or q4_k (CPU, quantised at load).
+    #[arg(long, default_value = "auto")]
     dtype: String,
     /// Hugging Face model directory (default: the embedded model). Without
     /// a tokenizer.json, a word-level vocabulary of the model's size stands
@@ -233,7 +233,7 @@ fn load(args: &Args) -> anyhow_like::Result<(Model, Tokenizer, String)> {
         let model = Model::load(cfg, &weights, &opts)?;
         return Ok((model, tok, name));
     }
-    if !opts.device.is_cpu() || args.dtype != "f32" {
+    if !opts.device.is_cpu() || !matches!(args.dtype.as_str(), "auto" | "f32") {
         return Err("the embedded model runs on the CPU in f32; pass --model or --shape".into());
     }
     let (model, tok) = tiny_model_cpu(TinyPreset::Default)?;

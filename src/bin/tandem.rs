@@ -50,8 +50,8 @@ enum Command {
 
 #[derive(Args, Debug)]
 struct TrainArgs {
-    /// Hugging Face model folder (without it, the embedded model).
-    #[arg(long, value_name = "DIR")]
+    /// Hugging Face model folder or GGUF file (weights dequantised to f32 for training); without it, the embedded model.
+    #[arg(long, value_name = "DIR|FILE.gguf")]
     model: Option<PathBuf>,
     /// Which embedded model to use without --model: `default` or `test`.
     #[arg(long, default_value = "default", value_parser = ["default", "test"])]
@@ -102,14 +102,14 @@ struct TrainArgs {
 
 #[derive(Args, Debug, Clone)]
 struct ModelArgs {
-    /// Hugging Face model folder (config.json, *.safetensors, tokenizer.json), or a GGUF file (model, tokenizer and chat template from its metadata; weights dequantised at load). Without it, the embedded random-weight model is served.
+    /// Hugging Face model folder (config.json, *.safetensors, tokenizer.json), or a GGUF file (model, tokenizer and chat template from its metadata; see --dtype for its quantised weights). Without it, the embedded random-weight model is served.
     #[arg(long, value_name = "DIR|FILE.gguf")]
     model: Option<PathBuf>,
     /// Which embedded model to use without --model: `default` (≈32 M parameters) or `test` (≈0.14 M, for smoke tests).
     #[arg(long, default_value = "default", value_parser = ["default", "test"])]
     embedded: String,
-    /// Compute dtype f32, f16 or bf16 (bf16 needs a GPU), or quantised weights q8_0 / q4_k (f32 activations).
-    #[arg(long, default_value = "f32")]
+    /// `auto`: f32 compute, and a GGUF file's quantised weights stay quantised on the CPU. Or a compute dtype for every weight, f32, f16 or bf16 (bf16 needs a GPU; a GGUF's weights are dequantised at load), or weights quantised at load to q8_0 / q4_k (f32 activations).
+    #[arg(long, default_value = "auto")]
     dtype: String,
     /// Compute device: cpu, cuda or metal (GPU backends need a build with `--features cuda` / `metal`).
     #[arg(long, default_value = "cpu")]
@@ -420,9 +420,14 @@ fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
         )
         .into());
     }
+    let f32_weights = tandem::model::LoadOptions::default();
     let (model, name) = match &args.model {
+        Some(file) if tandem::gguf::is_gguf_path(file) => (
+            tandem::model::Model::from_gguf(file, &f32_weights)?,
+            file.display().to_string(),
+        ),
         Some(dir) => (
-            tandem::model::Model::from_dir(dir, &tandem::model::LoadOptions::default())?,
+            tandem::model::Model::from_dir(dir, &f32_weights)?,
             dir.display().to_string(),
         ),
         None => {

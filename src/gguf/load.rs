@@ -1,11 +1,12 @@
 //! [`Model::from_gguf`]: a model from one GGUF file.
 //!
-//! NOTE: every weight is dequantised at load to f32 and handed to
-//! [`Model::load`] as in-memory tensors, which converts them to the compute
-//! dtype (or re-quantises them for `WeightFormat::Q8_0`/`Q4K`). No backend
-//! multiplies GGUF blocks directly yet, so a Q4_1 file takes the memory of
-//! its f32 (or f16) weights once loaded. Keeping the file's blocks on the
-//! lean CPU path is a later step.
+//! With [`WeightFormat::AsStored`] on the CPU, weight matrices stored in
+//! GGML blocks stay in them (candle's quantized kernels multiply them, with
+//! activations quantised to 8 bits as llama.cpp does); norms, biases and the
+//! embedding lookup are dequantised to the compute dtype. Otherwise every
+//! weight is dequantised to f32 and handed to [`Model::load`], which
+//! converts it to the compute dtype (or re-quantises it for
+//! `WeightFormat::Q8_0`/`Q4K`).
 //!
 //! Measured (release, `examples/gguf_info --load`, SmolLM2-135M Q4_1,
 //! 98 MB, on a shared 2-core machine): parsing the memory-mapped file
@@ -17,7 +18,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use super::{config_from_gguf, tensors, GgufError, GgufFile};
-use crate::model::{LoadOptions, Model};
+use crate::model::{LoadOptions, Model, WeightFormat};
 
 impl Model {
     /// Loads a model from a GGUF file (memory-mapped): configuration from
@@ -32,16 +33,31 @@ impl Model {
 pub fn load_model(file: &GgufFile, opts: &LoadOptions) -> Result<Model, GgufError> {
     let t0 = Instant::now();
     let cfg = config_from_gguf(file)?;
-    let (weights, types) = tensors::hf_weights(file, &cfg)?;
-    let dequantised = t0.elapsed();
+    // The CPU multiplies GGML blocks (candle's quantized kernels); other
+    // backends get the weights dequantised to the compute dtype.
+    let keep = if opts.weight_format == WeightFormat::AsStored && opts.device.is_cpu() {
+        tensors::Blocks::Keep
+    } else {
+        tensors::Blocks::Dequantise
+    };
+    let (weights, types) = tensors::hf_weights(file, &cfg, keep)?;
+    let read = t0.elapsed();
     let mut types: Vec<_> = types.into_iter().collect();
     types.sort();
-    tracing::info!(
-        path = %file.path.display(),
-        types = ?types,
-        compute_dtype = ?opts.dtype,
-        elapsed = ?dequantised,
-        "GGUF weights dequantised at load to the compute dtype (no kernel for GGUF blocks on this backend)"
-    );
+    match keep {
+        tensors::Blocks::Keep => tracing::info!(
+            path = %file.path.display(),
+            types = ?types,
+            elapsed = ?read,
+            "GGUF weight matrices kept in their GGML blocks (CPU); the rest in the compute dtype"
+        ),
+        tensors::Blocks::Dequantise => tracing::info!(
+            path = %file.path.display(),
+            types = ?types,
+            compute_dtype = ?opts.dtype,
+            elapsed = ?read,
+            "GGUF weights dequantised at load to the compute dtype"
+        ),
+    }
     Ok(Model::load(cfg, &weights, opts)?)
 }

@@ -7,7 +7,9 @@
 //! - shapes: GGML lists dimensions innermost first, the reverse of the
 //!   row-major shape;
 //! - values: every supported type is dequantised to f32 with candle's GGML
-//!   block code, and for `llama` the q/k rows are un-permuted.
+//!   block code, or, with [`Blocks::Keep`], weight matrices stored in GGML
+//!   blocks stay in them; for `llama` the q/k rows are un-permuted either way
+//!   (rows of blocks are whole byte runs, so that is a row reorder).
 //!
 //! # The q/k permutation
 //! llama.cpp's RoPE for `llama` pairs dimensions (2i, 2i+1) (interleaved);
@@ -24,9 +26,11 @@
 use std::collections::HashMap;
 
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
 use super::{GgufError, GgufFile, TensorInfo};
+use crate::model::linear::qtensor_from_bytes;
 use crate::model::weights::tensor_shapes;
 use crate::model::{Architecture, ModelConfig, Weights};
 
@@ -128,15 +132,80 @@ pub fn unpermute(t: &Tensor, n_head: usize) -> candle_core::Result<Tensor> {
         .reshape(dims)
 }
 
+/// Whether weight matrices stored in GGML blocks stay in them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Blocks {
+    /// Every tensor dequantised to f32.
+    Dequantise,
+    /// Matrices (projections, embeddings) of a block type kept as blocks.
+    Keep,
+}
+
+/// One weight, as it will be handed to the model.
+enum Loaded {
+    Dense(Tensor),
+    Blocks(QTensor),
+}
+
+/// Whether `hf` names a weight matrix (what can stay in blocks).
+fn is_matrix(hf: &str) -> bool {
+    hf.ends_with("_proj.weight") || hf == "lm_head.weight" || hf == "model.embed_tokens.weight"
+}
+
+/// The tensor's GGML blocks, q/k rows un-permuted for `permuted_heads`.
+fn blocks(
+    file: &GgufFile,
+    info: &TensorInfo,
+    permuted_heads: Option<usize>,
+) -> Result<QTensor, GgufError> {
+    let dtype = info
+        .ggml_type
+        .candle()
+        .ok_or_else(|| GgufError::UnsupportedTensorType {
+            tensor: info.name.clone(),
+            type_name: info.ggml_type.name().unwrap_or("unknown"),
+        })?;
+    let shape = info.shape();
+    let bytes = file.tensor_bytes(info);
+    let bytes = match permuted_heads {
+        Some(n_head) => unpermute_rows(bytes, shape[0], n_head),
+        None => bytes.to_vec(),
+    };
+    qtensor_from_bytes(dtype, &bytes, &shape).map_err(|source| GgufError::Tensor {
+        tensor: info.name.clone(),
+        source,
+    })
+}
+
+/// [`unpermute`] on rows of raw bytes: new row `h·d + j·d/2 + i` is old
+/// row `h·d + 2i + j`.
+fn unpermute_rows(bytes: &[u8], rows: usize, n_head: usize) -> Vec<u8> {
+    let row = bytes.len() / rows;
+    let head_dim = rows / n_head;
+    let mut out = Vec::with_capacity(bytes.len());
+    for h in 0..n_head {
+        for j in 0..2 {
+            for i in 0..head_dim / 2 {
+                let old = h * head_dim + 2 * i + j;
+                out.extend_from_slice(&bytes[old * row..(old + 1) * row]);
+            }
+        }
+    }
+    out
+}
+
 /// Every weight `cfg` needs, dequantised to f32 under its Hugging Face name.
 /// Errors name the tensor as the file names it. Returns the weights and a
 /// count of the source types (for the load log).
 ///
 /// Tensors are dequantised on all cores (a 135M-parameter model's 98 MB of
 /// Q4_1 is half a second of single-threaded block decoding).
+/// With [`Blocks::Keep`], weight matrices of a block type stay in blocks
+/// ([`Weights::Quantized`]).
 pub fn hf_weights(
     file: &GgufFile,
     cfg: &ModelConfig,
+    keep: Blocks,
 ) -> Result<(Weights, HashMap<&'static str, usize>), GgufError> {
     let mut types: HashMap<&'static str, usize> = HashMap::new();
     let mut jobs: Vec<(String, &TensorInfo, Option<usize>)> = Vec::new();
@@ -172,13 +241,21 @@ pub fn hf_weights(
         .map_or(1, |n| n.get())
         .clamp(1, 16)
         .min(jobs.len().max(1));
-    let work = || -> Result<Vec<(String, Tensor)>, GgufError> {
+    let work = || -> Result<Vec<(String, Loaded)>, GgufError> {
         let mut done = Vec::new();
         loop {
             let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let Some((hf, info, heads)) = jobs.get(i) else {
                 return Ok(done);
             };
+            let is_blocks = !matches!(
+                info.ggml_type.candle(),
+                Some(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) | None
+            );
+            if keep == Blocks::Keep && is_blocks && is_matrix(hf) {
+                done.push((hf.clone(), Loaded::Blocks(blocks(file, info, *heads)?)));
+                continue;
+            }
             let mut t = dequantize(file, info)?;
             if let Some(n) = *heads {
                 t = unpermute(&t, n).map_err(|source| GgufError::Tensor {
@@ -186,10 +263,10 @@ pub fn hf_weights(
                     source,
                 })?;
             }
-            done.push((hf.clone(), t));
+            done.push((hf.clone(), Loaded::Dense(t)));
         }
     };
-    let results: Vec<Result<Vec<(String, Tensor)>, GgufError>> = std::thread::scope(|s| {
+    let results: Vec<Result<Vec<(String, Loaded)>, GgufError>> = std::thread::scope(|s| {
         let handles: Vec<_> = (1..threads).map(|_| s.spawn(work)).collect();
         let mut results = vec![work()];
         for h in handles {
@@ -197,16 +274,25 @@ pub fn hf_weights(
         }
         results
     });
-    let mut map = HashMap::with_capacity(jobs.len());
+    let (mut map, mut kept) = (HashMap::with_capacity(jobs.len()), HashMap::new());
     for r in results {
-        map.extend(r?);
+        for (hf, loaded) in r? {
+            match loaded {
+                Loaded::Dense(t) => {
+                    map.insert(hf, t);
+                }
+                Loaded::Blocks(b) => {
+                    kept.insert(hf, std::sync::Arc::new(b));
+                }
+            }
+        }
     }
     let unused: Vec<&str> = file
         .tensors()
         .iter()
         .map(|t| t.name.as_str())
         .filter(|n| !NOT_WEIGHTS.contains(n))
-        .filter(|n| hf_name(n).is_none_or(|hf| !map.contains_key(&hf)))
+        .filter(|n| hf_name(n).is_none_or(|hf| !map.contains_key(&hf) && !kept.contains_key(&hf)))
         .collect();
     if !unused.is_empty() {
         tracing::warn!(
@@ -215,5 +301,13 @@ pub fn hf_weights(
             "GGUF tensors not used by the model"
         );
     }
-    Ok((Weights::Memory(map), types))
+    let weights = if kept.is_empty() {
+        Weights::Memory(map)
+    } else {
+        Weights::Quantized {
+            dense: map,
+            blocks: kept,
+        }
+    };
+    Ok((weights, types))
 }

@@ -1,7 +1,6 @@
 //! The lean CPU step against the candle-op path (the reference), and the
 //! agreement of f16 / Q8_0 / Q4_K greedy decoding with f32.
 
-
 use candle_core::{DType, Device};
 
 use super::{Batch, LoadOptions, Model, ModelConfig, OutputRows, WeightFormat, Weights};

@@ -6,6 +6,11 @@
 //! - [`WeightFormat::AsCompute`]: weights in the compute dtype, `[n, k]` as
 //!   the checkpoint stores them. On CPU the lean path reads f32 or f16 rows
 //!   directly (no repacking, so the candle path can share the tensor).
+//! - [`WeightFormat::AsStored`]: projections a checkpoint stores in GGML
+//!   blocks (a quantised GGUF: Q4_0 … Q8_0, the K-quants) stay in those
+//!   blocks on the CPU and run through candle's quantized kernels, which
+//!   quantise the activations to 8 bits as llama.cpp does; everything else
+//!   is in the compute dtype, as with `AsCompute`.
 //! - [`WeightFormat::Q8_0`] / [`WeightFormat::Q4K`]: quantised at load with
 //!   candle's GGML blocks; candle's quantized kernels run the matmul (on
 //!   AVX-512 VNNI CPUs they are repacked for `vpdpbusd`). A weight whose
@@ -30,6 +35,9 @@ pub enum WeightFormat {
     /// In the compute dtype ([`LoadOptions::dtype`](super::LoadOptions)).
     #[default]
     AsCompute,
+    /// In the GGML blocks the checkpoint stores them in, where the device
+    /// multiplies them (the CPU); otherwise in the compute dtype.
+    AsStored,
     /// GGML Q8_0: blocks of 32 int8 weights with one f16 scale (8.5 bits
     /// per weight); near-lossless.
     Q8_0,
@@ -46,10 +54,11 @@ impl FromStr for WeightFormat {
     fn from_str(s: &str) -> Result<Self, String> {
         match s.to_ascii_lowercase().as_str() {
             "as-compute" | "f32" | "f16" | "bf16" => Ok(Self::AsCompute),
+            "as-stored" => Ok(Self::AsStored),
             "q8_0" | "q8" => Ok(Self::Q8_0),
             "q4_k" | "q4k" => Ok(Self::Q4K),
             other => Err(format!(
-                "unknown weight format `{other}` (expected as-compute, q8_0 or q4_k)"
+                "unknown weight format `{other}` (expected as-compute, as-stored, q8_0 or q4_k)"
             )),
         }
     }
@@ -187,7 +196,7 @@ impl Linear {
     ) -> candle_core::Result<Self> {
         let (_, k) = w.dims2()?;
         let quant = match format {
-            WeightFormat::AsCompute => None,
+            WeightFormat::AsCompute | WeightFormat::AsStored => None,
             WeightFormat::Q4K if k % GgmlDType::Q4K.block_size() == 0 => Some(GgmlDType::Q4K),
             WeightFormat::Q8_0 | WeightFormat::Q4K if k % GgmlDType::Q8_0.block_size() == 0 => {
                 Some(GgmlDType::Q8_0)
@@ -214,6 +223,31 @@ impl Linear {
                 }))
             }
         }
+    }
+
+    /// The matrices `parts` (GGML blocks of one type, `[n_i, k]` each)
+    /// stacked by rows into one projection multiplied in those blocks on
+    /// the CPU; `None` when their types or widths differ.
+    pub(crate) fn from_blocks(parts: &[&QTensor]) -> candle_core::Result<Option<Self>> {
+        let Some(first) = parts.first() else {
+            return Ok(None);
+        };
+        let (dtype, k) = (first.dtype(), first.shape().dims2()?.1);
+        let mut rows = 0;
+        let mut bytes = Vec::new();
+        for part in parts {
+            let (n, part_k) = part.shape().dims2()?;
+            if part.dtype() != dtype || part_k != k {
+                return Ok(None);
+            }
+            rows += n;
+            bytes.extend_from_slice(&part.data()?);
+        }
+        let qt = qtensor_from_bytes(dtype, &bytes, &[rows, k])?;
+        // candle repacks quantised weights for its x86 kernels on first use;
+        // do it now rather than in the first request.
+        Tensor::zeros((1, k), DType::F32, &Device::Cpu)?.apply_op1_no_bwd(&qt)?;
+        Ok(Some(Self::Quantized(Arc::new(qt))))
     }
 
     /// The candle path: `x: [rows, k]` → `[rows, n]` in `x`'s dtype.
@@ -286,9 +320,78 @@ impl Linear {
     }
 }
 
+/// A CPU tensor of GGML blocks from raw bytes (row-major, `dims` in
+/// elements). The bytes are copied to 8-byte-aligned memory first: candle
+/// reinterprets them as blocks without checking alignment.
+pub(crate) fn qtensor_from_bytes(
+    dtype: GgmlDType,
+    bytes: &[u8],
+    dims: &[usize],
+) -> candle_core::Result<QTensor> {
+    let mut words = vec![0u64; bytes.len().div_ceil(8)];
+    // SAFETY: u8 has no alignment or validity requirements, and the slice
+    // covers exactly the words' memory.
+    let aligned =
+        unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 8) };
+    aligned[..bytes.len()].copy_from_slice(bytes);
+    candle_core::quantized::ggml_file::qtensor_from_ggml(
+        dtype,
+        &aligned[..bytes.len()],
+        dims.to_vec(),
+        &Device::Cpu,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stacked_blocks_multiply_like_their_dense_values() {
+        let w = |seed: u64, n: usize| {
+            super::super::weights::uniform_tensor(&[n, 64], 0.5, seed).unwrap()
+        };
+        let (a, b) = (w(1, 3), w(2, 5));
+        let qa = QTensor::quantize(&a, GgmlDType::Q4_1).unwrap();
+        let qb = QTensor::quantize(&b, GgmlDType::Q4_1).unwrap();
+        let stacked = Linear::from_blocks(&[&qa, &qb])
+            .unwrap()
+            .expect("same type");
+        let dense = Tensor::cat(
+            &[
+                qa.dequantize(&Device::Cpu).unwrap(),
+                qb.dequantize(&Device::Cpu).unwrap(),
+            ],
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            stacked.dense().unwrap().to_vec2::<f32>().unwrap(),
+            dense.to_vec2::<f32>().unwrap(),
+            "the stacked blocks hold both matrices' values, in order"
+        );
+        let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut out = [0f32; 8];
+        stacked
+            .forward_cpu(Isa::detect(), 1, &x, 1, &mut out, false)
+            .unwrap();
+        let want = Tensor::from_slice(&x, (1, 64), &Device::Cpu)
+            .unwrap()
+            .matmul(&dense.t().unwrap())
+            .unwrap();
+        for (o, w) in out
+            .iter()
+            .zip(want.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        {
+            // 8-bit activations, as llama.cpp: close to the dense product, not equal.
+            assert!((o - w).abs() < 0.05 * w.abs().max(1.0), "{o} vs {w}");
+        }
+        let q8 = QTensor::quantize(&b, GgmlDType::Q8_0).unwrap();
+        assert!(
+            Linear::from_blocks(&[&qa, &q8]).unwrap().is_none(),
+            "mixed types do not stack"
+        );
+    }
 
     /// The address of a CPU tensor view's first element.
     fn addr(t: &Tensor) -> usize {

@@ -82,11 +82,14 @@ impl<'a> WeightLoader<'a> {
         format: WeightFormat,
     ) -> Result<Self, ModelError> {
         let (mat_dtype, mat_device) = match format {
-            WeightFormat::AsCompute => (dtype, device.clone()),
+            WeightFormat::AsCompute | WeightFormat::AsStored => (dtype, device.clone()),
             _ => (DType::F32, Device::Cpu),
         };
         // Dense CPU weights share one buffer on huge pages (see WeightArena).
-        let arena = if device.is_cpu() && format == WeightFormat::AsCompute {
+        // Sized as if every projection were dense: the pages of slots that
+        // blocks make unnecessary are never touched, so never backed.
+        let dense = matches!(format, WeightFormat::AsCompute | WeightFormat::AsStored);
+        let arena = if device.is_cpu() && dense {
             let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
             let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
             let layer = (q + 2 * kv) * h + h * q + 3 * i * h;
@@ -116,6 +119,56 @@ impl<'a> WeightLoader<'a> {
     fn matrix(&self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
         self.source
             .get(name, shape, self.mat_dtype, &self.mat_device)
+    }
+
+    /// The matrices `parts` stacked by rows into one projection: in the
+    /// checkpoint's GGML blocks when the format and device allow and every
+    /// part has blocks of one type, otherwise dense (the first part scaled
+    /// by `q_scale`, which blocks cannot carry) in the model's weight format.
+    fn stacked(
+        &self,
+        parts: &[(String, [usize; 2])],
+        q_scale: QScale,
+    ) -> Result<Linear, ModelError> {
+        if q_scale == QScale::Unfolded {
+            if let Some(linear) = self.stored(parts)? {
+                return Ok(linear);
+            }
+        }
+        let mut mats = Vec::with_capacity(parts.len());
+        for (i, (name, shape)) in parts.iter().enumerate() {
+            let m = self.matrix(name, shape)?;
+            mats.push(if i == 0 { scale_q(m, q_scale)? } else { m });
+        }
+        let w = match mats.len() {
+            1 => mats.pop().expect("one part"),
+            _ => Tensor::cat(&mats, 0)?,
+        };
+        self.linear(w)
+    }
+
+    /// `parts` in their stored blocks, when [`WeightFormat::AsStored`]
+    /// applies to all of them on this device.
+    fn stored(&self, parts: &[(String, [usize; 2])]) -> Result<Option<Linear>, ModelError> {
+        if self.format != WeightFormat::AsStored || !self.device.is_cpu() {
+            return Ok(None);
+        }
+        let mut blocks = Vec::with_capacity(parts.len());
+        for (name, shape) in parts {
+            let Some(b) = self.source.blocks(name) else {
+                return Ok(None);
+            };
+            if b.shape().dims() != shape {
+                return Err(ModelError::ShapeMismatch {
+                    path: "<memory>".into(),
+                    name: name.clone(),
+                    expected: shape.to_vec(),
+                    found: b.shape().dims().to_vec(),
+                });
+            }
+            blocks.push(b);
+        }
+        Ok(Linear::from_blocks(&blocks)?)
     }
 
     /// `w` in the model's weight format (placed in the arena when dense on CPU).
@@ -149,17 +202,15 @@ impl LayerWeights {
         let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
         let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
         let p = format!("model.layers.{l}");
-        let qkv = w.linear(Tensor::cat(
+        let part = |name: &str, shape: [usize; 2]| (format!("{p}.{name}.weight"), shape);
+        let qkv = w.stacked(
             &[
-                scale_q(
-                    w.matrix(&format!("{p}.self_attn.q_proj.weight"), &[q, h])?,
-                    q_scale,
-                )?,
-                w.matrix(&format!("{p}.self_attn.k_proj.weight"), &[kv, h])?,
-                w.matrix(&format!("{p}.self_attn.v_proj.weight"), &[kv, h])?,
+                part("self_attn.q_proj", [q, h]),
+                part("self_attn.k_proj", [kv, h]),
+                part("self_attn.v_proj", [kv, h]),
             ],
-            0,
-        )?)?;
+            q_scale,
+        )?;
         let qkv_bias = if cfg.attention_bias {
             Some(Tensor::cat(
                 &[
@@ -175,21 +226,20 @@ impl LayerWeights {
         } else {
             None
         };
-        let gate_up = w.linear(Tensor::cat(
-            &[
-                w.matrix(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
-                w.matrix(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
-            ],
-            0,
-        )?)?;
+        let gate_up = w.stacked(
+            &[part("mlp.gate_proj", [i, h]), part("mlp.up_proj", [i, h])],
+            QScale::Unfolded,
+        )?;
+        let o_proj = w.stacked(&[part("self_attn.o_proj", [h, q])], QScale::Unfolded)?;
+        let down = w.stacked(&[part("mlp.down_proj", [h, i])], QScale::Unfolded)?;
         Ok(Self {
             attn_norm: w.vector(&format!("{p}.input_layernorm.weight"), &[h])?,
             qkv,
             qkv_bias,
-            o_proj: w.linear(w.matrix(&format!("{p}.self_attn.o_proj.weight"), &[h, q])?)?,
+            o_proj,
             mlp_norm: w.vector(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
             gate_up,
-            down: w.linear(w.matrix(&format!("{p}.mlp.down_proj.weight"), &[h, i])?)?,
+            down,
         })
     }
 }
@@ -207,10 +257,13 @@ impl ModelWeights {
             .map(|l| LayerWeights::load(w, cfg, l, q_scale))
             .collect::<Result<Vec<_>, _>>()?;
         let norm = w.vector("model.norm.weight", &[h])?;
-        let lm_head = if cfg.tie_word_embeddings {
-            w.linear(embed.clone())?
+        let head = |name: &str| (name.to_string(), [cfg.vocab_size, h]);
+        let lm_head = if !cfg.tie_word_embeddings {
+            w.stacked(&[head("lm_head.weight")], QScale::Unfolded)?
+        } else if let Some(stored) = w.stored(&[head("model.embed_tokens.weight")])? {
+            stored
         } else {
-            w.linear(w.matrix("lm_head.weight", &[cfg.vocab_size, h])?)?
+            w.linear(embed.clone())?
         };
         Ok(Self {
             embed,

@@ -8,6 +8,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
+use candle_core::quantized::QTensor;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
@@ -24,6 +27,13 @@ pub enum Weights {
     },
     /// Tensors already in memory (random or generated weights).
     Memory(HashMap<String, Tensor>),
+    /// A quantised checkpoint (GGUF): `dense` tensors, and matrices kept in
+    /// their GGML `blocks` (read dense through [`Weights::get`], which
+    /// dequantises them, or as blocks through [`Weights::blocks`]).
+    Quantized {
+        dense: HashMap<String, Tensor>,
+        blocks: HashMap<String, Arc<QTensor>>,
+    },
 }
 
 impl Weights {
@@ -101,6 +111,17 @@ impl Weights {
         match self {
             Weights::Files { routing, .. } => routing.contains_key(name),
             Weights::Memory(map) => map.contains_key(name),
+            Weights::Quantized { dense, blocks } => {
+                dense.contains_key(name) || blocks.contains_key(name)
+            }
+        }
+    }
+
+    /// `name` in its GGML blocks, when the checkpoint stores it so.
+    pub(crate) fn blocks(&self, name: &str) -> Option<&QTensor> {
+        match self {
+            Weights::Quantized { blocks, .. } => blocks.get(name).map(|b| b.as_ref()),
+            _ => None,
         }
     }
 
@@ -110,7 +131,7 @@ impl Weights {
                 .get(name)
                 .cloned()
                 .unwrap_or_else(|| PathBuf::from("model.safetensors")),
-            Weights::Memory(_) => PathBuf::from("<memory>"),
+            Weights::Memory(_) | Weights::Quantized { .. } => PathBuf::from("<memory>"),
         }
     }
 
@@ -144,6 +165,16 @@ impl Weights {
                         name: name.to_string(),
                     })?
             }
+            Weights::Quantized { dense, blocks } => match (dense.get(name), blocks.get(name)) {
+                (Some(t), _) => t.clone(),
+                (None, Some(b)) => b.dequantize(&Device::Cpu)?,
+                (None, None) => {
+                    return Err(ModelError::MissingTensor {
+                        path,
+                        name: name.to_string(),
+                    })
+                }
+            },
         };
         if tensor.dims() != shape {
             return Err(ModelError::ShapeMismatch {
@@ -248,9 +279,9 @@ pub fn save_safetensors(weights: &Weights, path: &Path) -> Result<(), ModelError
                 reason: e.to_string(),
             })
         }
-        Weights::Files { .. } => Err(ModelError::Weights {
+        Weights::Files { .. } | Weights::Quantized { .. } => Err(ModelError::Weights {
             path: path.to_path_buf(),
-            reason: "only in-memory weights can be saved".into(),
+            reason: "only in-memory dense weights can be saved".into(),
         }),
     }
 }

@@ -24,7 +24,7 @@ pub enum LoadError {
     #[error("--device {device}: {reason}")]
     Device { device: String, reason: String },
     /// `--dtype` is not one of f32, f16, bf16.
-    #[error("--dtype {0}: expected f32, f16, bf16, q8_0 or q4_k")]
+    #[error("--dtype {0}: expected auto, f32, f16, bf16, q8_0 or q4_k")]
     DType(String),
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -92,11 +92,14 @@ impl DeviceKind {
     }
 }
 
-/// Parses `--dtype`.
-/// `--dtype`: a compute dtype, or a quantised weight format (`q8_0`,
-/// `q4_k`: weights quantised at load, activations in f32).
+/// Parses `--dtype`: `auto` (f32 compute; weights a GGUF file stores in
+/// quantised blocks stay in them on the CPU), a compute dtype (every
+/// weight in it: a GGUF's blocks are dequantised at load), or a quantised
+/// weight format (`q8_0`, `q4_k`: weights quantised at load, activations in
+/// f32).
 pub fn parse_dtype(s: &str) -> Result<(DType, WeightFormat), LoadError> {
     match s {
+        "auto" => Ok((DType::F32, WeightFormat::AsStored)),
         "f32" => Ok((DType::F32, WeightFormat::AsCompute)),
         "f16" => Ok((DType::F16, WeightFormat::AsCompute)),
         "bf16" => Ok((DType::BF16, WeightFormat::AsCompute)),

@@ -33,3 +33,36 @@ pub fn stories260k() -> Option<Stories> {
         dir,
     })
 }
+
+/// One SmolLM2 reference prompt: its name, prompt ids and float32 greedy ids.
+pub struct SmolPrompt {
+    pub name: String,
+    pub prompt_ids: Vec<u32>,
+    pub generated_ids: Vec<u32>,
+}
+
+/// SmolLM2-135M-Instruct's Q4_1 GGUF and its reference prompts, or `None`
+/// when `../shared` is absent.
+pub fn smollm2() -> Option<(PathBuf, Vec<SmolPrompt>)> {
+    let dir = shared("models/smollm2-135m-instruct")?;
+    let text = std::fs::read_to_string(dir.join("reference.json")).expect("reference.json");
+    let reference: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .expect("an id list")
+            .iter()
+            .map(|x| x.as_u64().expect("an id") as u32)
+            .collect()
+    };
+    let prompts = reference["prompts"]
+        .as_array()
+        .expect("prompts")
+        .iter()
+        .map(|p| SmolPrompt {
+            name: p["name"].as_str().expect("a name").to_string(),
+            prompt_ids: ids(&p["prompt_ids"]),
+            generated_ids: ids(&p["generated_ids"]),
+        })
+        .collect();
+    Some((dir.join("SmolLM2-135M-Instruct.Q4_1.gguf"), prompts))
+}
