@@ -42,6 +42,27 @@ pub async fn read_limited(
     Ok(body.freeze())
 }
 
+/// [`read_limited`] within `timeout`: a client that sends its headers and
+/// then trickles the body, or declares a longer `Content-Length` than it
+/// sends, gets a 408 (and its connection closed) once `timeout` has passed
+/// since the handler started reading, instead of holding a connection
+/// forever. The header phase has its own bound (actix-web's client request
+/// timeout).
+pub async fn read_body(
+    req: &HttpRequest,
+    payload: web::Payload,
+    limit: usize,
+    timeout: std::time::Duration,
+) -> Result<web::Bytes, ApiError> {
+    match tokio::time::timeout(timeout, read_limited(req, payload, limit)).await {
+        Ok(body) => body,
+        Err(_) => {
+            tracing::debug!(?timeout, "timed out reading a request body");
+            Err(ApiError::body_timeout(timeout))
+        }
+    }
+}
+
 /// Parses a body that must be a JSON object.
 pub fn parse_object(body: &[u8]) -> Result<Fields, ApiError> {
     let value: Value = serde_json::from_slice(body).map_err(ApiError::malformed_json)?;

@@ -29,7 +29,7 @@
 //!
 //! # Routes
 //! `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE with
-//! `stream: true`), `GET /v1/models`, `GET /health` (503 while loading or
+//! `stream: true`), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (503 while loading or
 //! shutting down), `GET /metrics` (Prometheus text); any other path or
 //! method is a 404.
 //! `/v1/*` routes require the API key when one is set. Errors are
@@ -53,6 +53,7 @@
 //! - [`openai_types`]: response shapes; [`sse`]: the streaming body.
 //! - [`chat_template`]: minijinja rendering of the model's chat template.
 //! - [`metrics`]: Prometheus text rendering.
+//! - [`logging`]: the binary's log (text or JSON; client faults at DEBUG).
 //! - [`load`]: what the binary serves (a model folder or the embedded
 //!   model) on the requested device and dtype, with its tokenizer, chat
 //!   template and draft head, as an [`Engine`](crate::engine::Engine).
@@ -63,6 +64,7 @@ pub mod body;
 pub mod chat_template;
 pub mod errors;
 pub mod load;
+pub mod logging;
 pub mod metrics;
 pub mod mtp;
 pub mod openai_types;
@@ -72,6 +74,9 @@ pub mod routes_completions;
 pub mod routes_misc;
 pub mod sse;
 pub mod state;
+
+#[cfg(test)]
+mod fuzz_tests;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -107,6 +112,9 @@ pub struct ListenConfig {
     pub workers: usize,
     /// Upper bound on waiting for open connections at shutdown.
     pub shutdown_timeout: Duration,
+    /// Longest time to receive a request's headers (a 408 above). The body
+    /// has its own bound, [`HttpConfig::body_timeout`].
+    pub header_timeout: Duration,
 }
 
 impl Default for ListenConfig {
@@ -116,6 +124,7 @@ impl Default for ListenConfig {
             port: 8080,
             workers: 2,
             shutdown_timeout: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -136,6 +145,7 @@ pub fn configure(
                 web::post().to(routes_chat::chat_completions),
             )
             .route("/v1/models", web::get().to(routes_misc::models))
+            .route("/v1/models/{id:.+}", web::get().to(routes_misc::model))
             .route("/health", web::get().to(routes_misc::health))
             .route("/metrics", web::get().to(routes_misc::metrics))
             .default_service(web::to(routes_misc::not_found));
@@ -151,6 +161,14 @@ pub fn bind(state: Arc<AppState>, listen: &ListenConfig) -> std::io::Result<(Ser
     let server = HttpServer::new(move || App::new().configure(routes.clone()))
         .workers(listen.workers.max(1))
         .disable_signals()
+        // A client that closes its connection (FIN) while it waits for a
+        // whole (non-streaming) answer has gone: drop the connection, and with
+        // it the handler and its `EventStream`, which cancels the request at
+        // the next step. Half-closing clients are not worth the abandoned
+        // sequences that allowing them costs (the default keeps them
+        // generating to `max_tokens` for nobody).
+        .h1_allow_half_closed(false)
+        .client_request_timeout(listen.header_timeout)
         .shutdown_timeout(listen.shutdown_timeout.as_secs().max(1))
         .bind((listen.host.as_str(), listen.port))?;
     let addr = server
