@@ -14,7 +14,7 @@ use std::sync::Arc;
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::Value;
 
-use super::body::{describe, json_kind, parse_object, read_body, Fields};
+use super::body::{describe, json_kind, parse_object, read_body, respond, Fields};
 use super::chat_template::ChatMessage;
 use super::errors::ApiError;
 use super::openai_types::{
@@ -33,16 +33,16 @@ const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 /// The route handler.
 pub async fn chat_completions(
     req: HttpRequest,
-    payload: web::Payload,
+    mut payload: web::Payload,
     state: web::Data<AppState>,
 ) -> HttpResponse {
-    let result = handle(&req, payload, &state).await;
-    count(&state, ROUTE_CHAT, result)
+    let result = handle(&req, &mut payload, &state).await;
+    respond(count(&state, ROUTE_CHAT, result), payload)
 }
 
 async fn handle(
     req: &HttpRequest,
-    payload: web::Payload,
+    payload: &mut web::Payload,
     state: &AppState,
 ) -> Result<HttpResponse, ApiError> {
     state.authorize(req)?;

@@ -10,7 +10,7 @@
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::Value;
 
-use super::body::{describe, parse_object, read_body, Fields};
+use super::body::{describe, parse_object, read_body, respond, Fields};
 use super::errors::ApiError;
 use super::openai_types::{
     finish_reason, unix_now, CompletionChoice, CompletionLogprobs, CompletionResponse, UsageJson,
@@ -28,16 +28,16 @@ pub const DEFAULT_MAX_TOKENS: usize = 16;
 /// The route handler.
 pub async fn completions(
     req: HttpRequest,
-    payload: web::Payload,
+    mut payload: web::Payload,
     state: web::Data<AppState>,
 ) -> HttpResponse {
-    let result = handle(&req, payload, &state).await;
-    count(&state, ROUTE_COMPLETIONS, result)
+    let result = handle(&req, &mut payload, &state).await;
+    respond(count(&state, ROUTE_COMPLETIONS, result), payload)
 }
 
 async fn handle(
     req: &HttpRequest,
-    payload: web::Payload,
+    payload: &mut web::Payload,
     state: &AppState,
 ) -> Result<HttpResponse, ApiError> {
     state.authorize(req)?;
