@@ -56,6 +56,12 @@ impl ApiError {
         }
     }
 
+    /// An error answered for the HTTP framework (a malformed or slow
+    /// request head: see [`conn`](super::conn)).
+    pub fn framework(status: StatusCode, code: &'static str, message: &str) -> Self {
+        Self::new(status, code, message)
+    }
+
     /// 400: `field` has a wrong type or an out-of-range value.
     pub fn invalid_field(field: impl Into<String>, reason: impl std::fmt::Display) -> Self {
         let field = field.into();

@@ -53,6 +53,8 @@
 //! - [`openai_types`]: response shapes; [`sse`]: the streaming body.
 //! - [`chat_template`]: minijinja rendering of the model's chat template.
 //! - [`metrics`]: Prometheus text rendering.
+//! - [`conn`]: the connection wrapper that gives the framework's own
+//!   400/408/431 answers a JSON body.
 //! - [`logging`]: the binary's log (text or JSON; client faults at DEBUG).
 //! - [`load`]: what the binary serves (a model folder or the embedded
 //!   model) on the requested device and dtype, with its tokenizer, chat
@@ -62,6 +64,7 @@
 
 pub mod body;
 pub mod chat_template;
+pub mod conn;
 pub mod errors;
 pub mod load;
 pub mod logging;
@@ -83,7 +86,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::dev::{Server, ServerHandle};
-use actix_web::{web, App, HttpResponse, HttpServer};
+use actix_web::{web, App, HttpResponse};
 
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use errors::ApiError;
@@ -157,25 +160,43 @@ pub fn configure(
 /// (the real port when `port` was 0). Signals are left to the caller (see
 /// [`ShutdownSignal`]), so that shutdown can drain the scheduler first.
 pub fn bind(state: Arc<AppState>, listen: &ListenConfig) -> std::io::Result<(Server, SocketAddr)> {
+    use actix_service::{fn_service, map_config, IntoServiceFactory, ServiceFactoryExt};
+    let lst = std::net::TcpListener::bind((listen.host.as_str(), listen.port))?;
+    let addr = lst.local_addr()?;
     let routes = configure(state);
-    let server = HttpServer::new(move || App::new().configure(routes.clone()))
+    let (header_timeout, keep_alive) = (listen.header_timeout, Duration::from_secs(5));
+    let server = actix_server::Server::build()
         .workers(listen.workers.max(1))
         .disable_signals()
-        // A client that closes its connection (FIN) while it waits for a
-        // whole (non-streaming) answer has gone: drop the connection, and with
-        // it the handler and its `EventStream`, which cancels the request at
-        // the next step. Half-closing clients are not worth the abandoned
-        // sequences that allowing them costs (the default keeps them
-        // generating to `max_tokens` for nobody).
-        .h1_allow_half_closed(false)
-        .client_request_timeout(listen.header_timeout)
         .shutdown_timeout(listen.shutdown_timeout.as_secs().max(1))
-        .bind((listen.host.as_str(), listen.port))?;
-    let addr = server
-        .addrs()
-        .first()
-        .copied()
-        .ok_or_else(|| std::io::Error::other("the server bound no address"))?;
+        .listen("tandem-http", lst, move || {
+            let routes = routes.clone();
+            let app = App::new().configure(routes).into_factory();
+            let http = actix_http::HttpService::<
+                conn::JsonErrors<actix_web::rt::net::TcpStream>,
+                _,
+                _,
+            >::build()
+            .keep_alive(keep_alive)
+            .client_request_timeout(header_timeout)
+            .client_disconnect_timeout(Duration::from_secs(1))
+            // A client that closes its connection (FIN) while it waits
+            // for a whole (non-streaming) answer has gone: drop the
+            // connection, and with it the handler and its
+            // `EventStream`, which cancels the request at the next step.
+            // Half-closing clients are not worth the abandoned sequences
+            // that allowing them costs (actix's default keeps them
+            // generating to `max_tokens` for nobody).
+            .h1_allow_half_closed(false)
+            .local_addr(addr)
+            .h1(map_config(app, |_| actix_web::dev::AppConfig::default()));
+            fn_service(|io: actix_web::rt::net::TcpStream| async move {
+                let _ = io.set_nodelay(true);
+                let peer = io.peer_addr().ok();
+                Ok::<_, actix_http::error::DispatchError>((conn::JsonErrors::new(io), peer))
+            })
+            .and_then(http)
+        })?;
     Ok((server.run(), addr))
 }
 

@@ -435,3 +435,100 @@ async fn stop_string_usage_agrees_with_logprobs() {
     let joined: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
     assert_eq!(joined, text);
 }
+
+/// Malformed request heads, each on its own connection.
+fn malformed_heads() -> Vec<(&'static str, Vec<u8>)> {
+    let post = |header: &str| {
+        format!("POST /v1/completions HTTP/1.1\r\nHost: t\r\n{header}\r\n\r\n{{}}").into_bytes()
+    };
+    vec![
+        (
+            "invalid Content-Type",
+            post("Content-Type: application/\x01json"),
+        ),
+        ("Content-Length -1", post("Content-Length: -1")),
+        (
+            "Content-Length of 20 digits",
+            post("Content-Length: 99999999999999999999"),
+        ),
+        (
+            "NUL in a header",
+            b"GET /health HTTP/1.1\r\nHost: t\r\nX-A: a\0b\r\n\r\n".to_vec(),
+        ),
+        (
+            "oversized head",
+            format!(
+                "GET /health HTTP/1.1\r\nHost: t\r\nX-Big: {}\r\n\r\n",
+                "a".repeat(200 * 1024)
+            )
+            .into_bytes(),
+        ),
+        (
+            "oversized URI",
+            format!(
+                "GET /{} HTTP/1.1\r\nHost: t\r\n\r\n",
+                "a".repeat(200 * 1024)
+            )
+            .into_bytes(),
+        ),
+        (
+            "garbage request line",
+            b"\x16\x03\x01 hello\r\n\r\n".to_vec(),
+        ),
+    ]
+}
+
+/// Defect 2: malformed heads get OpenAI-shaped JSON 4xx bodies, and the
+/// server's log has no ERROR line for them and no colour codes (stderr is
+/// a file here); `--log-format json` writes JSON lines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_heads_get_json_errors_and_no_error_log() {
+    for format in ["text", "json"] {
+        let log = std::env::temp_dir().join(format!(
+            "tandem-malformed-{}-{format}.log",
+            std::process::id()
+        ));
+        let mut server = BinaryServer::spawn_logging(&["--log-format", format], "info", Some(&log));
+        for (what, head) in malformed_heads() {
+            let (status, _, body, closed) =
+                raw_exchange(server.addr, &head, Duration::from_secs(10));
+            assert!((400..500).contains(&status), "{what}: {status} {body}");
+            let v: Value = serde_json::from_str(&body)
+                .unwrap_or_else(|e| panic!("{what}: a JSON body, got {body:?}: {e}"));
+            assert_eq!(v["error"]["type"], "invalid_request_error", "{what}: {v}");
+            assert!(v["error"]["message"].is_string(), "{what}: {v}");
+            assert!(closed, "{what}: the connection is closed");
+        }
+        // Still serving.
+        let c = client();
+        let (status, v) = post_json(
+            &c,
+            &server.url("/v1/completions"),
+            &json!({"prompt": "x", "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(status, 200, "{v}");
+        drop(c);
+        server.signal("TERM");
+        assert_eq!(
+            server
+                .wait_exit(Duration::from_secs(20))
+                .and_then(|s| s.code()),
+            Some(0)
+        );
+        let text = std::fs::read_to_string(&log).expect("the log");
+        let _ = std::fs::remove_file(&log);
+        assert!(text.contains("ready"), "the log was captured: {text}");
+        assert!(!text.contains('\x1b'), "no ANSI codes: {text:?}");
+        for line in text.lines() {
+            match format {
+                "json" => {
+                    let v: Value = serde_json::from_str(line)
+                        .unwrap_or_else(|e| panic!("a JSON line, got {line:?}: {e}"));
+                    assert_ne!(v["level"], "ERROR", "{line}");
+                }
+                _ => assert!(!line.contains("ERROR"), "{line}"),
+            }
+        }
+    }
+}

@@ -188,7 +188,7 @@ async fn bad_inputs_get_their_status_and_name_the_field() {
             "/v1/chat/completions",
             chat(json!({"tools": [{"type": "function"}]})),
             400,
-            Some("tools"),
+            Some("tools[0].function"),
         ),
     ];
     for (path, body, status, param) in cases {
