@@ -5,7 +5,8 @@
 //! This file: generation (completions, chat, logprobs, stop strings, seeds,
 //! 32 concurrent clients, templates). `limits`: errors, auth, 429/503,
 //! disconnects, metrics, shutdown. `hardening`: what a hostile test found
-//! (issue #20). `binary`: the real `tandem` binary, the
+//! (issue #20). `soak`: a bounded soak with cancellations, malformed
+//! requests and overload. `binary`: the real `tandem` binary, the
 //! official `openai` Python client and a real checkpoint.
 
 mod server_support;
@@ -16,6 +17,8 @@ mod binary;
 mod hardening;
 #[path = "server_support/limits.rs"]
 mod limits;
+#[path = "server_support/soak.rs"]
+mod soak;
 
 use std::time::Duration;
 
