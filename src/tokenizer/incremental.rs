@@ -242,6 +242,26 @@ mod tests {
         assert_eq!(text_delta("", "x"), "x");
     }
 
+    /// Issue #20: a prompt of unknown words only (all `<unk>`, skipped when
+    /// decoding) still makes the first generated word a continuation.
+    #[test]
+    fn a_context_that_decodes_to_nothing_keeps_the_leading_space() {
+        use super::IncrementalDecoder;
+        use crate::tokenizer::word_vocab::{word_level_tokenizer, BOS_ID, FIXED_TOKENS, UNK_ID};
+        let tok = std::sync::Arc::new(word_level_tokenizer(64, 7).unwrap());
+        let word = FIXED_TOKENS as u32 + 3;
+        let own = tok.token_text(word).unwrap();
+        assert!(own.starts_with(' '), "{own:?}");
+        for context in [vec![BOS_ID, UNK_ID, UNK_ID, UNK_ID], vec![UNK_ID], vec![BOS_ID, word]] {
+            let mut d = IncrementalDecoder::with_context(tok.clone(), &context).unwrap();
+            let chunk = d.push(word, ()).unwrap().expect("a whole word");
+            assert_eq!(chunk.text, own, "context {context:?}");
+        }
+        // Without context, a text starts without its space.
+        let mut d = IncrementalDecoder::<()>::new(tok.clone());
+        assert_eq!(d.push(word, ()).unwrap().unwrap().text, own.trim_start());
+    }
+
     #[test]
     fn delta_of_a_rewrite_keeps_everything_after_the_common_prefix() {
         assert_eq!(text_delta("a\u{FFFD}", "aé!"), "é!");
