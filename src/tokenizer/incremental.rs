@@ -252,7 +252,11 @@ mod tests {
         let word = FIXED_TOKENS as u32 + 3;
         let own = tok.token_text(word).unwrap();
         assert!(own.starts_with(' '), "{own:?}");
-        for context in [vec![BOS_ID, UNK_ID, UNK_ID, UNK_ID], vec![UNK_ID], vec![BOS_ID, word]] {
+        for context in [
+            vec![BOS_ID, UNK_ID, UNK_ID, UNK_ID],
+            vec![UNK_ID],
+            vec![BOS_ID, word],
+        ] {
             let mut d = IncrementalDecoder::with_context(tok.clone(), &context).unwrap();
             let chunk = d.push(word, ()).unwrap().expect("a whole word");
             assert_eq!(chunk.text, own, "context {context:?}");

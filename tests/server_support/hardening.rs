@@ -531,3 +531,44 @@ async fn malformed_heads_get_json_errors_and_no_error_log() {
         }
     }
 }
+
+/// A burst into an idle server is admitted up to `max_queue` + the free
+/// slots (those requests take the slots at the next step), and the next
+/// one is a 429 with `Retry-After`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_fills_the_free_slots_and_the_queue() {
+    let s = TestServer::start(Options {
+        sched: SchedulerConfig {
+            max_seqs: 4,
+            max_queue: 2,
+            step_token_budget: 64,
+            max_prefill_chunk: 32,
+        },
+        ..Options::default()
+    });
+    let c = client();
+    let burst = (0..6).map(|i| {
+        s.handle()
+            .generate(GenerateRequest::new(format!("burst {i}"), 900))
+    });
+    let streams: Vec<_> = join_all(burst)
+        .await
+        .into_iter()
+        .map(|r| r.expect("admitted: 4 free slots + a queue of 2"))
+        .collect();
+    let r = c
+        .post(s.url("/v1/completions"))
+        .json(&json!({"prompt": "one too many"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    drop(streams);
+    let m = s
+        .wait_metrics(&c, Duration::from_secs(5), |m| {
+            m.get("tandem_running_sequences") == 0.0 && m.get("tandem_queue_depth") == 0.0
+        })
+        .await;
+    assert_eq!(m.outcome("cancelled"), 6.0);
+}
