@@ -51,6 +51,7 @@ impl WaitingQueue {
     }
 
     /// Appends a request, or refuses it when `limit` requests already wait.
+    #[cfg(test)]
     pub fn push(&mut self, seq: QueuedSeq) -> Result<(), SchedulerError> {
         self.push_with_room(seq, 0)
     }

@@ -14,8 +14,11 @@
 //!   (the binary, or a test) changes the phase: [`AppState::set_ready`] once
 //!   the model is loaded, [`shutdown_gracefully`] on a signal.
 //! - Each generation request owns its [`EventStream`](crate::handle::EventStream).
-//!   A streaming response owns it inside its body, so a client that
-//!   disconnects drops it and the request is cancelled at the next step.
+//!   A streaming response owns it inside its body, a whole (non-streaming)
+//!   one inside the handler that waits for it; a client that disconnects,
+//!   with a FIN or an RST, drops the connection and with it the stream, and
+//!   the request is cancelled at the next step. (HTTP/1 half-closes count
+//!   as disconnects: [`bind`] turns them off.)
 //! - The scheduler and the engine thread are reached only through the
 //!   [`TandemHandle`](crate::TandemHandle) held in the ready state.
 //!
@@ -33,7 +36,17 @@
 //! shutting down), `GET /metrics` (Prometheus text); any other path or
 //! method is a 404.
 //! `/v1/*` routes require the API key when one is set. Errors are
-//! OpenAI-style JSON bodies ([`ApiError`]).
+//! OpenAI-style JSON bodies ([`ApiError`]), the framework's own answers to
+//! malformed or slow request heads included ([`conn`]); a 429 carries
+//! `Retry-After`. A body must arrive within [`HttpConfig::body_timeout`]
+//! (408), a head within [`ListenConfig::header_timeout`].
+//!
+//! # Usage and stop strings
+//! `usage.completion_tokens` counts the tokens of the answer: one per
+//! `logprobs` entry, whose texts concatenate to the answer's text. Tokens a
+//! matched stop string swallowed are in neither (OpenAI-style clients
+//! compare the two); `tandem_generated_tokens_total` counts every token the
+//! model produced.
 //!
 //! # Life cycle
 //! [`bind`] binds the listener and returns the server future (signals are

@@ -87,6 +87,30 @@ fn the_binary_refuses_bad_flags_at_startup() {
             &["serve", "--max-seqs", "128", "--step-tokens", "64"][..],
             "--step-tokens",
         ),
+        (
+            &[
+                "serve",
+                "--embedded",
+                "test",
+                "--port",
+                "0",
+                "--body-timeout",
+                "0",
+            ][..],
+            "--body-timeout",
+        ),
+        (
+            &[
+                "serve",
+                "--embedded",
+                "test",
+                "--port",
+                "0",
+                "--header-timeout",
+                "inf",
+            ][..],
+            "--header-timeout",
+        ),
     ] {
         let (code, stderr) = run_binary(args);
         assert_eq!(code, Some(1), "{args:?}: {stderr}");
