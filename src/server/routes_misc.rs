@@ -28,16 +28,16 @@ pub async fn models(req: HttpRequest, state: web::Data<AppState>) -> HttpRespons
 
 /// `GET /v1/models/{id}`: the model card of the served model (the `openai`
 /// client's `models.retrieve(id)`); a JSON 404 for any other id.
-pub async fn model(
-    req: HttpRequest,
-    id: web::Path<String>,
-    state: web::Data<AppState>,
-) -> HttpResponse {
+pub async fn model(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse {
     let result = (|| {
         state.authorize(&req)?;
         let ready = state.ready()?;
-        if *id != ready.model_name {
-            return Err(ApiError::model_not_found(&id));
+        // Read from the match, not with a `web::Path` extractor, whose
+        // failures (an id that is not UTF-8 once decoded) would be the
+        // framework's plain-text 404 instead of a JSON one.
+        let id = req.match_info().query("id");
+        if id != ready.model_name {
+            return Err(ApiError::model_not_found(id));
         }
         Ok(HttpResponse::Ok().json(model_card(&ready)))
     })();

@@ -255,11 +255,17 @@ async fn a_model_is_retrieved_by_id() {
     assert_eq!(v["object"], "model");
     assert_eq!(v["id"], "tandem-tiny-test");
     assert_eq!(v["owned_by"], "tandem");
-    let r = c.get(s.url("/v1/models/gpt-4")).send().await.unwrap();
-    assert_eq!(r.status(), 404);
-    let v: Value = r.json().await.unwrap();
-    assert_eq!(v["error"]["code"], "model_not_found");
-    assert_eq!(v["error"]["param"], "model");
+    for other in ["gpt-4", "a/b", "%FF%FE"] {
+        let r = c
+            .get(s.url(&format!("/v1/models/{other}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 404, "{other}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "model_not_found", "{other}");
+        assert_eq!(v["error"]["param"], "model");
+    }
 }
 
 /// `Bearer` in any case; several `Authorization` headers are refused.
