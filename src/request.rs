@@ -66,6 +66,8 @@ pub struct RequestActor {
     stopped_by: Option<String>,
     /// A `Cancel` has been sent; events until the terminal one are ignored.
     cancelling: bool,
+    /// Tokens whose payloads reached the sink (see `Finished` below).
+    emitted: usize,
 }
 
 impl RequestActor {
@@ -83,6 +85,7 @@ impl RequestActor {
             id: RequestId(u64::MAX),
             stopped_by: None,
             cancelling: false,
+            emitted: 0,
         }
     }
 
@@ -99,6 +102,7 @@ impl RequestActor {
     /// Sends the chunks of a stream step; notes a stop match.
     fn forward(&mut self, step: StreamStep<TokenInfo>) {
         for chunk in step.chunks {
+            self.emitted += chunk.payloads.len();
             if !self.sink.send(Event::Tokens {
                 id: self.id,
                 text: chunk.text,
@@ -176,7 +180,7 @@ impl Handler<SeqEvent> for RequestActor {
             }
             SeqEvent::Finished {
                 mut reason,
-                usage,
+                mut usage,
                 timings,
                 ..
             } => {
@@ -186,6 +190,14 @@ impl Handler<SeqEvent> for RequestActor {
                 }
                 if self.stopped_by.is_some() {
                     reason = FinishReason::Stop;
+                    // Tokens that a matched stop string swallowed (its own
+                    // and any an MTP step produced past it) are neither
+                    // sent nor counted: `completion_tokens` is the number
+                    // of tokens in the answer, one per logprobs entry, as
+                    // OpenAI-style clients compare them. The scheduler's
+                    // own counters (`tandem_generated_tokens_total`) still
+                    // count every token the model produced.
+                    usage.completion_tokens = usage.completion_tokens.min(self.emitted);
                 }
                 self.sink.send(Event::Finished(Finished {
                     id: self.id,

@@ -30,6 +30,13 @@ def main(base_url, api_key):
     models = client.models.list()
     model = models.data[0].id
     check(model == "tandem-tiny-test", f"model id: {model}")
+    card = client.models.retrieve(model)
+    check(card.id == model and card.object == "model", f"models.retrieve: {card}")
+    try:
+        client.models.retrieve("no-such-model")
+        check(False, "an unknown model must be a 404")
+    except openai.NotFoundError as e:
+        check(e.status_code == 404, f"status {e.status_code}")
 
     # Chat, whole.
     messages = [

@@ -4,15 +4,21 @@
 //!
 //! This file: generation (completions, chat, logprobs, stop strings, seeds,
 //! 32 concurrent clients, templates). `limits`: errors, auth, 429/503,
-//! disconnects, metrics, shutdown. `binary`: the real `tandem` binary, the
+//! disconnects, metrics, shutdown. `hardening`: what a hostile test found
+//! (issue #20). `soak`: a bounded soak with cancellations, malformed
+//! requests and overload. `binary`: the real `tandem` binary, the
 //! official `openai` Python client and a real checkpoint.
 
 mod server_support;
 
 #[path = "server_support/binary.rs"]
 mod binary;
+#[path = "server_support/hardening.rs"]
+mod hardening;
 #[path = "server_support/limits.rs"]
 mod limits;
+#[path = "server_support/soak.rs"]
+mod soak;
 
 use std::time::Duration;
 

@@ -34,6 +34,9 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
     about = "Serve an LLM to many clients at once: one forward pass and one sampler call per step for every active sequence."
 )]
 struct Cli {
+    /// Log line format on stderr: `text` (coloured only on a terminal) or `json` (one object per line).
+    #[arg(long, global = true, default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -156,6 +159,12 @@ struct ServeArgs {
     /// Seconds to let in-flight requests finish after SIGINT/SIGTERM before cancelling them.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
+    /// Seconds a client may take to send a request body once its headers are in (HTTP 408 and the connection closed above).
+    #[arg(long, default_value_t = 30.0)]
+    body_timeout: f64,
+    /// Seconds a client may take to send a request's headers (HTTP 408 above).
+    #[arg(long, default_value_t = 5.0)]
+    header_timeout: f64,
 }
 
 #[derive(Args, Debug)]
@@ -195,13 +204,12 @@ struct GenerateArgs {
 }
 
 fn main() -> ExitCode {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    let format = cli.log_format.parse().unwrap_or_default();
+    if let Err(e) = tandem::server::logging::init(format) {
+        eprintln!("error: setting up the log: {e}");
+        return ExitCode::FAILURE;
+    }
     let system = actix_web::rt::System::new();
     let result = match cli.command {
         Command::Serve(args) => system.block_on(serve(args)),
@@ -307,9 +315,16 @@ async fn serve(args: ServeArgs) -> Result<(), BoxError> {
         .api_key
         .clone()
         .or_else(|| std::env::var("TANDEM_API_KEY").ok());
+    let seconds = |flag: &str, s: f64| -> Result<Duration, BoxError> {
+        Duration::try_from_secs_f64(s)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| format!("{flag}: expected a positive number of seconds, got {s}").into())
+    };
     let state = AppState::new(HttpConfig {
         api_key,
         body_limit: args.body_limit,
+        body_timeout: seconds("--body-timeout", args.body_timeout)?,
     });
     let drain_timeout = Duration::from_secs(args.drain_timeout);
     let listen = ListenConfig {
@@ -317,6 +332,7 @@ async fn serve(args: ServeArgs) -> Result<(), BoxError> {
         port: args.port,
         workers: args.workers,
         shutdown_timeout: drain_timeout + Duration::from_secs(5),
+        header_timeout: seconds("--header-timeout", args.header_timeout)?,
     };
     let (http, addr) = server::bind(state.clone(), &listen)?;
     let http_handle = http.handle();

@@ -51,8 +51,21 @@ impl WaitingQueue {
     }
 
     /// Appends a request, or refuses it when `limit` requests already wait.
+    #[cfg(test)]
     pub fn push(&mut self, seq: QueuedSeq) -> Result<(), SchedulerError> {
-        if self.items.len() >= self.limit {
+        self.push_with_room(seq, 0)
+    }
+
+    /// [`push`](Self::push) when `free_slots` slots are free: requests that
+    /// will take those slots at the next step do not count against the
+    /// limit, so a burst into an idle scheduler is admitted up to
+    /// `limit + free_slots`, not just `limit`.
+    pub fn push_with_room(
+        &mut self,
+        seq: QueuedSeq,
+        free_slots: usize,
+    ) -> Result<(), SchedulerError> {
+        if self.items.len() >= self.limit.saturating_add(free_slots) {
             return Err(SchedulerError::Overloaded {
                 queued: self.items.len(),
                 limit: self.limit,
@@ -106,6 +119,16 @@ pub(crate) mod tests {
             submitted_at: Instant::now(),
             span: tracing::Span::none(),
         }
+    }
+
+    #[test]
+    fn free_slots_add_room() {
+        let mut q = WaitingQueue::new(2);
+        for i in 0..5 {
+            q.push_with_room(queued(i, 1, 1), 3).unwrap();
+        }
+        assert!(q.push_with_room(queued(9, 1, 1), 3).is_err());
+        assert!(q.push(queued(9, 1, 1)).is_err());
     }
 
     #[test]

@@ -135,19 +135,24 @@ impl SchedulerState {
             prompt_len = seq.prompt.len(),
             max_new_tokens = seq.max_new_tokens
         );
-        self.queue.push(QueuedSeq {
-            id,
-            seq,
-            submitted_at: now,
-            span,
-        })?;
+        let free = self.slots.free_count();
+        self.queue.push_with_room(
+            QueuedSeq {
+                id,
+                seq,
+                submitted_at: now,
+                span,
+            },
+            free,
+        )?;
         self.next_id += 1;
         Ok(id)
     }
 
-    /// Whether the waiting queue is at its limit.
+    /// Whether the waiting queue is at its limit (counting the free slots
+    /// its front will take at the next step as room).
     pub fn queue_full(&self) -> bool {
-        self.queue.len() >= self.queue.limit()
+        self.queue.len() >= self.queue.limit() + self.slots.free_count()
     }
 
     /// Drops queued requests whose requester is gone (`live(id)` false), so

@@ -8,7 +8,7 @@
 //! fields are ignored, as OpenAI clients send many the server has no use for
 //! (`user`, `metadata`, `store`, …); `null` counts as absent.
 
-use actix_web::{web, HttpRequest};
+use actix_web::{web, HttpRequest, HttpResponse};
 use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
@@ -20,6 +20,14 @@ use super::errors::ApiError;
 pub async fn read_limited(
     req: &HttpRequest,
     mut payload: web::Payload,
+    limit: usize,
+) -> Result<web::Bytes, ApiError> {
+    read_into(req, &mut payload, limit).await
+}
+
+async fn read_into(
+    req: &HttpRequest,
+    payload: &mut web::Payload,
     limit: usize,
 ) -> Result<web::Bytes, ApiError> {
     let declared = req
@@ -40,6 +48,75 @@ pub async fn read_limited(
         body.extend_from_slice(&chunk);
     }
     Ok(body.freeze())
+}
+
+/// [`read_limited`] within `timeout`: a client that sends its headers and
+/// then trickles the body, or declares a longer `Content-Length` than it
+/// sends, gets a 408 once `timeout` has passed since the handler started
+/// reading, instead of holding a connection forever. The header phase has
+/// its own bound (actix-web's client request timeout). The payload stays
+/// with the caller: pass it to [`respond`] so that the connection is
+/// closed after the 408 rather than drained.
+pub async fn read_body(
+    req: &HttpRequest,
+    payload: &mut web::Payload,
+    limit: usize,
+    timeout: std::time::Duration,
+) -> Result<web::Bytes, ApiError> {
+    match tokio::time::timeout(timeout, read_into(req, payload, limit)).await {
+        Ok(body) => body,
+        Err(_) => {
+            tracing::debug!(?timeout, "timed out reading a request body");
+            Err(ApiError::body_timeout(timeout))
+        }
+    }
+}
+
+/// The response for a request whose body may be unread. A 408 keeps the
+/// request's `payload` alive inside its body until the last byte is
+/// written: actix-http then sees an unread payload that nobody consumes and
+/// closes the connection, where a dropped one would be drained, as long as
+/// a trickling client cares to keep sending.
+pub fn respond(response: HttpResponse, payload: web::Payload) -> HttpResponse {
+    if response.status() != actix_web::http::StatusCode::REQUEST_TIMEOUT {
+        return response;
+    }
+    let (head, body) = response.into_parts();
+    let bytes = actix_web::body::to_bytes_limited(body, usize::MAX);
+    // An ApiError body is bytes already: this resolves at once.
+    let bytes = match futures_util::FutureExt::now_or_never(bytes) {
+        Some(Ok(Ok(b))) => b,
+        _ => web::Bytes::new(),
+    };
+    let mut out = HttpResponse::build(head.status());
+    for (name, value) in head.headers() {
+        out.insert_header((name.clone(), value.clone()));
+    }
+    out.force_close().body(HoldPayload {
+        _payload: payload,
+        body: Some(bytes),
+    })
+}
+
+/// One chunk of body, with the request's payload held until it is sent.
+struct HoldPayload {
+    _payload: web::Payload,
+    body: Option<web::Bytes>,
+}
+
+impl actix_web::body::MessageBody for HoldPayload {
+    type Error = std::convert::Infallible;
+
+    fn size(&self) -> actix_web::body::BodySize {
+        actix_web::body::BodySize::Sized(self.body.as_ref().map_or(0, |b| b.len() as u64))
+    }
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<web::Bytes, Self::Error>>> {
+        std::task::Poll::Ready(self.body.take().map(Ok))
+    }
 }
 
 /// Parses a body that must be a JSON object.

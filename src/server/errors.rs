@@ -15,6 +15,9 @@ use crate::api::TandemError;
 use crate::sampler::SamplerError;
 use crate::scheduler::SchedulerError;
 
+/// The `Retry-After` of a 429, in seconds.
+pub const RETRY_AFTER_SECS: u64 = 1;
+
 /// An error answer of the HTTP API.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
@@ -51,6 +54,12 @@ impl ApiError {
             param: None,
             code,
         }
+    }
+
+    /// An error answered for the HTTP framework (a malformed or slow
+    /// request head: see [`conn`](super::conn)).
+    pub fn framework(status: StatusCode, code: &'static str, message: &str) -> Self {
+        Self::new(status, code, message)
     }
 
     /// 400: `field` has a wrong type or an out-of-range value.
@@ -103,9 +112,24 @@ impl ApiError {
         )
     }
 
+    /// 401 with a specific reason.
+    pub fn unauthorized_because(reason: &str) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "invalid_api_key", reason)
+    }
+
     /// 404: no such route or model.
     pub fn not_found(what: impl std::fmt::Display) -> Self {
         Self::new(StatusCode::NOT_FOUND, "not_found", format!("{what}"))
+    }
+
+    /// 404: no model of that id (OpenAI's `model_not_found`, `param: model`).
+    pub fn model_not_found(id: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("the model `{id}` does not exist"),
+            param: Some("model".into()),
+            code: "model_not_found",
+        }
     }
 
     /// 413: the body is larger than the limit.
@@ -114,6 +138,18 @@ impl ApiError {
             StatusCode::PAYLOAD_TOO_LARGE,
             "payload_too_large",
             format!("the request body is larger than the limit of {limit} bytes"),
+        )
+    }
+
+    /// 408: the body did not arrive within the body timeout.
+    pub fn body_timeout(timeout: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "request_timeout",
+            format!(
+                "the request body did not arrive within {} s",
+                timeout.as_secs_f64()
+            ),
         )
     }
 
@@ -255,9 +291,19 @@ impl ResponseError for ApiError {
     }
 
     fn error_response(&self) -> HttpResponse {
-        HttpResponse::build(self.status)
-            .content_type("application/json")
-            .body(self.body_json())
+        let mut response = HttpResponse::build(self.status);
+        response.content_type("application/json");
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            // The queue drains as fast as sequences finish: a second is the
+            // right order of magnitude, and clients that honour the header
+            // (the `openai` client does) back off instead of hammering.
+            response.insert_header(("retry-after", RETRY_AFTER_SECS.to_string()));
+        }
+        if self.status == StatusCode::REQUEST_TIMEOUT {
+            // The rest of a slow body is not worth waiting for.
+            response.force_close();
+        }
+        response.body(self.body_json())
     }
 }
 

@@ -14,8 +14,11 @@
 //!   (the binary, or a test) changes the phase: [`AppState::set_ready`] once
 //!   the model is loaded, [`shutdown_gracefully`] on a signal.
 //! - Each generation request owns its [`EventStream`](crate::handle::EventStream).
-//!   A streaming response owns it inside its body, so a client that
-//!   disconnects drops it and the request is cancelled at the next step.
+//!   A streaming response owns it inside its body, a whole (non-streaming)
+//!   one inside the handler that waits for it; a client that disconnects,
+//!   with a FIN or an RST, drops the connection and with it the stream, and
+//!   the request is cancelled at the next step. (HTTP/1 half-closes count
+//!   as disconnects: [`bind`] turns them off.)
 //! - The scheduler and the engine thread are reached only through the
 //!   [`TandemHandle`](crate::TandemHandle) held in the ready state.
 //!
@@ -29,11 +32,21 @@
 //!
 //! # Routes
 //! `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE with
-//! `stream: true`), `GET /v1/models`, `GET /health` (503 while loading or
+//! `stream: true`), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (503 while loading or
 //! shutting down), `GET /metrics` (Prometheus text); any other path or
 //! method is a 404.
 //! `/v1/*` routes require the API key when one is set. Errors are
-//! OpenAI-style JSON bodies ([`ApiError`]).
+//! OpenAI-style JSON bodies ([`ApiError`]), the framework's own answers to
+//! malformed or slow request heads included ([`conn`]); a 429 carries
+//! `Retry-After`. A body must arrive within [`HttpConfig::body_timeout`]
+//! (408), a head within [`ListenConfig::header_timeout`].
+//!
+//! # Usage and stop strings
+//! `usage.completion_tokens` counts the tokens of the answer: one per
+//! `logprobs` entry, whose texts concatenate to the answer's text. Tokens a
+//! matched stop string swallowed are in neither (OpenAI-style clients
+//! compare the two); `tandem_generated_tokens_total` counts every token the
+//! model produced.
 //!
 //! # Life cycle
 //! [`bind`] binds the listener and returns the server future (signals are
@@ -53,6 +66,9 @@
 //! - [`openai_types`]: response shapes; [`sse`]: the streaming body.
 //! - [`chat_template`]: minijinja rendering of the model's chat template.
 //! - [`metrics`]: Prometheus text rendering.
+//! - [`conn`]: the connection wrapper that gives the framework's own
+//!   400/408/431 answers a JSON body.
+//! - [`logging`]: the binary's log (text or JSON; client faults at DEBUG).
 //! - [`load`]: what the binary serves (a model folder or the embedded
 //!   model) on the requested device and dtype, with its tokenizer, chat
 //!   template and draft head, as an [`Engine`](crate::engine::Engine).
@@ -61,8 +77,10 @@
 
 pub mod body;
 pub mod chat_template;
+pub mod conn;
 pub mod errors;
 pub mod load;
+pub mod logging;
 pub mod metrics;
 pub mod mtp;
 pub mod openai_types;
@@ -73,12 +91,15 @@ pub mod routes_misc;
 pub mod sse;
 pub mod state;
 
+#[cfg(test)]
+mod fuzz_tests;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::dev::{Server, ServerHandle};
-use actix_web::{web, App, HttpResponse, HttpServer};
+use actix_web::{web, App, HttpResponse};
 
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use errors::ApiError;
@@ -107,6 +128,9 @@ pub struct ListenConfig {
     pub workers: usize,
     /// Upper bound on waiting for open connections at shutdown.
     pub shutdown_timeout: Duration,
+    /// Longest time to receive a request's headers (a 408 above). The body
+    /// has its own bound, [`HttpConfig::body_timeout`].
+    pub header_timeout: Duration,
 }
 
 impl Default for ListenConfig {
@@ -116,6 +140,7 @@ impl Default for ListenConfig {
             port: 8080,
             workers: 2,
             shutdown_timeout: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -136,6 +161,7 @@ pub fn configure(
                 web::post().to(routes_chat::chat_completions),
             )
             .route("/v1/models", web::get().to(routes_misc::models))
+            .route("/v1/models/{id:.+}", web::get().to(routes_misc::model))
             .route("/health", web::get().to(routes_misc::health))
             .route("/metrics", web::get().to(routes_misc::metrics))
             .default_service(web::to(routes_misc::not_found));
@@ -147,17 +173,43 @@ pub fn configure(
 /// (the real port when `port` was 0). Signals are left to the caller (see
 /// [`ShutdownSignal`]), so that shutdown can drain the scheduler first.
 pub fn bind(state: Arc<AppState>, listen: &ListenConfig) -> std::io::Result<(Server, SocketAddr)> {
+    use actix_service::{fn_service, map_config, IntoServiceFactory, ServiceFactoryExt};
+    let lst = std::net::TcpListener::bind((listen.host.as_str(), listen.port))?;
+    let addr = lst.local_addr()?;
     let routes = configure(state);
-    let server = HttpServer::new(move || App::new().configure(routes.clone()))
+    let (header_timeout, keep_alive) = (listen.header_timeout, Duration::from_secs(5));
+    let server = actix_server::Server::build()
         .workers(listen.workers.max(1))
         .disable_signals()
         .shutdown_timeout(listen.shutdown_timeout.as_secs().max(1))
-        .bind((listen.host.as_str(), listen.port))?;
-    let addr = server
-        .addrs()
-        .first()
-        .copied()
-        .ok_or_else(|| std::io::Error::other("the server bound no address"))?;
+        .listen("tandem-http", lst, move || {
+            let routes = routes.clone();
+            let app = App::new().configure(routes).into_factory();
+            let http = actix_http::HttpService::<
+                conn::JsonErrors<actix_web::rt::net::TcpStream>,
+                _,
+                _,
+            >::build()
+            .keep_alive(keep_alive)
+            .client_request_timeout(header_timeout)
+            .client_disconnect_timeout(Duration::from_secs(1))
+            // A client that closes its connection (FIN) while it waits
+            // for a whole (non-streaming) answer has gone: drop the
+            // connection, and with it the handler and its
+            // `EventStream`, which cancels the request at the next step.
+            // Half-closing clients are not worth the abandoned sequences
+            // that allowing them costs (actix's default keeps them
+            // generating to `max_tokens` for nobody).
+            .h1_allow_half_closed(false)
+            .local_addr(addr)
+            .h1(map_config(app, |_| actix_web::dev::AppConfig::default()));
+            fn_service(|io: actix_web::rt::net::TcpStream| async move {
+                let _ = io.set_nodelay(true);
+                let peer = io.peer_addr().ok();
+                Ok::<_, actix_http::error::DispatchError>((conn::JsonErrors::new(io), peer))
+            })
+            .and_then(http)
+        })?;
     Ok((server.run(), addr))
 }
 

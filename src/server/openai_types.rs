@@ -82,23 +82,31 @@ pub struct CompletionLogprobs {
 }
 
 impl CompletionLogprobs {
-    /// Appends the tokens of one text chunk that starts at character
-    /// `chunk_offset` and holds `chunk_chars` characters. Offsets advance by
-    /// each token's text, clamped to the chunk (a chunk's text and its
-    /// tokens' texts differ when a stop string or a partial character is
-    /// held back).
+    /// Appends the tokens of one text chunk (`chunk_text`, starting at
+    /// character `chunk_offset` of the completion). Each token's text is its
+    /// share of the chunk ([`token_texts`]), so the tokens of a whole
+    /// completion concatenate to its text. A chunk without tokens (the
+    /// continuation of text held back for a possible stop string) extends
+    /// the last token's text.
     pub fn extend(
         &mut self,
         tokenizer: &Tokenizer,
         tokens: &[TokenInfo],
         chunk_offset: usize,
-        chunk_chars: usize,
+        chunk_text: &str,
     ) {
+        if tokens.is_empty() {
+            if let Some(last) = self.tokens.last_mut() {
+                last.push_str(chunk_text);
+            }
+            return;
+        }
         let mut offset = chunk_offset;
-        for t in tokens {
-            let text = tokenizer.token_text(t.id).unwrap_or_default();
-            self.text_offset
-                .push(offset.min(chunk_offset + chunk_chars));
+        for (t, text) in tokens
+            .iter()
+            .zip(token_texts(tokenizer, tokens, chunk_text))
+        {
+            self.text_offset.push(offset);
             offset += text.chars().count();
             self.tokens.push(text);
             self.token_logprobs
@@ -111,6 +119,39 @@ impl CompletionLogprobs {
             ));
         }
     }
+}
+
+/// The text each of `tokens` contributes to `chunk_text`, the text they
+/// produced together: the tokens' own texts ([`Tokenizer::token_text`]) when
+/// they concatenate to the chunk, as they do for whole tokens. Otherwise (a
+/// character split over byte tokens, a special token the decoder skips, a
+/// stop string that cut the chunk) each token keeps its own text while the
+/// rest of the chunk starts with it, and gets nothing otherwise; the last
+/// token takes what is left. Either way the texts concatenate to
+/// `chunk_text`, so `"".join(tokens) == text` holds for every tokenizer.
+pub fn token_texts(tokenizer: &Tokenizer, tokens: &[TokenInfo], chunk_text: &str) -> Vec<String> {
+    let own: Vec<String> = tokens
+        .iter()
+        .map(|t| tokenizer.token_text(t.id).unwrap_or_default())
+        .collect();
+    if own.concat() == chunk_text {
+        return own;
+    }
+    let mut rest = chunk_text;
+    let n = own.len();
+    own.into_iter()
+        .enumerate()
+        .map(|(i, text)| {
+            if i + 1 == n {
+                std::mem::take(&mut rest).to_owned()
+            } else if !text.is_empty() && rest.starts_with(&text) {
+                rest = &rest[text.len()..];
+                text
+            } else {
+                String::new()
+            }
+        })
+        .collect()
 }
 
 /// One alternative of a chat token.
@@ -138,10 +179,21 @@ pub struct ChatLogprobs {
 }
 
 impl ChatLogprobs {
-    /// Appends the tokens of one chunk.
-    pub fn extend(&mut self, tokenizer: &Tokenizer, tokens: &[TokenInfo]) {
-        for t in tokens {
-            let token = tokenizer.token_text(t.id).unwrap_or_default();
+    /// Appends the tokens of one chunk of text `chunk_text`; their `token`s
+    /// are their shares of it ([`token_texts`]). A chunk without tokens
+    /// extends the last token.
+    pub fn extend(&mut self, tokenizer: &Tokenizer, tokens: &[TokenInfo], chunk_text: &str) {
+        if tokens.is_empty() {
+            if let Some(last) = self.content.last_mut() {
+                last.token.push_str(chunk_text);
+                last.bytes = last.token.as_bytes().to_vec();
+            }
+            return;
+        }
+        for (t, token) in tokens
+            .iter()
+            .zip(token_texts(tokenizer, tokens, chunk_text))
+        {
             self.content.push(ChatTokenLogprob {
                 bytes: token.as_bytes().to_vec(),
                 token,

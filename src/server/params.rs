@@ -63,14 +63,7 @@ impl CommonParams {
                 ));
             }
         }
-        if let Some(Value::Object(bias)) = f.raw("logit_bias") {
-            if !bias.is_empty() {
-                return Err(ApiError::unsupported(
-                    "logit_bias",
-                    "logit bias is not supported",
-                ));
-            }
-        }
+        check_logit_bias(f)?;
         let mut max_tokens = None;
         for name in max_tokens_fields {
             if let Some(n) = f.int_in(name, 1, i64::from(u32::MAX))? {
@@ -159,6 +152,147 @@ fn parse_sampling(f: &Fields) -> Result<SamplingOptions, ApiError> {
         s.repeat_last_n = n as i32;
     }
     Ok(s)
+}
+
+/// Largest magnitude of a `logit_bias` value (OpenAI's range).
+pub const MAX_LOGIT_BIAS: f64 = 100.0;
+
+/// `logit_bias`: an object mapping token ids (as decimal strings) to numbers
+/// in [-100, 100]. Type-checked in full, so a wrong shape is a 400 that
+/// names the entry; a well-typed, non-empty bias is then refused as not
+/// supported yet (it would change the answer if silently ignored). An empty
+/// object is the neutral value and is accepted.
+pub fn check_logit_bias(f: &Fields) -> Result<(), ApiError> {
+    let Some(raw) = f.raw("logit_bias") else {
+        return Ok(());
+    };
+    let Value::Object(bias) = raw else {
+        return Err(ApiError::invalid_field(
+            "logit_bias",
+            format!(
+                "expected an object mapping token ids to numbers, got {}",
+                describe(raw)
+            ),
+        ));
+    };
+    for (key, value) in bias {
+        let field = format!("logit_bias.{key}");
+        if key.is_empty() || !key.bytes().all(|b| b.is_ascii_digit()) || key.parse::<u32>().is_err()
+        {
+            return Err(ApiError::invalid_field(
+                "logit_bias",
+                format!(
+                    "keys must be token ids (decimal integers in [0, {}]), got {key:?}",
+                    u32::MAX
+                ),
+            ));
+        }
+        match value.as_f64() {
+            Some(x) if (-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(&x) => {}
+            Some(x) => {
+                return Err(ApiError::invalid_field(
+                    field,
+                    format!("must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {x}"),
+                ))
+            }
+            None => {
+                return Err(ApiError::invalid_field(
+                    field,
+                    format!("expected a number, got {}", describe(value)),
+                ))
+            }
+        }
+    }
+    if !bias.is_empty() {
+        return Err(ApiError::unsupported(
+            "logit_bias",
+            "logit bias is not supported yet",
+        ));
+    }
+    Ok(())
+}
+
+/// `tools`: a list of `{"type": "function", "function": {"name": …}}`.
+/// Type-checked in full (a wrong shape is a 400 naming the entry); a
+/// well-typed, non-empty list is then refused as not supported yet. An
+/// empty list is accepted. `tool_choice`, when given, must be a string or
+/// an object, and anything but `"none"`/`"auto"` needs tools.
+pub fn check_tools(f: &Fields) -> Result<(), ApiError> {
+    let tools = match f.raw("tools") {
+        None => &Vec::new(),
+        Some(Value::Array(tools)) => tools,
+        Some(other) => {
+            return Err(ApiError::invalid_field(
+                "tools",
+                format!("expected a list of tool objects, got {}", describe(other)),
+            ))
+        }
+    };
+    for (i, tool) in tools.iter().enumerate() {
+        let at = format!("tools[{i}]");
+        let Value::Object(map) = tool else {
+            return Err(ApiError::invalid_field(
+                at,
+                format!("expected an object, got {}", describe(tool)),
+            ));
+        };
+        let tool = Fields::from_map(map.clone());
+        match tool.get_as::<String>("type", &format!("{at}.type"))? {
+            Some(t) if t == "function" => {}
+            Some(t) => {
+                return Err(ApiError::invalid_field(
+                    format!("{at}.type"),
+                    format!("must be `function`, got `{t}`"),
+                ))
+            }
+            None => return Err(ApiError::missing_field(&format!("{at}.type"))),
+        }
+        let function = tool
+            .object("function")
+            .map_err(|_| ApiError::invalid_field(format!("{at}.function"), "expected an object"))?
+            .ok_or_else(|| ApiError::missing_field(&format!("{at}.function")))?;
+        let name_field = format!("{at}.function.name");
+        function
+            .get_as::<String>("name", &name_field)?
+            .ok_or_else(|| ApiError::missing_field(&name_field))?;
+        function.get_as::<String>("description", &format!("{at}.function.description"))?;
+        if let Some(p) = function.raw("parameters") {
+            if !p.is_object() {
+                return Err(ApiError::invalid_field(
+                    format!("{at}.function.parameters"),
+                    format!("expected a JSON Schema object, got {}", describe(p)),
+                ));
+            }
+        }
+    }
+    match f.raw("tool_choice") {
+        None => {}
+        Some(Value::String(c)) if c == "none" || c == "auto" => {}
+        Some(Value::String(c)) if c == "required" && !tools.is_empty() => {}
+        Some(Value::Object(_)) if !tools.is_empty() => {}
+        Some(c @ (Value::String(_) | Value::Object(_))) => {
+            return Err(ApiError::invalid_field(
+                "tool_choice",
+                format!("{} needs a non-empty `tools` list", describe(c)),
+            ))
+        }
+        Some(other) => {
+            return Err(ApiError::invalid_field(
+                "tool_choice",
+                format!(
+                    "expected `none`, `auto`, `required` or an object, got {}",
+                    describe(other)
+                ),
+            ))
+        }
+    }
+    if !tools.is_empty() {
+        return Err(ApiError::unsupported(
+            "tools",
+            "tool calling is not supported yet",
+        ));
+    }
+    Ok(())
 }
 
 /// `stop`: a string or a list of non-empty strings.
@@ -293,5 +427,60 @@ mod tests {
         );
         assert_eq!(param_of(r#"{"model":3}"#), "model");
         assert_eq!(param_of(r#"{"logit_bias":{"5":1}}"#), "logit_bias");
+        for bad in [r#""x""#, "1", "true", "[1]"] {
+            let e = parse(&format!(r#"{{"logit_bias":{bad}}}"#)).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("logit_bias"), "{bad}");
+            assert_eq!(e.code, "invalid_value", "{bad}");
+        }
+        assert_eq!(param_of(r#"{"logit_bias":{"x":1}}"#), "logit_bias");
+        assert_eq!(param_of(r#"{"logit_bias":{"-1":1}}"#), "logit_bias");
+        assert_eq!(param_of(r#"{"logit_bias":{"5":"a"}}"#), "logit_bias.5");
+        assert_eq!(param_of(r#"{"logit_bias":{"5":101}}"#), "logit_bias.5");
+        let e = parse(r#"{"logit_bias":{"5":-100}}"#).unwrap_err();
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            ("unsupported_value", Some("logit_bias"))
+        );
+        assert!(e.message.contains("not supported yet"), "{}", e.message);
+        assert!(parse(r#"{"logit_bias":{}}"#).is_ok());
+    }
+
+    #[test]
+    fn tools_are_type_checked_then_refused() {
+        let tools = |json: &str| {
+            let e = check_tools(&parse_object(json.as_bytes()).unwrap()).unwrap_err();
+            (e.code, e.param.unwrap_or_default())
+        };
+        for bad in ["{}", r#""x""#, "1", "true"] {
+            assert_eq!(
+                tools(&format!(r#"{{"tools":{bad}}}"#)),
+                ("invalid_value", "tools".into()),
+                "{bad}"
+            );
+        }
+        assert_eq!(tools(r#"{"tools":[1]}"#).1, "tools[0]");
+        assert_eq!(
+            tools(r#"{"tools":[{"type":"function"}]}"#).1,
+            "tools[0].function"
+        );
+        assert_eq!(
+            tools(r#"{"tools":[{"type":"x","function":{"name":"f"}}]}"#).1,
+            "tools[0].type"
+        );
+        assert_eq!(
+            tools(r#"{"tools":[{"type":"function","function":{"name":3}}]}"#).1,
+            "tools[0].function.name"
+        );
+        assert_eq!(
+            tools(r#"{"tools":[{"type":"function","function":[]}]}"#).1,
+            "tools[0].function"
+        );
+        assert_eq!(tools(r#"{"tool_choice":"required"}"#).1, "tool_choice");
+        assert_eq!(tools(r#"{"tool_choice":5}"#).1, "tool_choice");
+        let ok = r#"{"tools":[{"type":"function","function":{"name":"f","parameters":{}}}]}"#;
+        assert_eq!(tools(ok), ("unsupported_value", "tools".into()));
+        assert!(
+            check_tools(&parse_object(br#"{"tools":[],"tool_choice":"none"}"#).unwrap()).is_ok()
+        );
     }
 }

@@ -14,14 +14,14 @@ use std::sync::Arc;
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::Value;
 
-use super::body::{describe, json_kind, parse_object, read_limited, Fields};
+use super::body::{describe, json_kind, parse_object, read_body, respond, Fields};
 use super::chat_template::ChatMessage;
 use super::errors::ApiError;
 use super::openai_types::{
     finish_reason, unix_now, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs,
     ChatMessageOut, ChatResponse, UsageJson,
 };
-use super::params::CommonParams;
+use super::params::{check_tools, CommonParams};
 use super::sse::{ChunkFormatter, SseStream};
 use super::state::{AppState, Ready};
 use super::{count, ROUTE_CHAT};
@@ -33,36 +33,34 @@ const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 /// The route handler.
 pub async fn chat_completions(
     req: HttpRequest,
-    payload: web::Payload,
+    mut payload: web::Payload,
     state: web::Data<AppState>,
 ) -> HttpResponse {
-    let result = handle(&req, payload, &state).await;
-    count(&state, ROUTE_CHAT, result)
+    let result = handle(&req, &mut payload, &state).await;
+    respond(count(&state, ROUTE_CHAT, result), payload)
 }
 
 async fn handle(
     req: &HttpRequest,
-    payload: web::Payload,
+    payload: &mut web::Payload,
     state: &AppState,
 ) -> Result<HttpResponse, ApiError> {
     state.authorize(req)?;
     let ready = state.ready()?;
-    let body = read_limited(req, payload, state.config.body_limit).await?;
+    let body = read_body(
+        req,
+        payload,
+        state.config.body_limit,
+        state.config.body_timeout,
+    )
+    .await?;
     let f = parse_object(&body)?;
-    let messages = parse_messages(&f)?;
-    check_unsupported(&f)?;
-    let mut common = CommonParams::parse(&f, &["max_completion_tokens", "max_tokens"])?;
-    let logprobs = f.get::<bool>("logprobs")?.unwrap_or(false);
-    let top = f.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS as i64)?;
-    if top.is_some() && !logprobs {
-        return Err(ApiError::invalid_field(
-            "top_logprobs",
-            "requires `logprobs` to be true",
-        ));
-    }
-    common.sampling.logprobs = logprobs;
-    common.sampling.top_logprobs = top.unwrap_or(0) as usize;
-    let add_generation_prompt = f.get::<bool>("add_generation_prompt")?.unwrap_or(true);
+    let Parsed {
+        messages,
+        common,
+        logprobs,
+        add_generation_prompt,
+    } = parse(&f)?;
     let prompt = ready.template.render(&messages, add_generation_prompt)?;
     let (stream, include_usage) = (common.stream, common.include_usage);
     let request = common.into_request(Prompt::Text(prompt), None);
@@ -88,7 +86,7 @@ async fn handle(
                 text: t, tokens, ..
             } => {
                 if logprobs {
-                    lp.extend(ready.handle.tokenizer(), &tokens);
+                    lp.extend(ready.handle.tokenizer(), &tokens, &t);
                 }
                 text.push_str(&t);
             }
@@ -115,6 +113,41 @@ async fn handle(
         }
     }
     Err(ApiError::internal("the request ended without a result"))
+}
+
+/// A chat body, checked (the prompt is rendered from `messages` later).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Parsed {
+    pub messages: Vec<ChatMessage>,
+    /// The shared fields, with the logprobs options filled in.
+    pub common: CommonParams,
+    pub logprobs: bool,
+    pub add_generation_prompt: bool,
+}
+
+/// Reads and checks every field of a chat body (no I/O: the fuzz tests
+/// drive it directly). Errors are 400s that name the field.
+pub fn parse(f: &Fields) -> Result<Parsed, ApiError> {
+    let messages = parse_messages(f)?;
+    check_unsupported(f)?;
+    let mut common = CommonParams::parse(f, &["max_completion_tokens", "max_tokens"])?;
+    let logprobs = f.get::<bool>("logprobs")?.unwrap_or(false);
+    let top = f.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS as i64)?;
+    if top.is_some() && !logprobs {
+        return Err(ApiError::invalid_field(
+            "top_logprobs",
+            "requires `logprobs` to be true",
+        ));
+    }
+    common.sampling.logprobs = logprobs;
+    common.sampling.top_logprobs = top.unwrap_or(0) as usize;
+    let add_generation_prompt = f.get::<bool>("add_generation_prompt")?.unwrap_or(true);
+    Ok(Parsed {
+        messages,
+        common,
+        logprobs,
+        add_generation_prompt,
+    })
 }
 
 /// The library names the token limit `max_tokens`; a client that sent
@@ -210,14 +243,7 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
 
 /// Fields that would change the answer's meaning if silently ignored.
 fn check_unsupported(f: &Fields) -> Result<(), ApiError> {
-    if let Some(Value::Array(tools)) = f.raw("tools") {
-        if !tools.is_empty() {
-            return Err(ApiError::unsupported(
-                "tools",
-                "tool calling is not supported",
-            ));
-        }
-    }
+    check_tools(f)?;
     if let Some(fmt) = f.object("response_format")? {
         let kind = fmt.get_as::<String>("type", "response_format.type")?;
         if kind.as_deref().is_some_and(|k| k != "text") {
@@ -281,7 +307,7 @@ impl ChunkFormatter for ChatFormat {
         }
         let logprobs = self.logprobs.then(|| {
             let mut lp = ChatLogprobs::default();
-            lp.extend(self.ready.handle.tokenizer(), &tokens);
+            lp.extend(self.ready.handle.tokenizer(), &tokens, &text);
             lp
         });
         let delta = ChatDelta {

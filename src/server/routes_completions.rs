@@ -10,7 +10,7 @@
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::Value;
 
-use super::body::{describe, parse_object, read_limited, Fields};
+use super::body::{describe, parse_object, read_body, respond, Fields};
 use super::errors::ApiError;
 use super::openai_types::{
     finish_reason, unix_now, CompletionChoice, CompletionLogprobs, CompletionResponse, UsageJson,
@@ -28,32 +28,34 @@ pub const DEFAULT_MAX_TOKENS: usize = 16;
 /// The route handler.
 pub async fn completions(
     req: HttpRequest,
-    payload: web::Payload,
+    mut payload: web::Payload,
     state: web::Data<AppState>,
 ) -> HttpResponse {
-    let result = handle(&req, payload, &state).await;
-    count(&state, ROUTE_COMPLETIONS, result)
+    let result = handle(&req, &mut payload, &state).await;
+    respond(count(&state, ROUTE_COMPLETIONS, result), payload)
 }
 
 async fn handle(
     req: &HttpRequest,
-    payload: web::Payload,
+    payload: &mut web::Payload,
     state: &AppState,
 ) -> Result<HttpResponse, ApiError> {
     state.authorize(req)?;
     let ready = state.ready()?;
-    let body = read_limited(req, payload, state.config.body_limit).await?;
+    let body = read_body(
+        req,
+        payload,
+        state.config.body_limit,
+        state.config.body_timeout,
+    )
+    .await?;
     let f = parse_object(&body)?;
-    let prompt = parse_prompt(&f)?;
-    check_unsupported(&f)?;
-    let mut common = CommonParams::parse(&f, &["max_tokens"])?;
-    let logprobs = f.int_in("logprobs", 0, MAX_TOP_LOGPROBS as i64)?;
-    if let Some(n) = logprobs {
-        common.sampling.logprobs = true;
-        common.sampling.top_logprobs = n as usize;
-    }
-    let (stream, include_usage) = (common.stream, common.include_usage);
-    let request = common.into_request(prompt, Some(DEFAULT_MAX_TOKENS));
+    let Parsed {
+        request,
+        logprobs,
+        stream,
+        include_usage,
+    } = parse(&f)?;
     let mut events = ready
         .handle
         .generate(request)
@@ -77,12 +79,7 @@ async fn handle(
                 text: t, tokens, ..
             } => {
                 if format.logprobs {
-                    lp.extend(
-                        ready.handle.tokenizer(),
-                        &tokens,
-                        text.chars().count(),
-                        t.chars().count(),
-                    );
+                    lp.extend(ready.handle.tokenizer(), &tokens, text.chars().count(), &t);
                 }
                 text.push_str(&t);
             }
@@ -100,6 +97,37 @@ async fn handle(
         }
     }
     Err(ApiError::internal("the request ended without a result"))
+}
+
+/// A completions body, checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Parsed {
+    /// The library request.
+    pub request: crate::api::GenerateRequest,
+    /// `logprobs`: how many alternatives, when asked for.
+    pub logprobs: Option<i64>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Reads and checks every field of a completions body (no I/O: the fuzz
+/// tests drive it directly). Errors are 400s that name the field.
+pub fn parse(f: &Fields) -> Result<Parsed, ApiError> {
+    let prompt = parse_prompt(f)?;
+    check_unsupported(f)?;
+    let mut common = CommonParams::parse(f, &["max_tokens"])?;
+    let logprobs = f.int_in("logprobs", 0, MAX_TOP_LOGPROBS as i64)?;
+    if let Some(n) = logprobs {
+        common.sampling.logprobs = true;
+        common.sampling.top_logprobs = n as usize;
+    }
+    let (stream, include_usage) = (common.stream, common.include_usage);
+    Ok(Parsed {
+        request: common.into_request(prompt, Some(DEFAULT_MAX_TOKENS)),
+        logprobs,
+        stream,
+        include_usage,
+    })
 }
 
 /// `prompt`: a string or token ids, alone or as a one-element list.
@@ -213,7 +241,7 @@ impl ChunkFormatter for CompletionFormat {
         let chars = text.chars().count();
         let logprobs = self.logprobs.then(|| {
             let mut lp = CompletionLogprobs::default();
-            lp.extend(self.ready.handle.tokenizer(), &tokens, self.offset, chars);
+            lp.extend(self.ready.handle.tokenizer(), &tokens, self.offset, &text);
             lp
         });
         self.offset += chars;

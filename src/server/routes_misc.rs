@@ -1,4 +1,4 @@
-//! The small routes: `GET /v1/models`, `GET /health`, `GET /metrics`, and the
+//! The small routes: `GET /v1/models` (and `/v1/models/{id}`), `GET /health`, `GET /metrics`, and the
 //! JSON 404 for everything else.
 //!
 //! `/health` and `/metrics` need no API key (probes and scrapers rarely
@@ -10,7 +10,7 @@ use serde_json::json;
 use super::errors::ApiError;
 use super::metrics;
 use super::openai_types::{ModelCard, ModelList};
-use super::state::AppState;
+use super::state::{AppState, Ready};
 use super::{count, ROUTE_HEALTH, ROUTE_METRICS, ROUTE_MODELS, ROUTE_OTHER};
 
 /// `GET /v1/models`: the one model this server serves.
@@ -18,19 +18,40 @@ pub async fn models(req: HttpRequest, state: web::Data<AppState>) -> HttpRespons
     let result = (|| {
         state.authorize(&req)?;
         let ready = state.ready()?;
-        let card = ModelCard {
-            id: ready.model_name.clone(),
-            object: "model",
-            created: ready.created,
-            owned_by: "tandem",
-            max_model_len: ready.handle.info().context_len,
-        };
         Ok(HttpResponse::Ok().json(ModelList {
             object: "list",
-            data: vec![card],
+            data: vec![model_card(&ready)],
         }))
     })();
     count(&state, ROUTE_MODELS, result)
+}
+
+/// `GET /v1/models/{id}`: the model card of the served model (the `openai`
+/// client's `models.retrieve(id)`); a JSON 404 for any other id.
+pub async fn model(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse {
+    let result = (|| {
+        state.authorize(&req)?;
+        let ready = state.ready()?;
+        // Read from the match, not with a `web::Path` extractor, whose
+        // failures (an id that is not UTF-8 once decoded) would be the
+        // framework's plain-text 404 instead of a JSON one.
+        let id = req.match_info().query("id");
+        if id != ready.model_name {
+            return Err(ApiError::model_not_found(id));
+        }
+        Ok(HttpResponse::Ok().json(model_card(&ready)))
+    })();
+    count(&state, ROUTE_MODELS, result)
+}
+
+fn model_card(ready: &Ready) -> ModelCard {
+    ModelCard {
+        id: ready.model_name.clone(),
+        object: "model",
+        created: ready.created,
+        owned_by: "tandem",
+        max_model_len: ready.handle.info().context_len,
+    }
 }
 
 /// `GET /health`: 200 `{"status":"ready"}` once the model is loaded; 503

@@ -5,7 +5,8 @@
 //! [`SseStream`] owns the request's `EventStream`. actix-web drops the body
 //! stream when the client disconnects, which drops the `EventStream`, which
 //! cancels the request: the slot is released at the next step boundary.
-//! Nothing else is needed for disconnect handling.
+//! Nothing else is needed for disconnect handling. (Whole answers rely on
+//! the same drop: see the server's module docs.)
 //!
 //! Events that are already waiting are written as one body chunk (one
 //! socket write), so a slow consumer of many small chunks costs fewer

@@ -12,6 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
 
 use actix_web::http::header::AUTHORIZATION;
 use actix_web::HttpRequest;
@@ -28,13 +29,20 @@ pub struct HttpConfig {
     pub api_key: Option<String>,
     /// Largest accepted request body in bytes (413 above).
     pub body_limit: usize,
+    /// Longest time to receive a request body once its headers are in
+    /// (408 above, and the connection is closed).
+    pub body_timeout: Duration,
 }
+
+/// Default of [`HttpConfig::body_timeout`].
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl Default for HttpConfig {
     fn default() -> Self {
         Self {
             api_key: None,
             body_limit: 4 * 1024 * 1024,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
         }
     }
 }
@@ -138,16 +146,23 @@ impl AppState {
     }
 
     /// Checks the bearer key when one is configured (401 otherwise).
+    ///
+    /// The scheme is matched case-insensitively (`bearer`, `BEARER`: RFC
+    /// 7235 §2.1), the key exactly and in constant time. A request with
+    /// several `Authorization` headers is refused: which one a proxy in
+    /// front and this server each look at must not be a matter of luck.
     pub fn authorize(&self, req: &HttpRequest) -> Result<(), ApiError> {
         let Some(key) = &self.config.api_key else {
             return Ok(());
         };
-        let given = req
-            .headers()
-            .get(AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
+        let mut headers = req.headers().get_all(AUTHORIZATION);
+        let first = headers.next();
+        if headers.next().is_some() {
+            return Err(ApiError::unauthorized_because(
+                "several `Authorization` headers: send exactly one",
+            ));
+        }
+        let given = first.and_then(|v| v.to_str().ok()).and_then(bearer_token);
         match given {
             Some(given) if constant_time_eq(given.as_bytes(), key.as_bytes()) => Ok(()),
             _ => Err(ApiError::unauthorized()),
@@ -167,6 +182,17 @@ impl AppState {
             .unwrap_or_else(|p| p.into_inner())
             .clone()
     }
+}
+
+/// The credentials of a `Bearer` authorization value; the scheme is
+/// case-insensitive and may be followed by any amount of spaces or tabs.
+fn bearer_token(value: &str) -> Option<&str> {
+    let value = value.trim();
+    let (scheme, rest) = value.split_at_checked(6)?;
+    if !scheme.eq_ignore_ascii_case("bearer") || !rest.starts_with([' ', '\t']) {
+        return None;
+    }
+    Some(rest.trim_start_matches([' ', '\t']))
 }
 
 /// Compares two keys in time independent of where they first differ, so a
@@ -209,6 +235,17 @@ mod tests {
                 .to_http_request()
         };
         assert!(locked.authorize(&with("Bearer k1")).is_ok());
+        assert!(locked.authorize(&with("bearer k1")).is_ok());
+        assert!(locked.authorize(&with("BEARER \t k1 ")).is_ok());
+        assert!(locked.authorize(&with("Bearerk1")).is_err());
+        assert!(locked.authorize(&with("Basic k1")).is_err());
+        let twice = TestRequest::default()
+            .append_header((AUTHORIZATION, "Bearer k1"))
+            .append_header((AUTHORIZATION, "Bearer k1"))
+            .to_http_request();
+        let e = locked.authorize(&twice).unwrap_err();
+        assert_eq!(e.status, 401);
+        assert!(e.message.contains("several"), "{}", e.message);
         assert_eq!(
             locked.authorize(&with("Bearer k2")).unwrap_err().status,
             401

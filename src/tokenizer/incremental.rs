@@ -98,10 +98,21 @@ impl<T> IncrementalDecoder<T> {
     ) -> Result<Self, TokenizerError> {
         tokenizer.check_ids(context, "IncrementalDecoder::with_context")?;
         let tail = &context[context.len().saturating_sub(CONTEXT_TOKENS)..];
+        let mut window = tail.to_vec();
+        // A context whose tokens all decode to nothing (unknown words that
+        // became `<unk>`, skipped as a special token) would make the first
+        // generated token decode as the start of a text and lose its
+        // leading space, though it follows the prompt. Such a context gets a
+        // plain token in front that stands for the prompt's text.
+        if !tail.is_empty() && tokenizer.decode(tail)?.is_empty() {
+            if let Some(anchor) = anchor_id(&tokenizer) {
+                window.insert(0, anchor);
+            }
+        }
         let mut decoder = Self::new(tokenizer);
-        decoder.window.extend_from_slice(tail);
-        decoder.read_offset = tail.len();
-        decoder.prefix_stale = !tail.is_empty();
+        decoder.read_offset = window.len();
+        decoder.prefix_stale = !window.is_empty();
+        decoder.window = window;
         Ok(decoder)
     }
 
@@ -182,6 +193,21 @@ impl<T> std::fmt::Debug for IncrementalDecoder<T> {
     }
 }
 
+/// Ids searched for an anchor by [`anchor_id`].
+const ANCHOR_SEARCH: u32 = 4096;
+
+/// A token that decodes, alone, to plain visible text (no space, no
+/// U+FFFD): the first such id. Decoding it before a token makes that token
+/// decode as a continuation, as after any text.
+fn anchor_id(tokenizer: &Tokenizer) -> Option<u32> {
+    let n = u32::try_from(tokenizer.vocab_size()).unwrap_or(u32::MAX);
+    (0..n.min(ANCHOR_SEARCH)).find(|&id| {
+        tokenizer
+            .decode(&[id])
+            .is_ok_and(|t| !t.is_empty() && t.chars().all(|c| c.is_alphanumeric()))
+    })
+}
+
 /// The text `text` adds after `prefix`.
 ///
 /// Normally `prefix` is a prefix of `text`. A few decoders are not
@@ -214,6 +240,30 @@ mod tests {
     fn delta_of_an_extension_is_the_suffix() {
         assert_eq!(text_delta("ab", "abcé"), "cé");
         assert_eq!(text_delta("", "x"), "x");
+    }
+
+    /// Issue #20: a prompt of unknown words only (all `<unk>`, skipped when
+    /// decoding) still makes the first generated word a continuation.
+    #[test]
+    fn a_context_that_decodes_to_nothing_keeps_the_leading_space() {
+        use super::IncrementalDecoder;
+        use crate::tokenizer::word_vocab::{word_level_tokenizer, BOS_ID, FIXED_TOKENS, UNK_ID};
+        let tok = std::sync::Arc::new(word_level_tokenizer(64, 7).unwrap());
+        let word = FIXED_TOKENS as u32 + 3;
+        let own = tok.token_text(word).unwrap();
+        assert!(own.starts_with(' '), "{own:?}");
+        for context in [
+            vec![BOS_ID, UNK_ID, UNK_ID, UNK_ID],
+            vec![UNK_ID],
+            vec![BOS_ID, word],
+        ] {
+            let mut d = IncrementalDecoder::with_context(tok.clone(), &context).unwrap();
+            let chunk = d.push(word, ()).unwrap().expect("a whole word");
+            assert_eq!(chunk.text, own, "context {context:?}");
+        }
+        // Without context, a text starts without its space.
+        let mut d = IncrementalDecoder::<()>::new(tok.clone());
+        assert_eq!(d.push(word, ()).unwrap().unwrap().text, own.trim_start());
     }
 
     #[test]

@@ -277,14 +277,24 @@ impl BinaryServer {
     /// Starts `tandem serve --embedded test --port 0 EXTRA…` and waits for
     /// its `ready` line.
     pub fn spawn(extra: &[&str]) -> Self {
+        Self::spawn_logging(extra, "warn", None)
+    }
+
+    /// [`spawn`](Self::spawn) with `RUST_LOG=rust_log` and stderr (the
+    /// log) written to `log` (discarded when `None`).
+    pub fn spawn_logging(extra: &[&str], rust_log: &str, log: Option<&std::path::Path>) -> Self {
         use std::io::BufRead;
         use std::process::{Command, Stdio};
+        let stderr = match log {
+            Some(path) => Stdio::from(std::fs::File::create(path).expect("create the log file")),
+            None => Stdio::null(),
+        };
         let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
             .args(["serve", "--embedded", "test", "--port", "0"])
             .args(extra)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", rust_log)
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .expect("spawn tandem");
         let stdout = child.stdout.take().expect("stdout");
