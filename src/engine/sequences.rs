@@ -382,7 +382,8 @@ mod tests {
             pending_hidden: None,
         };
         // (max_new, already generated, new tokens, context) → (kept, finish)
-        let table: &[(usize, Vec<u32>, Vec<u32>, usize, usize, Option<SeqFinish>)] = &[
+        type Case = (usize, Vec<u32>, Vec<u32>, usize, usize, Option<SeqFinish>);
+        let table: &[Case] = &[
             (10, vec![], vec![5, 6], 100, 2, None),
             (10, vec![], vec![5, 0, 6], 100, 2, Some(SeqFinish::Eos)),
             (3, vec![4], vec![5, 6, 7], 100, 2, Some(SeqFinish::Length)),
