@@ -1,8 +1,8 @@
 //! [`EngineError`] and the conversions from the stores' own errors.
 
-use super::SlotId;
 use crate::kv::KvError;
 use crate::model::ModelError;
+use crate::slot::SlotId;
 
 /// Why the engine could not serve a sequence. Cloneable so that one failed
 /// forward pass can report the same error to every affected requester.
