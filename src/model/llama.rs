@@ -201,14 +201,22 @@ impl Model {
 
     /// Embeddings of `ids`: `[n, hidden]`.
     pub fn token_embeddings(&self, ids: &[u32]) -> Result<Tensor, ModelError> {
-        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-            return Err(ModelError::InvalidBatch(format!(
-                "token id {bad} is outside the vocabulary of {}",
-                self.cfg.vocab_size
-            )));
-        }
+        self.check_tokens(ids)?;
         let ids = Tensor::new(ids, &self.device)?;
         Ok(self.weights.embed.index_select(&ids, 0)?)
+    }
+
+    /// Token ids must index the embedding table. Requests are checked at
+    /// the edge (`scheduler::validate`); this guards the model's own
+    /// callers (tools, tests, draft heads) against an out-of-bounds lookup.
+    fn check_tokens(&self, ids: &[u32]) -> Result<(), ModelError> {
+        match ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            Some(&bad) => Err(ModelError::InvalidBatch(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.cfg.vocab_size
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Final norm and unembedding: `[n, hidden]` → `[n, vocab]` logits (f32).
@@ -235,16 +243,7 @@ impl Model {
         num_layers: usize,
     ) -> Result<Tensor, ModelError> {
         self.check_batch(batch, kv, num_layers)?;
-        if let Some(&bad) = batch
-            .tokens
-            .iter()
-            .find(|&&t| t as usize >= self.cfg.vocab_size)
-        {
-            return Err(ModelError::InvalidBatch(format!(
-                "token id {bad} is outside the vocabulary of {}",
-                self.cfg.vocab_size
-            )));
-        }
+        self.check_tokens(&batch.tokens)?;
         for s in &batch.seqs {
             kv.ensure_room(s.slot, s.len)?;
         }

@@ -389,7 +389,7 @@ impl Sampler {
         Ok(())
     }
 
-    /// The seed's rule: uniform when every registered slot shares the plan
+    /// The dispatch rule: uniform when every registered slot shares the plan
     /// and, if that plan has penalties, the call names every registered
     /// slot in registration order and every ring is full (so pool row i
     /// is logits row i and all of its window is valid).

@@ -123,8 +123,8 @@ pub(crate) fn max(row: &[f32]) -> f32 {
 }
 
 multiversion! {
-    /// Index of the first entry equal to `m` (the seed's argmax tie rule
-    /// when `m` is the row maximum); 0 if there is none.
+    /// Index of the first entry equal to `m`: with `m` the row maximum,
+    /// the argmax with ties broken towards the lowest id. 0 if there is none.
     fn first_index_of(row: &[f32], m: f32) -> usize {
         const BLOCK: usize = 16;
         let mut base = 0;

@@ -76,7 +76,8 @@
 //!
 //! # Logprobs
 //! Computed for every row whenever any *registered* slot asked (compute
-//! for all, like the seed), from the original logits with a stable
+//! for every row, so the result's shape does not depend on which rows
+//! asked), from the original logits with a stable
 //! log-softmax along each row; the top lists hold the largest
 //! `top_logprobs` over registered slots, sorted descending.
 //! [`SampleResult::for_row`] cuts a row down to what its request asked.

@@ -144,7 +144,7 @@ impl SamplingOptions {
         self.temperature == 0.0
     }
 
-    /// The form the sampler stores (seed semantics): a repeat penalty ≤ 0
+    /// The form the sampler stores: a repeat penalty ≤ 0
     /// becomes the neutral 1, `repeat_last_n == -1` becomes `num_ctx`, and
     /// the window is zeroed when no penalty is active, so slots that differ
     /// only in an unused window still share the uniform path and do not

@@ -1,7 +1,7 @@
 //! The per-row transform chain: what one row of logits becomes before a
 //! token is drawn from it.
 //!
-//! Order (seed semantics): penalties → (top-p with top-k folded into the
+//! Order (Ollama's sampler's, which Tandem's reproduces): penalties → (top-p with top-k folded into the
 //! same pass | top-k alone) → min-p → greedy argmax, or temperature and a
 //! categorical draw. Top-p and min-p judge the penalised scores at
 //! temperature 1; the temperature only shapes the final draw.
@@ -139,7 +139,7 @@ enum Outcome {
 }
 
 /// Applies repeat / presence penalties once per distinct window token and
-/// the frequency penalty once per occurrence (seed semantics). `raw_max`
+/// the frequency penalty once per occurrence of it in the window. `raw_max`
 /// is the row's maximum before; returns the maximum after, rescanning the
 /// row only when a penalised token held the old maximum (otherwise some
 /// untouched token still does).
