@@ -16,8 +16,9 @@
 //!
 //! Run: `cargo bench --bench forward`. Environment:
 //! - `TANDEM_BENCH_BATCHES=1,4,16,64` batch sizes;
-//! - `TANDEM_BENCH_FORMATS=f32,f16,q8_0` weight formats (also `q4_k`, and
-//!   `candle-f32` / `candle-f16` for the candle-op reference path);
+//! - `TANDEM_BENCH_FORMATS=f32,f16,q8_0` weight formats (also `q4_k`,
+//!   `as-stored` — a GGUF's own quantised blocks — and `candle-f32` /
+//!   `candle-f16` for the candle-op reference path);
 //! - `TANDEM_BENCH_REPS=3`, `TANDEM_BENCH_STEPS=128`;
 //! - `TANDEM_BENCH_THREADS=N` caps the lean kernels' threads;
 //! - `TANDEM_BENCH_PROFILE=1` adds a per-phase breakdown of one more
@@ -27,8 +28,9 @@
 //!   its greedy ids on the host, as in serving), and times one sampler
 //!   call per batch size with top-p and penalties on the device against
 //!   the same call after copying the logits to the host;
-//! - `TANDEM_BENCH_MODEL=DIR` benchmarks a Hugging Face model directory's
-//!   own config and weights instead of the random llama-100m;
+//! - `TANDEM_BENCH_MODEL=DIR` (or `FILE.gguf`) benchmarks a Hugging Face
+//!   model directory's (or a GGUF file's) own config and weights instead
+//!   of the random llama-100m;
 //! - `TANDEM_BENCH_AGREEMENT=1` adds, for each non-f32 format, the greedy
 //!   agreement with f32 over 64-token continuations of 8 prompts (fraction
 //!   of identical tokens position by position, and the mean length of the
@@ -102,6 +104,7 @@ struct Config {
 fn load(name: &str, weights: &Weights, cfg: &ModelConfig, device: &Device) -> Config {
     let (dtype, format, lean) = match name {
         "f32" => (DType::F32, WeightFormat::AsCompute, true),
+        "as-stored" => (DType::F32, WeightFormat::AsStored, true),
         "f16" => (DType::F16, WeightFormat::AsCompute, true),
         "bf16" => (DType::BF16, WeightFormat::AsCompute, true),
         "q8_0" => (DType::F32, WeightFormat::Q8_0, true),
@@ -452,6 +455,15 @@ fn main() {
 
     let device = bench_device();
     let (cfg, weights, what) = match std::env::var("TANDEM_BENCH_MODEL") {
+        Ok(path) if path.ends_with(".gguf") => {
+            use tandem::gguf::{config_from_gguf, tensors, GgufFile};
+            let file =
+                GgufFile::open(std::path::Path::new(&path)).expect("TANDEM_BENCH_MODEL: GGUF");
+            let cfg = config_from_gguf(&file).expect("TANDEM_BENCH_MODEL: GGUF metadata");
+            let (weights, _) = tensors::hf_weights(&file, &cfg, tensors::Blocks::Keep)
+                .expect("TANDEM_BENCH_MODEL: GGUF weights");
+            (cfg, weights, path)
+        }
         Ok(dir) => {
             let dir = std::path::Path::new(&dir);
             let cfg = ModelConfig::from_dir(dir).expect("TANDEM_BENCH_MODEL: config.json");
