@@ -24,6 +24,30 @@ fn start(config: SchedulerConfig, kv: usize) -> TandemHandle {
     TandemHandle::start(engine, tokenizer, config).unwrap()
 }
 
+/// The test model with a perfect draft (early exit after its last layer)
+/// that drafts at any batch size.
+fn perfect_drafter(kv: usize) -> (Engine, tandem::tokenizer::Tokenizer) {
+    use tandem::engine::{EarlyExitDraft, SpecConfig};
+    let (model, tokenizer) = tiny_model_cpu(TinyPreset::Test).unwrap();
+    let layers = model.config().num_layers;
+    let engine = Engine::new(
+        model,
+        EngineConfig {
+            kv_capacity_tokens: kv,
+            model_name: "test".into(),
+            eos_ids: vec![],
+        },
+    )
+    .with_draft(
+        Box::new(EarlyExitDraft { layers }),
+        SpecConfig {
+            max_batch: 64,
+            ..Default::default()
+        },
+    );
+    (engine, tokenizer)
+}
+
 fn prompt(i: usize, len: usize) -> Prompt {
     Prompt::Tokens(
         std::iter::once(1)
@@ -422,24 +446,8 @@ async fn events_arrive_once_in_order_under_random_cancellation() {
 
 #[actix::test]
 async fn stop_strings_inside_an_accepted_draft_run_stop_exactly() {
-    use tandem::engine::{EarlyExitDraft, SpecConfig, SpecOptions};
-    let (model, tokenizer) = tiny_model_cpu(TinyPreset::Test).unwrap();
-    let layers = model.config().num_layers;
-    let engine = Engine::new(
-        model,
-        EngineConfig {
-            kv_capacity_tokens: 4096,
-            model_name: "test".into(),
-            eos_ids: vec![],
-        },
-    )
-    .with_draft(
-        Box::new(EarlyExitDraft { layers }),
-        SpecConfig {
-            max_batch: 64,
-            ..Default::default()
-        },
-    );
+    use tandem::engine::SpecOptions;
+    let (engine, tokenizer) = perfect_drafter(4096);
     let handle = TandemHandle::start(engine, tokenizer, SchedulerConfig::default()).unwrap();
     let spec = SpecOptions::constant(6);
     let base = GenerateRequest::new(prompt(7, 5), 40).with_mtp(spec);
@@ -504,24 +512,8 @@ impl tandem::engine::StepExecutor for BudgetProbe {
 
 #[actix::test]
 async fn drafts_never_take_a_step_past_its_token_budget() {
-    use tandem::engine::{EarlyExitDraft, SpecConfig, SpecOptions};
-    let (model, tokenizer) = tiny_model_cpu(TinyPreset::Test).unwrap();
-    let layers = model.config().num_layers;
-    let engine = Engine::new(
-        model,
-        EngineConfig {
-            kv_capacity_tokens: 1 << 16,
-            model_name: "test".into(),
-            eos_ids: vec![],
-        },
-    )
-    .with_draft(
-        Box::new(EarlyExitDraft { layers }),
-        SpecConfig {
-            max_batch: 64,
-            ..Default::default()
-        },
-    );
+    use tandem::engine::SpecOptions;
+    let (engine, tokenizer) = perfect_drafter(1 << 16);
     let widest = std::sync::Arc::new(std::sync::Mutex::new((0, 0, 0)));
     let probe = BudgetProbe {
         engine,

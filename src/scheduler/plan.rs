@@ -438,6 +438,15 @@ mod tests {
         assert!(plan(&mut q, &mut t, 1).is_empty());
     }
 
+    /// Limits of an engine with a draft head.
+    fn drafting_limits(step_token_budget: usize, max_prefill_chunk: usize) -> PlanLimits {
+        PlanLimits {
+            step_token_budget,
+            max_prefill_chunk,
+            speculation: Some(SpecOptions::default()),
+        }
+    }
+
     /// A queued request that may draft (`seed`: sampled and seeded, so pinned).
     fn drafting(id: u64, prompt_len: usize, max_draft: usize, seed: Option<u64>) -> QueuedSeq {
         let mut q = queued(id, prompt_len, 100);
@@ -454,11 +463,7 @@ mod tests {
 
     #[test]
     fn drafts_stay_inside_the_token_budget() {
-        let limits = PlanLimits {
-            step_token_budget: 40,
-            max_prefill_chunk: 16,
-            speculation: Some(SpecOptions::default()),
-        };
+        let limits = drafting_limits(40, 16);
         let mut q = WaitingQueue::new(64);
         let mut t = SlotTable::new(16, 100_000);
         // Pinned (seeded) and unpinned drafters, and a few plain requests.
@@ -497,11 +502,7 @@ mod tests {
 
     #[test]
     fn drafts_use_what_prefill_leaves() {
-        let limits = PlanLimits {
-            step_token_budget: 20,
-            max_prefill_chunk: 16,
-            speculation: Some(SpecOptions::default()),
-        };
+        let limits = drafting_limits(20, 16);
         let mut q = WaitingQueue::new(8);
         let mut t = SlotTable::new(8, 10_000);
         q.push(drafting(1, 2, 8, None)).unwrap();
@@ -538,11 +539,7 @@ mod tests {
 
     #[test]
     fn pinned_drafts_are_reserved_at_admission() {
-        let limits = PlanLimits {
-            step_token_budget: 12,
-            max_prefill_chunk: 8,
-            speculation: Some(SpecOptions::default()),
-        };
+        let limits = drafting_limits(12, 8);
         let mut q = WaitingQueue::new(8);
         let mut t = SlotTable::new(8, 10_000);
         // Two pinned requests reserving 1 + 5 step tokens each fill the budget.

@@ -6,6 +6,15 @@ use std::path::PathBuf;
 
 pub use tandem::testing::shared;
 
+/// A JSON list of token ids.
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("an id list")
+        .iter()
+        .map(|x| x.as_u64().expect("an id") as u32)
+        .collect()
+}
+
 /// stories260k's directory with its reference prompts and greedy
 /// continuations (token ids, from a trusted reference implementation).
 pub struct Stories {
@@ -19,13 +28,6 @@ pub fn stories260k() -> Option<Stories> {
     let dir = shared("models/stories260k")?;
     let text = std::fs::read_to_string(dir.join("reference.json")).expect("reference.json");
     let reference: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .expect("an id list")
-            .iter()
-            .map(|x| x.as_u64().expect("an id") as u32)
-            .collect()
-    };
     let list = reference["prompts"].as_array().expect("prompts");
     Some(Stories {
         prompts: list.iter().map(|p| ids(&p["prompt_ids"])).collect(),
@@ -47,13 +49,6 @@ pub fn smollm2() -> Option<(PathBuf, Vec<SmolPrompt>)> {
     let dir = shared("models/smollm2-135m-instruct")?;
     let text = std::fs::read_to_string(dir.join("reference.json")).expect("reference.json");
     let reference: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .expect("an id list")
-            .iter()
-            .map(|x| x.as_u64().expect("an id") as u32)
-            .collect()
-    };
     let prompts = reference["prompts"]
         .as_array()
         .expect("prompts")
