@@ -335,7 +335,33 @@ fn random_prompt(rng: &mut u64, vocab: &[String]) -> String {
 /// whole and streamed, and a word after the prompt keeps its space.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completion_text_is_the_concatenation_of_its_tokens() {
-    let s = TestServer::ready();
+    text_is_tokens(&TestServer::ready(), 24).await;
+}
+
+/// The same on the real tokenizers Tandem ships with its references:
+/// stories260k's (SentencePiece-style, byte fallback) and SmolLM2's GGUF
+/// one (byte-level BPE). Skips, saying so, without `../shared`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_text_is_the_concatenation_of_its_tokens_on_real_tokenizers() {
+    for rel in [
+        "models/stories260k",
+        "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ] {
+        let Some(path) = tandem::testing::shared(rel) else {
+            continue;
+        };
+        let s = TestServer::start(Options {
+            model: TestModel::Path(path),
+            ..Options::default()
+        });
+        text_is_tokens(&s, 4).await;
+    }
+}
+
+/// Random prompts (`n` of them, plus the issue's own) through completions,
+/// whole, streamed and through the library: the logprobs tokens join to the
+/// text, their offsets add up, and usage counts them.
+async fn text_is_tokens(s: &TestServer, n: usize) {
     let c = client();
     let tok = s.handle().tokenizer().clone();
     let vocab: Vec<String> = (9..200)
@@ -346,7 +372,7 @@ async fn completion_text_is_the_concatenation_of_its_tokens() {
     let mut rng = 0x9e37_79b9_7f4a_7c15u64;
     // The issue's own example first.
     let mut prompts = vec!["x y 1".to_string()];
-    prompts.extend((0..24).map(|_| random_prompt(&mut rng, &vocab)));
+    prompts.extend((0..n).map(|_| random_prompt(&mut rng, &vocab)));
     for (i, prompt) in prompts.iter().enumerate() {
         let seed = i as u64;
         let body = json!({"prompt": prompt, "max_tokens": 12, "temperature": 1.0, "seed": seed,

@@ -32,6 +32,51 @@ pub struct Options {
     pub ready: bool,
     /// A chat template to give the (template-less) embedded tokenizer.
     pub chat_template: Option<String>,
+    /// What the server serves.
+    pub model: TestModel,
+}
+
+/// The model a test server serves.
+#[derive(Clone, Debug, Default)]
+pub enum TestModel {
+    /// The embedded Test preset.
+    #[default]
+    Tiny,
+    /// A Hugging Face folder or a GGUF file (its quantised weights kept).
+    Path(std::path::PathBuf),
+}
+
+impl TestModel {
+    fn load(&self) -> (tandem::model::Model, tandem::tokenizer::Tokenizer, String) {
+        let path = match self {
+            TestModel::Tiny => {
+                let (m, t) = tiny_model_cpu(TinyPreset::Test).expect("tiny model");
+                return (m, t, TinyPreset::Test.name().into());
+            }
+            TestModel::Path(p) => p,
+        };
+        let opts = tandem::model::LoadOptions {
+            weight_format: tandem::model::WeightFormat::AsStored,
+            ..Default::default()
+        };
+        let name = path.display().to_string();
+        if tandem::gguf::is_gguf_path(path) {
+            let file = tandem::gguf::GgufFile::open(path).expect("GGUF");
+            let tokenizer = tandem::tokenizer::Tokenizer::from_gguf(&file).expect("tokenizer");
+            (
+                tandem::gguf::load_model(&file, &opts).expect("model"),
+                tokenizer,
+                name,
+            )
+        } else {
+            let tokenizer = tandem::tokenizer::Tokenizer::from_dir(path).expect("tokenizer");
+            (
+                tandem::model::Model::from_dir(path, &opts).expect("model"),
+                tokenizer,
+                name,
+            )
+        }
+    }
 }
 
 impl Default for Options {
@@ -41,6 +86,7 @@ impl Default for Options {
             http: HttpConfig::default(),
             ready: true,
             chat_template: None,
+            model: TestModel::Tiny,
         }
     }
 }
@@ -66,7 +112,7 @@ impl TestServer {
                 let state = AppState::new(opts.http.clone());
                 let mut handle = None;
                 if opts.ready {
-                    let (model, tokenizer) = tiny_model_cpu(TinyPreset::Test).expect("tiny model");
+                    let (model, tokenizer, model_name) = opts.model.load();
                     let tokenizer = match opts.chat_template.clone() {
                         Some(t) => tokenizer.with_chat_template(Some(t)),
                         None => tokenizer,
@@ -76,7 +122,7 @@ impl TestServer {
                         model,
                         EngineConfig {
                             kv_capacity_tokens: 256 * 1024,
-                            model_name: TinyPreset::Test.name().into(),
+                            model_name,
                             eos_ids: tokenizer.eos_ids().to_vec(),
                         },
                     );
