@@ -588,7 +588,15 @@ async fn the_binary_serves_the_gguf_with_reference_replies() {
         &std::fs::read_to_string(path.with_file_name("reference.json")).unwrap(),
     )
     .unwrap();
-    let server = BinaryServer::spawn(&["--model", path.to_str().unwrap(), "--kv-tokens", "8192"]);
+    // f32 compute (the file's weights dequantised): the references are float32's.
+    let server = BinaryServer::spawn(&[
+        "--model",
+        path.to_str().unwrap(),
+        "--dtype",
+        "f32",
+        "--kv-tokens",
+        "8192",
+    ]);
     let c = reqwest::Client::new();
     let models: Value = c
         .get(server.url("/v1/models"))
