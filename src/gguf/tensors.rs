@@ -144,7 +144,7 @@ pub enum Blocks {
 /// One weight, as it will be handed to the model.
 enum Loaded {
     Dense(Tensor),
-    Blocks(QTensor),
+    Blocks(Box<QTensor>),
 }
 
 /// Whether `hf` names a weight matrix (what can stay in blocks).
@@ -253,7 +253,10 @@ pub fn hf_weights(
                 Some(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) | None
             );
             if keep == Blocks::Keep && is_blocks && is_matrix(hf) {
-                done.push((hf.clone(), Loaded::Blocks(blocks(file, info, *heads)?)));
+                done.push((
+                    hf.clone(),
+                    Loaded::Blocks(Box::new(blocks(file, info, *heads)?)),
+                ));
                 continue;
             }
             let mut t = dequantize(file, info)?;
@@ -282,7 +285,7 @@ pub fn hf_weights(
                     map.insert(hf, t);
                 }
                 Loaded::Blocks(b) => {
-                    kept.insert(hf, std::sync::Arc::new(b));
+                    kept.insert(hf, std::sync::Arc::new(*b));
                 }
             }
         }
