@@ -101,23 +101,15 @@ pub fn dequantize(file: &GgufFile, info: &TensorInfo) -> Result<Tensor, GgufErro
     let bytes = file.tensor_bytes(info);
     // candle reinterprets the bytes as blocks without checking alignment;
     // blocks need at most 4-byte alignment. A mapped file with
-    // `general.alignment` ≥ 4 always provides it; a buffer may not.
+    // `general.alignment` ≥ 4 always provides it; a buffer may not, and
+    // then `qtensor_from_bytes` copies to aligned memory.
     let q = if (bytes.as_ptr() as usize).is_multiple_of(8) {
         qtensor_from_ggml(dtype, bytes, info.shape(), &Device::Cpu)
     } else {
-        let mut words = vec![0u64; bytes.len().div_ceil(8)];
-        let aligned = u64_bytes_mut(&mut words);
-        aligned[..bytes.len()].copy_from_slice(bytes);
-        qtensor_from_ggml(dtype, &aligned[..bytes.len()], info.shape(), &Device::Cpu)
+        qtensor_from_bytes(dtype, bytes, &info.shape())
     }
     .map_err(err)?;
     q.dequantize(&Device::Cpu).map_err(err)
-}
-
-fn u64_bytes_mut(words: &mut [u64]) -> &mut [u8] {
-    // SAFETY: u8 has no alignment or validity requirements, and the slice
-    // covers exactly the words' memory.
-    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 8) }
 }
 
 /// Undoes llama.cpp's per-head interleaving of q/k rows (see the module doc).
@@ -167,11 +159,15 @@ fn blocks(
         })?;
     let shape = info.shape();
     let bytes = file.tensor_bytes(info);
+    let unpermuted;
     let bytes = match permuted_heads {
-        Some(n_head) => unpermute_rows(bytes, shape[0], n_head),
-        None => bytes.to_vec(),
+        Some(n_head) => {
+            unpermuted = unpermute_rows(bytes, shape[0], n_head);
+            &unpermuted[..]
+        }
+        None => bytes,
     };
-    qtensor_from_bytes(dtype, &bytes, &shape).map_err(|source| GgufError::Tensor {
+    qtensor_from_bytes(dtype, bytes, &shape).map_err(|source| GgufError::Tensor {
         tensor: info.name.clone(),
         source,
     })
