@@ -8,70 +8,17 @@
 mod server_support;
 mod support;
 
-use std::path::PathBuf;
 use std::time::Instant;
 
-use support::reference::shared;
+use support::reference::{ids, shared, smollm2};
 use tandem::gguf::writer::GgufWriter;
 use tandem::gguf::{GgufFile, Value, ValueType};
 use tandem::model::{LoadOptions, Model};
 use tandem::server::chat_template::{ChatMessage, ChatTemplate};
 use tandem::tokenizer::Tokenizer;
 
-const DIR: &str = "models/smollm2-135m-instruct";
-const GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// SmolLM2's `<|im_end|>`, where the reference stops.
 const EOS: u32 = 2;
-
-struct Prompt {
-    name: String,
-    kind: String,
-    text: String,
-    messages: Vec<(String, String)>,
-    prompt_ids: Vec<u32>,
-    generated_ids: Vec<u32>,
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("an id list")
-        .iter()
-        .map(|x| x.as_u64().expect("an id") as u32)
-        .collect()
-}
-
-/// The GGUF path and the reference prompts, or `None` without `../shared`.
-fn smollm2() -> Option<(PathBuf, Vec<Prompt>)> {
-    let dir = shared(DIR)?;
-    let text = std::fs::read_to_string(dir.join("reference.json")).expect("reference.json");
-    let r: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
-    let prompts = r["prompts"]
-        .as_array()
-        .expect("prompts")
-        .iter()
-        .map(|p| Prompt {
-            name: p["name"].as_str().unwrap().to_string(),
-            kind: p["kind"].as_str().unwrap().to_string(),
-            text: p["text"].as_str().unwrap().to_string(),
-            messages: p["messages"]
-                .as_array()
-                .map(|m| {
-                    m.iter()
-                        .map(|m| {
-                            (
-                                m["role"].as_str().unwrap().to_string(),
-                                m["content"].as_str().unwrap().to_string(),
-                            )
-                        })
-                        .collect()
-                })
-                .unwrap_or_default(),
-            prompt_ids: ids(&p["prompt_ids"]),
-            generated_ids: ids(&p["generated_ids"]),
-        })
-        .collect();
-    Some((dir.join(GGUF), prompts))
-}
 
 /// Greedy ids up to and including the first EOS (as the reference stops).
 fn until_eos(ids: &[u32]) -> &[u32] {

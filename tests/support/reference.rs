@@ -7,7 +7,7 @@ use std::path::PathBuf;
 pub use tandem::testing::shared;
 
 /// A JSON list of token ids.
-fn ids(v: &serde_json::Value) -> Vec<u32> {
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array()
         .expect("an id list")
         .iter()
@@ -36,9 +36,13 @@ pub fn stories260k() -> Option<Stories> {
     })
 }
 
-/// One SmolLM2 reference prompt: its name, prompt ids and float32 greedy ids.
+/// One SmolLM2 reference prompt: its name, kind (`plain` or `chat`), exact
+/// text, chat messages (role, content), prompt ids and float32 greedy ids.
 pub struct SmolPrompt {
     pub name: String,
+    pub kind: String,
+    pub text: String,
+    pub messages: Vec<(String, String)>,
     pub prompt_ids: Vec<u32>,
     pub generated_ids: Vec<u32>,
 }
@@ -55,6 +59,20 @@ pub fn smollm2() -> Option<(PathBuf, Vec<SmolPrompt>)> {
         .iter()
         .map(|p| SmolPrompt {
             name: p["name"].as_str().expect("a name").to_string(),
+            kind: p["kind"].as_str().expect("a kind").to_string(),
+            text: p["text"].as_str().expect("a text").to_string(),
+            messages: p["messages"]
+                .as_array()
+                .map(|m| {
+                    m.iter()
+                        .map(|m| {
+                            let field =
+                                |k: &str| m[k].as_str().expect("a message field").to_string();
+                            (field("role"), field("content"))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
             prompt_ids: ids(&p["prompt_ids"]),
             generated_ids: ids(&p["generated_ids"]),
         })
