@@ -2,12 +2,10 @@
 //! llama.cpp on the same file, teacher-forced over the first positions of
 //! every reference continuation: the quantised next-token distribution must
 //! pick the float32 argmax at least as often as llama.cpp's does, and its
-//! largest top-1/top-2 log-probability gap error (against the float32 gap)
-//! must be no larger than llama.cpp's against its own float32 run.
-//!
-//! The median gap error is NOT yet as low as llama.cpp's (BENCHMARKS.md:
-//! 0.084 vs 0.079 for Q4_1, 0.114 vs 0.088 for Q8_0 on these 88 positions);
-//! the test only guards it against getting worse than 1.5× llama.cpp's.
+//! top-1/top-2 log-probability gap error against the float32 gap, median
+//! and largest, must be no larger than llama.cpp's against its own float32
+//! run. (Tandem's quantised kernels keep activations at 15 bits where ggml
+//! keeps 8, so they are usually well below: BENCHMARKS.md.)
 //!
 //! llama.cpp's figures are `bench/llama_cpp/smollm2_teacher_forced_*.json`,
 //! made by `bench/llama_cpp/teacher_forced.py` from the shipped Q4_1 file,
@@ -142,9 +140,9 @@ fn gguf_quantised_logprobs_are_no_worse_than_llama_cpp() {
                 ours.3, theirs.3
             ));
         }
-        if ours.2 > 1.5 * theirs.2 {
+        if ours.2 > theirs.2 {
             worse.push(format!(
-                "{kind}: median gap error {:.3} > 1.5 × llama.cpp's {:.3}",
+                "{kind}: median gap error {:.3} > llama.cpp's {:.3}",
                 ours.2, theirs.2
             ));
         }

@@ -8,14 +8,16 @@
 //!   directly (no repacking, so the candle path can share the tensor).
 //! - [`WeightFormat::AsStored`]: projections a checkpoint stores in GGML
 //!   blocks (a quantised GGUF: Q4_0 … Q8_0, the K-quants) stay in those
-//!   blocks on the CPU and run through candle's quantized kernels, which
-//!   quantise the activations to 8 bits as llama.cpp does; everything else
-//!   is in the compute dtype, as with `AsCompute`.
-//! - [`WeightFormat::Q8_0`] / [`WeightFormat::Q4K`]: quantised at load with
-//!   candle's GGML blocks; candle's quantized kernels run the matmul (on
-//!   AVX-512 VNNI CPUs they are repacked for `vpdpbusd`). A weight whose
-//!   input dimension is not a multiple of the block size cannot be
-//!   quantised and stays in the compute dtype (llama.cpp does the same).
+//!   blocks on the CPU; everything else is in the compute dtype, as with
+//!   `AsCompute`.
+//! - [`WeightFormat::Q8_0`] / [`WeightFormat::Q4K`]: quantised at load into
+//!   candle's GGML blocks. A weight whose input dimension is not a multiple
+//!   of the block size cannot be quantised and stays in the compute dtype
+//!   (llama.cpp does the same).
+//!
+//! Blocks are multiplied by Tandem's own kernels (`kernels::quant`: 8-bit
+//! activations, as llama.cpp) for every format `kernels::qformat` decodes,
+//! and by candle's quantized kernels for the rest (Q2_K, Q3_K) and on GPUs.
 //!
 //! Accuracy cost, measured by greedy agreement with f32 (BENCHMARKS.md):
 //! Q8_0 keeps ~8 bits per weight (one f16 scale per 32), Q4_K ~4.5.
@@ -27,6 +29,8 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 use half::f16;
 
+use super::kernels::qformat::QFormat;
+use super::kernels::quant::{self, QMatrix};
 use super::kernels::{dot, Isa};
 
 /// How projection weights (attention, MLP, unembedding) are stored.
@@ -207,7 +211,7 @@ impl Linear {
             Some(q) => {
                 let cpu = w.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
                 let qt = QTensor::quantize_onto(&cpu, q, device)?;
-                if device.is_cpu() {
+                if device.is_cpu() && QFormat::of(q).is_none() {
                     // candle repacks quantised weights for its x86 kernels on
                     // first use; do it now rather than in the first request.
                     let x = Tensor::zeros((1, k), DType::F32, device)?;
@@ -244,9 +248,11 @@ impl Linear {
             bytes.extend_from_slice(&part.data()?);
         }
         let qt = qtensor_from_bytes(dtype, &bytes, &[rows, k])?;
-        // candle repacks quantised weights for its x86 kernels on first use;
-        // do it now rather than in the first request.
-        Tensor::zeros((1, k), DType::F32, &Device::Cpu)?.apply_op1_no_bwd(&qt)?;
+        if QFormat::of(dtype).is_none() {
+            // candle repacks quantised weights for its x86 kernels on first
+            // use; do it now rather than in the first request.
+            Tensor::zeros((1, k), DType::F32, &Device::Cpu)?.apply_op1_no_bwd(&qt)?;
+        }
         Ok(Some(Self::Quantized(Arc::new(qt))))
     }
 
@@ -298,6 +304,17 @@ impl Linear {
             }
             Self::Quantized(q) => {
                 let (n, k) = q.shape().dims2()?;
+                if let Some(format) = QFormat::of(q.dtype()).filter(|_| !candle_kernels_forced()) {
+                    let bytes = q.data()?;
+                    let w = QMatrix {
+                        format,
+                        bytes: &bytes,
+                        n,
+                        k,
+                    };
+                    quant::qmatmul_t(isa, threads, x, rows, w, out, accumulate);
+                    return Ok(());
+                }
                 let xt = Tensor::from_slice(&x[..rows * k], (rows, k), &Device::Cpu)?;
                 let y = xt.apply_op1_no_bwd(q.as_ref())?;
                 let (storage, layout) = y.storage_and_layout();
@@ -318,6 +335,13 @@ impl Linear {
         }
         Ok(())
     }
+}
+
+/// `TANDEM_QUANT_KERNELS=candle`: multiply every GGML block format with
+/// candle's kernels instead of Tandem's (for A/B measurements). Read once.
+fn candle_kernels_forced() -> bool {
+    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| std::env::var("TANDEM_QUANT_KERNELS").as_deref() == Ok("candle"))
 }
 
 /// A CPU tensor of GGML blocks from raw bytes (row-major, `dims` in

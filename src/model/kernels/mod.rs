@@ -1,4 +1,5 @@
-//! CPU kernels of the lean step: the decode-fast linear (`dot`), the
+//! CPU kernels of the lean step: the decode-fast linear (`dot`) and its
+//! quantised twin for GGML blocks (`quant`, formats in `qformat`), the
 //! element-wise math (`math`), attention (`attention`) and the parallel
 //! split they share (`pool`).
 //!
@@ -20,7 +21,11 @@ pub(crate) mod attention;
 pub(crate) mod dot;
 pub(crate) mod math;
 pub(crate) mod pool;
+pub(crate) mod qformat;
+pub(crate) mod quant;
 
+#[cfg(test)]
+mod quant_tests;
 #[cfg(test)]
 mod tests;
 

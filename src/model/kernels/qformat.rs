@@ -1,0 +1,347 @@
+//! GGML block formats as the quantised linear reads them: each block of a
+//! weight row decodes into one shared form, so one kernel serves them all.
+//!
+//! # The decoded form
+//! A weight row of `k` elements decodes into
+//! - `w`: one `i16` per element, the block's integer level (centred where
+//!   the format has a fixed zero point: Q4_0 `q − 8`, Q5_0 `q − 16`, Q6_K
+//!   `q − 32`; raw where it has a min: Q4_1, Q5_1, Q4_K, Q5_K) times the
+//!   K-quants' integer sub-block scale;
+//! - `d`: one f32 scale per *group* (the block: 32 elements, or a K-quant
+//!   super-block of 256);
+//! - `min`: one f32 offset per 32 elements, for formats with a min;
+//!
+//! so that element `e` of group `g` is `d[g] · w[e] + min[e / 32]`: the
+//! value llama.cpp's (and candle's) dequantisation gives, up to the order
+//! of two f32 products, with everything but `d` and `min` in exact
+//! integers, so the kernel can sum integer products and apply `d` once per
+//! group.
+//!
+//! # Activations
+//! Activations are quantised with the same groups, but to 15-bit levels
+//! (±[`LEVELS`]), not ggml's 8: the activation rounding error, which
+//! llama.cpp adds on top of the file's own weight rounding, becomes ~1/128
+//! of llama.cpp's, so a quantised file computes nearly what its dequantised
+//! weights compute in f32. The cost is 16-bit multiplies (`vpmaddwd`, 16
+//! products an instruction) instead of 8-bit ones (32): measured in
+//! BENCHMARKS.md. Bounds: `|w| ≤ 32 · 128` (Q6_K) and `|x| ≤ 16383`, so a
+//! 32-bit lane holding 16 products (128 elements) cannot overflow.
+
+use candle_core::quantized::GgmlDType;
+use half::f16;
+
+/// A GGML block format the lean quantised kernels multiply directly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum QFormat {
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl QFormat {
+    /// The kernel format of `dtype`; `None` for types multiplied elsewhere
+    /// (Q2_K, Q3_K: candle's kernels; floats: the dense kernels).
+    pub(crate) fn of(dtype: GgmlDType) -> Option<Self> {
+        Some(match dtype {
+            GgmlDType::Q4_0 => Self::Q4_0,
+            GgmlDType::Q4_1 => Self::Q4_1,
+            GgmlDType::Q5_0 => Self::Q5_0,
+            GgmlDType::Q5_1 => Self::Q5_1,
+            GgmlDType::Q8_0 => Self::Q8_0,
+            GgmlDType::Q4K => Self::Q4K,
+            GgmlDType::Q5K => Self::Q5K,
+            GgmlDType::Q6K => Self::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// Elements per group (one block, or one K-quant super-block).
+    pub(crate) const fn group(self) -> usize {
+        match self {
+            Self::Q4K | Self::Q5K | Self::Q6K => 256,
+            _ => 32,
+        }
+    }
+
+    /// Bytes of one block (one group).
+    pub(crate) const fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
+            Self::Q8_0 => 34,
+            Self::Q4K => 144,
+            Self::Q5K => 176,
+            Self::Q6K => 210,
+        }
+    }
+
+    /// Whether the format has a per-block min (an offset term).
+    pub(crate) const fn has_min(self) -> bool {
+        matches!(self, Self::Q4_1 | Self::Q5_1 | Self::Q4K | Self::Q5K)
+    }
+
+    /// Elements between two float conversions of a 32-bit integer sum:
+    /// the group, at most 128 (see the bounds in the module docs).
+    pub(crate) const fn chunk(self) -> usize {
+        if self.group() < 128 {
+            self.group()
+        } else {
+            128
+        }
+    }
+
+    /// Bytes of a `[n, k]` matrix in this format; `None` when `k` is not a
+    /// whole number of groups.
+    pub(crate) fn matrix_bytes(self, n: usize, k: usize) -> Option<usize> {
+        k.is_multiple_of(self.group())
+            .then(|| n * k / self.group() * self.block_bytes())
+    }
+}
+
+/// The activation levels: `x ≈ d · q` with `|q| ≤ LEVELS`.
+pub(crate) const LEVELS: f32 = 16383.0;
+
+/// One weight row in the decoded form (see the module docs); reused
+/// between rows, so it allocates only when `k` grows.
+#[derive(Debug, Default)]
+pub(crate) struct DecodedRow {
+    pub(crate) w: Vec<i16>,
+    pub(crate) d: Vec<f32>,
+    pub(crate) min: Vec<f32>,
+}
+
+impl DecodedRow {
+    /// Sizes the buffers for a `k`-element row of `format`.
+    #[inline(always)]
+    pub(crate) fn prepare(&mut self, format: QFormat, k: usize) {
+        self.w.resize(k, 0);
+        self.d.resize(k / format.group(), 0.0);
+        self.min.resize(k / 32, 0.0);
+    }
+
+    /// Decodes the `k`-element row `bytes` of `format` (the reference
+    /// decoder; SIMD tiers have their own for the common formats).
+    #[inline(always)]
+    pub(crate) fn decode(&mut self, format: QFormat, bytes: &[u8], k: usize) {
+        self.prepare(format, k);
+        let group = format.group();
+        let bb = format.block_bytes();
+        for g in 0..k / group {
+            let b = &bytes[g * bb..(g + 1) * bb];
+            let w = &mut self.w[g * group..(g + 1) * group];
+            let min = &mut self.min[g * group / 32..(g + 1) * group / 32];
+            self.d[g] = match format {
+                QFormat::Q4_0 => q4_0(b, w.try_into().unwrap()),
+                QFormat::Q4_1 => q4_1(b, w.try_into().unwrap(), &mut min[0]),
+                QFormat::Q5_0 => q5_0(b, w.try_into().unwrap()),
+                QFormat::Q5_1 => q5_1(b, w.try_into().unwrap(), &mut min[0]),
+                QFormat::Q8_0 => q8_0(b, w.try_into().unwrap()),
+                QFormat::Q4K => q4_k(b, w.try_into().unwrap(), min.try_into().unwrap()),
+                QFormat::Q5K => q5_k(b, w.try_into().unwrap(), min.try_into().unwrap()),
+                QFormat::Q6K => q6_k(b, w.try_into().unwrap()),
+            };
+        }
+    }
+}
+
+#[inline(always)]
+fn half(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Q4_0: `d: f16, qs: [u8; 16]`; element `j` is the low nibble of
+/// `qs[j]`, element `j + 16` the high one; value `d · (q − 8)`.
+#[inline(always)]
+fn q4_0(b: &[u8], w: &mut [i16; 32]) -> f32 {
+    for j in 0..16 {
+        w[j] = (b[2 + j] & 0xF) as i16 - 8;
+        w[j + 16] = (b[2 + j] >> 4) as i16 - 8;
+    }
+    half(b, 0)
+}
+
+/// Q4_1: `d, m: f16, qs: [u8; 16]`; value `d · q + m`.
+#[inline(always)]
+fn q4_1(b: &[u8], w: &mut [i16; 32], min: &mut f32) -> f32 {
+    for j in 0..16 {
+        w[j] = (b[4 + j] & 0xF) as i16;
+        w[j + 16] = (b[4 + j] >> 4) as i16;
+    }
+    *min = half(b, 2);
+    half(b, 0)
+}
+
+/// The levels of a Q5 block: bit `j` of the little-endian `qh` is the
+/// fifth bit of element `j`.
+#[inline(always)]
+fn q5_levels(qh: &[u8], qs: &[u8], w: &mut [i16; 32], zero: i16) {
+    let qh = u32::from_le_bytes(qh[..4].try_into().unwrap());
+    for j in 0..16 {
+        let lo = ((qh >> j) & 1) as u8;
+        let hi = ((qh >> (j + 16)) & 1) as u8;
+        w[j] = ((qs[j] & 0xF) | (lo << 4)) as i16 - zero;
+        w[j + 16] = ((qs[j] >> 4) | (hi << 4)) as i16 - zero;
+    }
+}
+
+/// Q5_0: `d: f16, qh: [u8; 4], qs: [u8; 16]`; value `d · (q − 16)`.
+#[inline(always)]
+fn q5_0(b: &[u8], w: &mut [i16; 32]) -> f32 {
+    q5_levels(&b[2..6], &b[6..22], w, 16);
+    half(b, 0)
+}
+
+/// Q5_1: `d, m: f16, qh: [u8; 4], qs: [u8; 16]`; value `d · q + m`.
+#[inline(always)]
+fn q5_1(b: &[u8], w: &mut [i16; 32], min: &mut f32) -> f32 {
+    q5_levels(&b[4..8], &b[8..24], w, 0);
+    *min = half(b, 2);
+    half(b, 0)
+}
+
+/// Q8_0: `d: f16, qs: [i8; 32]`; value `d · q`.
+#[inline(always)]
+fn q8_0(b: &[u8], w: &mut [i16; 32]) -> f32 {
+    for (w, &v) in w.iter_mut().zip(&b[2..34]) {
+        *w = v as i8 as i16;
+    }
+    half(b, 0)
+}
+
+/// The 6-bit scale and min of sub-block `j` of a Q4_K / Q5_K block
+/// (llama.cpp's `get_scale_min_k4`).
+#[inline(always)]
+fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    }
+}
+
+/// The scales and mins of a Q4_K / Q5_K super-block: `d, dmin: f16,
+/// scales: [u8; 12]`; sub-block `j` (32 elements) has value
+/// `d · sc_j · q − dmin · m_j`. Returns `d` and the 8 scales; writes the
+/// mins.
+#[inline(always)]
+pub(crate) fn k4_scales(b: &[u8], min: &mut [f32; 8]) -> (f32, [i16; 8]) {
+    let (d, dmin) = (half(b, 0), half(b, 2));
+    let mut sc = [0i16; 8];
+    for j in 0..8 {
+        let (s, m) = scale_min_k4(j, &b[4..16]);
+        sc[j] = s as i16;
+        min[j] = -(dmin * m as f32);
+    }
+    (d, sc)
+}
+
+/// Q4_K: scales as [`k4_scales`], then `qs: [u8; 128]`: each 64 elements
+/// take 32 bytes, low nibbles first.
+#[inline(always)]
+fn q4_k(b: &[u8], w: &mut [i16; 256], min: &mut [f32; 8]) -> f32 {
+    let (d, sc) = k4_scales(b, min);
+    for c in 0..4 {
+        for l in 0..32 {
+            let v = b[16 + 32 * c + l];
+            w[64 * c + l] = (v & 0xF) as i16 * sc[2 * c];
+            w[64 * c + 32 + l] = (v >> 4) as i16 * sc[2 * c + 1];
+        }
+    }
+    d
+}
+
+/// Q5_K: scales as [`k4_scales`], `qh: [u8; 32]` (bit `2c` / `2c + 1` of
+/// byte `l` is the fifth bit of element `l` of chunk `c`'s low / high
+/// half), then `qs` as Q4_K.
+#[inline(always)]
+fn q5_k(b: &[u8], w: &mut [i16; 256], min: &mut [f32; 8]) -> f32 {
+    let (d, sc) = k4_scales(b, min);
+    for c in 0..4 {
+        for l in 0..32 {
+            let (v, h) = (b[48 + 32 * c + l], b[16 + l]);
+            let lo = (v & 0xF) | (((h >> (2 * c)) & 1) << 4);
+            let hi = (v >> 4) | (((h >> (2 * c + 1)) & 1) << 4);
+            w[64 * c + l] = lo as i16 * sc[2 * c];
+            w[64 * c + 32 + l] = hi as i16 * sc[2 * c + 1];
+        }
+    }
+    d
+}
+
+/// Q6_K: `ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16`; each
+/// 128 elements take 64 bytes of `ql` (low nibbles of elements 0–31 and
+/// 32–63, then high nibbles of 64–95 and 96–127) and 32 of `qh` (two bits
+/// each); value `d · scale[e / 16] · (q − 32)`.
+#[inline(always)]
+fn q6_k(b: &[u8], w: &mut [i16; 256]) -> f32 {
+    let sc = |e: usize| b[192 + e / 16] as i8 as i16;
+    for h in 0..2 {
+        let (ql, qh) = (&b[64 * h..64 * h + 64], &b[128 + 32 * h..160 + 32 * h]);
+        let o = 128 * h;
+        for l in 0..32 {
+            let levels = [
+                (ql[l] & 0xF) | ((qh[l] & 3) << 4),
+                (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4),
+                (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
+                (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
+            ];
+            for (c, q) in levels.into_iter().enumerate() {
+                let e = o + 32 * c + l;
+                w[e] = (q as i16 - 32) * sc(e);
+            }
+        }
+    }
+    half(b, 208)
+}
+
+/// Activation rows quantised in the weight format's groups: `q[r·k + e]`,
+/// scale `d[r·groups + g]` (`x ≈ d · q`), and per 32 elements
+/// `sum[r·k/32 + b] = d · Σ q` (for the min term).
+#[derive(Debug, Default)]
+pub(crate) struct QuantisedRows {
+    pub(crate) q: Vec<i16>,
+    pub(crate) d: Vec<f32>,
+    pub(crate) sum: Vec<f32>,
+}
+
+impl QuantisedRows {
+    /// Quantises `rows` rows of `x` (`k` each) in groups of `group`
+    /// elements: scale `amax / LEVELS`, levels rounded to nearest, ties to
+    /// even (what `vcvtps2dq` does), so every ISA tier gets the same
+    /// levels.
+    #[inline(always)]
+    pub(crate) fn quantise(&mut self, x: &[f32], rows: usize, k: usize, group: usize) {
+        let groups = k / group;
+        self.q.resize(rows * k, 0);
+        self.d.resize(rows * groups, 0.0);
+        self.sum.resize(rows * k / 32, 0.0);
+        for (gi, (xs, qs)) in x[..rows * k]
+            .chunks_exact(group)
+            .zip(self.q.chunks_exact_mut(group))
+            .enumerate()
+        {
+            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / LEVELS;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            for (q, &v) in qs.iter_mut().zip(xs) {
+                *q = (v * id).round_ties_even() as i16;
+            }
+            self.d[gi] = d;
+            let first = gi * group / 32;
+            for (b, block) in qs.chunks_exact(32).enumerate() {
+                let s: i32 = block.iter().map(|&q| q as i32).sum();
+                self.sum[first + b] = d * s as f32;
+            }
+        }
+    }
+}

@@ -1,0 +1,436 @@
+//! The quantised linear: `out[r, j] (+)= Σ_e x[r, e] · W[j, e]` for f32
+//! activations and weights in GGML blocks ([`QFormat`]), read where they
+//! lie (a memory-mapped GGUF or candle's block storage; no repacking).
+//!
+//! # Scheme
+//! Activations are quantised once per call, in the weight format's groups,
+//! to 15-bit levels ([`QuantisedRows`]; why 15 and not ggml's 8: the
+//! `qformat` module docs). Work units are runs of weight rows; a worker
+//! decodes each of its rows once ([`DecodedRow`]: 16-bit levels with the
+//! sub-block scales folded in) and multiplies it against every activation
+//! row, `MR` at a time: the decoded row stays in L1 while the activation
+//! rows stream past, so a weight is read from memory once per call however
+//! many rows there are, and decoded once. Per 16 elements a tier multiplies
+//! 16-bit pairs into 32-bit sums (`vpmaddwd`), converts once per group
+//! (at most 128 elements), scaled by `d_w · d_x`, and a format with a min
+//! adds `Σ_b min_b · d_x Σ q_x` per 32 elements.
+//!
+//! # Numerics
+//! Integer sums are exact; each output's float sum runs over its groups in
+//! a fixed order that depends only on `k`, so batching and threading never
+//! change a result (the invariant of `kernels`).
+
+use super::pool::{for_each_range, SharedMut};
+use super::qformat::{DecodedRow, QFormat, QuantisedRows};
+use super::Isa;
+use std::cell::RefCell;
+
+/// Weight rows per work unit.
+const UNIT: usize = 8;
+/// Activation rows multiplied against one decoded weight row at a time.
+const MR: usize = 4;
+
+thread_local! {
+    /// Each worker's decoded weight row (workers are persistent threads).
+    static DECODED: RefCell<DecodedRow> = RefCell::default();
+    /// The calling thread's quantised activations.
+    static ACTS: RefCell<QuantisedRows> = RefCell::default();
+}
+
+/// A `[n, k]` weight matrix in GGML blocks, borrowed.
+#[derive(Clone, Copy)]
+pub(crate) struct QMatrix<'a> {
+    pub(crate) format: QFormat,
+    pub(crate) bytes: &'a [u8],
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+}
+
+impl QMatrix<'_> {
+    fn row(&self, j: usize) -> &[u8] {
+        let len = self.k / self.format.group() * self.format.block_bytes();
+        &self.bytes[j * len..(j + 1) * len]
+    }
+}
+
+/// What one unit of work reads and writes.
+struct Job<'a> {
+    w: QMatrix<'a>,
+    acts: &'a QuantisedRows,
+    rows: usize,
+    out: SharedMut<f32>,
+    accumulate: bool,
+}
+
+// SAFETY: workers only read `w` and `acts`, and write disjoint columns of `out`.
+unsafe impl Sync for Job<'_> {}
+
+/// `out[r·n + j] = Σ_e x[r·k + e] · W[j, e]` (or `+=` when `accumulate`)
+/// for `r < rows`, `j < n`, on up to `threads` threads.
+///
+/// Panics if a slice is shorter than its shape says or `k` is not a whole
+/// number of the format's groups (caller bugs: loading checks both).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qmatmul_t(
+    isa: Isa,
+    threads: usize,
+    x: &[f32],
+    rows: usize,
+    w: QMatrix<'_>,
+    out: &mut [f32],
+    accumulate: bool,
+) {
+    let (n, k) = (w.n, w.k);
+    assert!(x.len() >= rows * k, "qmatmul_t: x shorter than rows·k");
+    assert!(out.len() >= rows * n, "qmatmul_t: out shorter than rows·n");
+    let bytes = w
+        .format
+        .matrix_bytes(n, k)
+        .expect("qmatmul_t: k is not a whole number of groups");
+    assert!(
+        w.bytes.len() >= bytes,
+        "qmatmul_t: weights shorter than n·k"
+    );
+    if rows == 0 || n == 0 {
+        return;
+    }
+    ACTS.with_borrow_mut(|acts| {
+        match isa {
+            // SAFETY: the tier was detected on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 => unsafe {
+                x86::quantise_avx2(acts, x, rows, k, w.format.group())
+            },
+            _ => acts.quantise(x, rows, k, w.format.group()),
+        }
+        let job = Job {
+            w,
+            acts,
+            rows,
+            out: SharedMut(out.as_mut_ptr()),
+            accumulate,
+        };
+        let units = n.div_ceil(UNIT);
+        let grain = (units / (threads * 8)).max(1);
+        for_each_range(units, grain, threads, |range| {
+            DECODED.with_borrow_mut(|dec| {
+                for j in range.start * UNIT..(range.end * UNIT).min(n) {
+                    // SAFETY: column `j` belongs to this worker alone, and
+                    // the shapes were checked above.
+                    unsafe { dispatch(isa, &job, dec, j) };
+                }
+            });
+        });
+    });
+}
+
+/// Decodes weight row `j` into `w` and multiplies it by every activation row.
+#[inline(always)]
+unsafe fn dispatch(isa: Isa, job: &Job<'_>, w: &mut DecodedRow, j: usize) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => match job.w.format.group() {
+            32 => x86::row_avx2::<32, 32>(job, w, j),
+            _ => x86::row_avx2::<256, 128>(job, w, j),
+        },
+        _ => {
+            w.decode(job.w.format, job.w.row(j), job.w.k);
+            row_portable(job, w, j)
+        }
+    }
+}
+
+/// Writes (or adds) `v` at output element `(r, j)`.
+#[inline(always)]
+unsafe fn store(job: &Job<'_>, r: usize, j: usize, v: f32) {
+    let o = job.out.at(r * job.w.n + j);
+    if job.accumulate {
+        *o += v;
+    } else {
+        *o = v;
+    }
+}
+
+/// `Σ_b min[b] · sum[b]`: the min term of one output, 8 lanes reduced
+/// pairwise (the same order on every tier).
+#[inline(always)]
+fn min_term(min: &[f32], sum: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let full = min.len() / 8 * 8;
+    for (m, s) in min[..full].chunks_exact(8).zip(sum[..full].chunks_exact(8)) {
+        for l in 0..8 {
+            lanes[l] += m[l] * s[l];
+        }
+    }
+    for (l, (m, s)) in min[full..].iter().zip(&sum[full..]).enumerate() {
+        lanes[l] += m * s;
+    }
+    ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
+        + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
+}
+
+/// Portable tier: the same sums in plain integers, 8 float lanes per
+/// output as the AVX2 tier (lane `l` holds elements `2l, 2l + 1` of each 16).
+unsafe fn row_portable(job: &Job<'_>, w: &DecodedRow, j: usize) {
+    let f = job.w.format;
+    let (k, group, chunk) = (job.w.k, f.group(), f.chunk());
+    let a = job.acts;
+    for r in 0..job.rows {
+        let x = &a.q[r * k..(r + 1) * k];
+        let mut acc = [0f32; 8];
+        for g in 0..k / group {
+            let scale = w.d[g] * a.d[r * (k / group) + g];
+            for c in (g * group..(g + 1) * group).step_by(chunk) {
+                let mut isum = [0i32; 8];
+                for e in c..c + chunk {
+                    isum[(e % 16) / 2] += w.w[e] as i32 * x[e] as i32;
+                }
+                for l in 0..8 {
+                    acc[l] += isum[l] as f32 * scale;
+                }
+            }
+        }
+        let mut v =
+            ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+        if f.has_min() {
+            v += min_term(&w.min, &a.sum[r * k / 32..(r + 1) * k / 32]);
+        }
+        store(job, r, j, v);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{min_term, store, DecodedRow, Job, QFormat, QuantisedRows, MR};
+    use crate::model::kernels::qformat::k4_scales;
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        // The portable tier's pairwise order: (0+4, 2+6), (1+5, 3+7).
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)))
+    }
+
+    /// `R` activation rows from `r0` against decoded weight row `j`, in
+    /// groups of `G` elements converted to float every `CH`.
+    #[inline(always)]
+    unsafe fn tile<const R: usize, const G: usize, const CH: usize>(
+        job: &Job<'_>,
+        w: &DecodedRow,
+        j: usize,
+        r0: usize,
+    ) {
+        let k = job.w.k;
+        let groups = k / G;
+        let a = job.acts;
+        let xq: [*const i16; R] = std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k));
+        let xd: [*const f32; R] = std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * groups));
+        let wq = w.w.as_ptr();
+        let mut acc = [_mm256_setzero_ps(); R];
+        for g in 0..groups {
+            let dw = _mm256_set1_ps(*w.d.get_unchecked(g));
+            let scale: [__m256; R] =
+                std::array::from_fn(|i| _mm256_mul_ps(dw, _mm256_broadcast_ss(&*xd[i].add(g))));
+            for c in 0..G / CH {
+                let mut isum = [_mm256_setzero_si256(); R];
+                for s in 0..CH / 16 {
+                    let e = g * G + c * CH + 16 * s;
+                    let wv = _mm256_loadu_si256(wq.add(e) as *const __m256i);
+                    for (t, x) in isum.iter_mut().zip(&xq) {
+                        let xv = _mm256_loadu_si256(x.add(e) as *const __m256i);
+                        *t = _mm256_add_epi32(*t, _mm256_madd_epi16(wv, xv));
+                    }
+                }
+                for ((c, t), s) in acc.iter_mut().zip(&isum).zip(&scale) {
+                    *c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(*t), *s, *c);
+                }
+            }
+        }
+        for (i, c) in acc.iter().enumerate() {
+            let mut v = hsum(*c);
+            if job.w.format.has_min() {
+                let r = r0 + i;
+                v += min_term(&w.min, &a.sum[r * k / 32..(r + 1) * k / 32]);
+            }
+            store(job, r0 + i, j, v);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn quantise_avx2(
+        acts: &mut QuantisedRows,
+        x: &[f32],
+        rows: usize,
+        k: usize,
+        group: usize,
+    ) {
+        acts.quantise(x, rows, k, group);
+    }
+
+    #[inline(always)]
+    unsafe fn f16_at(p: *const u8) -> f32 {
+        let h = std::ptr::read_unaligned(p as *const u16);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+    }
+
+    /// 16 bytes of nibbles as 32 levels: the low nibbles, then the high ones.
+    #[inline(always)]
+    unsafe fn nibbles(p: *const u8) -> __m256i {
+        let v = _mm_loadu_si128(p as *const __m128i);
+        let m = _mm_set1_epi8(0xF);
+        let lo = _mm_and_si128(v, m);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), m);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    /// Stores 32 levels (`i8` lanes, signed or not) widened to `i16` at `p`.
+    #[inline(always)]
+    unsafe fn store_levels(p: *mut i16, v: __m256i, signed: bool) {
+        let (lo, hi) = (_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let widen = |h| {
+            if signed {
+                _mm256_cvtepi8_epi16(h)
+            } else {
+                _mm256_cvtepu8_epi16(h)
+            }
+        };
+        _mm256_storeu_si256(p as *mut __m256i, widen(lo));
+        _mm256_storeu_si256(p.add(16) as *mut __m256i, widen(hi));
+    }
+
+    /// Stores 32 unsigned levels times the scales `s0` (first 16) and `s1`.
+    #[inline(always)]
+    unsafe fn store_scaled(p: *mut i16, v: __m256i, signed: bool, s0: i16, s1: i16) {
+        let (lo, hi) = (_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let widen = |h| {
+            if signed {
+                _mm256_cvtepi8_epi16(h)
+            } else {
+                _mm256_cvtepu8_epi16(h)
+            }
+        };
+        let lo = _mm256_mullo_epi16(widen(lo), _mm256_set1_epi16(s0));
+        let hi = _mm256_mullo_epi16(widen(hi), _mm256_set1_epi16(s1));
+        _mm256_storeu_si256(p as *mut __m256i, lo);
+        _mm256_storeu_si256(p.add(16) as *mut __m256i, hi);
+    }
+
+    /// Decodes row `j` into `w`, as [`DecodedRow::decode`] does.
+    #[inline(always)]
+    unsafe fn decode(job: &Job<'_>, w: &mut DecodedRow, j: usize) {
+        let (format, k) = (job.w.format, job.w.k);
+        let bytes = job.w.row(j);
+        w.prepare(format, k);
+        let bb = format.block_bytes();
+        let groups = k / format.group();
+        let q = w.w.as_mut_ptr();
+        let p = bytes.as_ptr();
+        let m4 = _mm256_set1_epi8(0xF);
+        match format {
+            QFormat::Q4_0 => {
+                for g in 0..groups {
+                    let b = p.add(g * bb);
+                    let v = _mm256_sub_epi8(nibbles(b.add(2)), _mm256_set1_epi8(8));
+                    store_levels(q.add(32 * g), v, true);
+                    w.d[g] = f16_at(b);
+                }
+            }
+            QFormat::Q4_1 => {
+                for g in 0..groups {
+                    let b = p.add(g * bb);
+                    store_levels(q.add(32 * g), nibbles(b.add(4)), false);
+                    w.d[g] = f16_at(b);
+                    w.min[g] = f16_at(b.add(2));
+                }
+            }
+            QFormat::Q8_0 => {
+                for g in 0..groups {
+                    let b = p.add(g * bb);
+                    store_levels(
+                        q.add(32 * g),
+                        _mm256_loadu_si256(b.add(2) as *const __m256i),
+                        true,
+                    );
+                    w.d[g] = f16_at(b);
+                }
+            }
+            QFormat::Q4K => {
+                for g in 0..groups {
+                    let b = &bytes[g * bb..(g + 1) * bb];
+                    let min: &mut [f32; 8] = (&mut w.min[8 * g..8 * g + 8]).try_into().unwrap();
+                    let (d, sc) = k4_scales(b, min);
+                    w.d[g] = d;
+                    for c in 0..4 {
+                        let v = _mm256_loadu_si256(b.as_ptr().add(16 + 32 * c) as *const __m256i);
+                        let lo = _mm256_and_si256(v, m4);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                        let (s0, s1) = (sc[2 * c], sc[2 * c + 1]);
+                        store_scaled(q.add(256 * g + 64 * c), lo, false, s0, s0);
+                        store_scaled(q.add(256 * g + 64 * c + 32), hi, false, s1, s1);
+                    }
+                }
+            }
+            QFormat::Q6K => {
+                let m2 = _mm256_set1_epi8(3);
+                let c32 = _mm256_set1_epi8(32);
+                for g in 0..groups {
+                    let b = p.add(g * bb);
+                    let sc = |e: usize| *b.add(192 + e / 16) as i8 as i16;
+                    for h in 0..2 {
+                        let ql0 = _mm256_loadu_si256(b.add(64 * h) as *const __m256i);
+                        let ql1 = _mm256_loadu_si256(b.add(64 * h + 32) as *const __m256i);
+                        let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
+                        let high =
+                            |bits: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(bits, m2));
+                        let levels = [
+                            _mm256_or_si256(_mm256_and_si256(ql0, m4), high(qh)),
+                            _mm256_or_si256(
+                                _mm256_and_si256(ql1, m4),
+                                high(_mm256_srli_epi16::<2>(qh)),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
+                                high(_mm256_srli_epi16::<4>(qh)),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
+                                high(_mm256_srli_epi16::<6>(qh)),
+                            ),
+                        ];
+                        for (c, v) in levels.into_iter().enumerate() {
+                            let e = 128 * h + 32 * c;
+                            let v = _mm256_sub_epi8(v, c32);
+                            store_scaled(q.add(256 * g + e), v, true, sc(e), sc(e + 16));
+                        }
+                    }
+                    w.d[g] = f16_at(b.add(208));
+                }
+            }
+            _ => w.decode(format, bytes, k),
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn row_avx2<const G: usize, const CH: usize>(
+        job: &Job<'_>,
+        w: &mut DecodedRow,
+        j: usize,
+    ) {
+        decode(job, w, j);
+        let w = &*w;
+        let mut r = 0;
+        while r < job.rows {
+            let step = (job.rows - r).min(MR);
+            match step {
+                4 => tile::<4, G, CH>(job, w, j, r),
+                3 => tile::<3, G, CH>(job, w, j, r),
+                2 => tile::<2, G, CH>(job, w, j, r),
+                _ => tile::<1, G, CH>(job, w, j, r),
+            }
+            r += step;
+        }
+    }
+}
