@@ -413,12 +413,103 @@ mod x86 {
         }
     }
 
+    /// Formats whose blocks a tile decodes in registers as it goes (one
+    /// 32-element block at a time, no scratch row): the `F` of
+    /// [`tile_direct`].
+    const Q4_0: u8 = 0;
+    const Q4_1: u8 = 1;
+    const Q8_0: u8 = 2;
+
+    /// `R` activation rows from `r0` against weight row `j` of a 32-element
+    /// block format, decoded straight from its bytes: the same sums as
+    /// [`tile`] over the decoded row (same integer sums, same float order)
+    /// but without the scratch row's store and reload, which at one to four
+    /// rows cost more than the multiplies.
+    #[inline(always)]
+    unsafe fn tile_direct<const R: usize, const F: u8>(job: &Job<'_>, j: usize, r0: usize) {
+        let k = job.w.k;
+        let groups = k / 32;
+        let a = job.acts;
+        let p = job.w.row(j).as_ptr();
+        let bb = job.w.format.block_bytes();
+        let xq: [*const i16; R] = std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k));
+        let xd: [*const f32; R] = std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * groups));
+        let xs: [*const f32; R] = std::array::from_fn(|i| a.sum.as_ptr().add((r0 + i) * groups));
+        let m4 = _mm_set1_epi8(0xF);
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut lanes = [[0f32; 8]; R];
+        for g in 0..groups {
+            let b = p.add(g * bb);
+            let (lo, hi) = match F {
+                Q8_0 => (
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128(b.add(2) as *const __m128i)),
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128(b.add(18) as *const __m128i)),
+                ),
+                _ => {
+                    let v = _mm_loadu_si128(b.add(if F == Q4_1 { 4 } else { 2 }) as *const __m128i);
+                    let (mut l, mut h) = (
+                        _mm_and_si128(v, m4),
+                        _mm_and_si128(_mm_srli_epi16::<4>(v), m4),
+                    );
+                    if F == Q4_0 {
+                        l = _mm_sub_epi8(l, _mm_set1_epi8(8));
+                        h = _mm_sub_epi8(h, _mm_set1_epi8(8));
+                    }
+                    (_mm256_cvtepi8_epi16(l), _mm256_cvtepi8_epi16(h))
+                }
+            };
+            let dw = _mm256_set1_ps(f16_at(b));
+            let min = if F == Q4_1 { f16_at(b.add(2)) } else { 0.0 };
+            for i in 0..R {
+                let x = xq[i].add(32 * g);
+                let x0 = _mm256_loadu_si256(x as *const __m256i);
+                let x1 = _mm256_loadu_si256(x.add(16) as *const __m256i);
+                let t = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
+                let scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(&*xd[i].add(g)));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[i]);
+                if F == Q4_1 {
+                    // The min term in `min_term`'s lanes and order.
+                    lanes[i][g % 8] += min * *xs[i].add(g);
+                }
+            }
+        }
+        for i in 0..R {
+            let mut v = hsum(acc[i]);
+            if F == Q4_1 {
+                let l = &lanes[i];
+                v += ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+            }
+            store(job, r0 + i, j, v);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn rows_direct<const F: u8>(job: &Job<'_>, j: usize) {
+        let mut r = 0;
+        while r < job.rows {
+            let step = (job.rows - r).min(MR);
+            match step {
+                4 => tile_direct::<4, F>(job, j, r),
+                3 => tile_direct::<3, F>(job, j, r),
+                2 => tile_direct::<2, F>(job, j, r),
+                _ => tile_direct::<1, F>(job, j, r),
+            }
+            r += step;
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn row_avx2<const G: usize, const CH: usize>(
         job: &Job<'_>,
         w: &mut DecodedRow,
         j: usize,
     ) {
+        match job.w.format {
+            QFormat::Q4_0 => return rows_direct::<Q4_0>(job, j),
+            QFormat::Q4_1 => return rows_direct::<Q4_1>(job, j),
+            QFormat::Q8_0 => return rows_direct::<Q8_0>(job, j),
+            _ => {}
+        }
         decode(job, w, j);
         let w = &*w;
         let mut r = 0;
