@@ -25,8 +25,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tandem::api::{Event, GenerateRequest, Prompt};
 use tandem::engine::{
-    Admission, DraftHead, DraftSchedule, EarlyExitDraft, Engine, EngineConfig, MtpDraft, SeqWork,
-    SpecConfig, SpecOptions, StepExecutor, StepPlan, MAX_DRAFT_TOKENS,
+    Admission, DraftHead, DraftSchedule, EarlyExitDraft, Engine, EngineConfig, KvGrant, MtpDraft,
+    SeqWork, SpecConfig, SpecOptions, StepExecutor, StepPlan, MAX_DRAFT_TOKENS,
 };
 use tandem::model::{LoadOptions, Model, ModelConfig, MtpHead, Weights};
 use tandem::sampler::SamplingOptions;
@@ -154,6 +154,7 @@ fn build_engine(
             kv_capacity_tokens: kv_tokens,
             model_name: name,
             eos_ids: tokenizer.eos_ids().to_vec(),
+            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
         },
     );
     let engine = match head {
@@ -400,6 +401,7 @@ fn main() -> anyhow_like::Result<()> {
                 kv_capacity_tokens: kv_tokens,
                 model_name: "baseline".into(),
                 eos_ids: vec![],
+                kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
             },
         );
         warm_up(&mut engine, vocab);
@@ -541,7 +543,7 @@ fn engine_baseline(engine: &mut Engine, jobs: &[Job], budget: usize) -> f64 {
             prompt: Arc::from(j.prompt.clone()),
             sampling: j.sampling,
             max_new_tokens: j.max_tokens,
-            kv_reserve: j.prompt.len() + j.max_tokens,
+            kv: KvGrant::Reserve(j.prompt.len() + j.max_tokens),
             spec: None,
         });
     }

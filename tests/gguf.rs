@@ -493,6 +493,7 @@ fn server_load_accepts_a_gguf_file() {
         dtype: candle_core::DType::F32,
         device: candle_core::Device::Cpu,
         kv_tokens: 4096,
+        kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
         weight_format: tandem::model::WeightFormat::AsCompute,
         mtp: Default::default(),
         draft_max: 4,

@@ -71,6 +71,8 @@ pub enum KvError {
     },
     #[error("slot {0}: commit without begin")]
     NoSpeculation(SlotId),
+    #[error("slot {0}: a KV pool is driven by block tables or by reservations, never both")]
+    Mixed(SlotId),
     #[error("tensor error in KV cache: {0}")]
     Tensor(String),
 }
@@ -111,6 +113,11 @@ struct SlotKv {
 
 /// Who hands out blocks.
 enum Blocks {
+    /// A pool of `num_blocks` whose first registration decides: a table
+    /// ([`KvCache::register`]) makes it external, a reservation
+    /// ([`KvCache::allocate`]) makes it own. Never both: the scheduler's
+    /// cached blocks must not be handed out behind its back.
+    Undecided { num_blocks: usize },
     /// The plan's tables; `num_blocks` bounds the ids.
     External { num_blocks: usize },
     /// The cache itself: freed ids (lowest reused first) and the next
@@ -121,6 +128,17 @@ enum Blocks {
         capacity: usize,
         reserved: usize,
     },
+}
+
+impl Blocks {
+    fn own(capacity: usize) -> Self {
+        Blocks::Own {
+            free: Default::default(),
+            next: 0,
+            capacity,
+            reserved: 0,
+        }
+    }
 }
 
 /// The KV caches of every slot.
@@ -160,23 +178,15 @@ impl KvCache {
         capacity_tokens: usize,
         block_size: usize,
     ) -> Self {
-        Self::build(
-            layout,
-            device,
-            block_size,
-            Blocks::Own {
-                free: Default::default(),
-                next: 0,
-                capacity: capacity_tokens,
-                reserved: 0,
-            },
-        )
+        Self::build(layout, device, block_size, Blocks::own(capacity_tokens))
     }
 
     /// A cache of `num_blocks` blocks of `block_size` tokens whose tables
-    /// come from outside ([`set_table`](Self::set_table)).
+    /// come from outside ([`set_table`](Self::set_table)), or, when its
+    /// driver reserves tokens instead ([`allocate`](Self::allocate)), that
+    /// hands out its blocks itself: the first registration decides.
     pub fn paged(layout: KvLayout, device: Device, num_blocks: usize, block_size: usize) -> Self {
-        Self::build(layout, device, block_size, Blocks::External { num_blocks })
+        Self::build(layout, device, block_size, Blocks::Undecided { num_blocks })
     }
 
     fn build(layout: KvLayout, device: Device, block_size: usize, blocks: Blocks) -> Self {
@@ -252,7 +262,9 @@ impl KvCache {
     /// size for an external one.
     pub fn capacity_tokens(&self) -> usize {
         match &self.blocks {
-            Blocks::External { num_blocks } => num_blocks * self.block_size,
+            Blocks::External { num_blocks } | Blocks::Undecided { num_blocks } => {
+                num_blocks * self.block_size
+            }
             Blocks::Own { capacity, .. } => *capacity,
         }
     }
@@ -260,7 +272,9 @@ impl KvCache {
     /// Tokens reserved by all slots (own), or held by their tables (external).
     pub fn reserved_tokens(&self) -> usize {
         match &self.blocks {
-            Blocks::External { .. } => self.blocks_in_tables() * self.block_size,
+            Blocks::External { .. } | Blocks::Undecided { .. } => {
+                self.blocks_in_tables() * self.block_size
+            }
             Blocks::Own { reserved, .. } => *reserved,
         }
     }
@@ -274,11 +288,19 @@ impl KvCache {
         self.capacity_tokens() - self.reserved_tokens()
     }
 
-    /// Registers a slot. An own cache reserves `reserve_tokens` for it (the
-    /// most it may hold); an external one ignores the figure.
+    /// Registers a slot whose cache reserves `reserve_tokens` for it (the
+    /// most it may hold) and takes blocks as it grows. On an external
+    /// cache use [`register`](Self::register).
     pub fn allocate(&mut self, slot: SlotId, reserve_tokens: usize) -> Result<(), KvError> {
         if self.slots.contains_key(&slot) {
             return Err(KvError::AlreadyAllocated(slot));
+        }
+        match self.blocks {
+            Blocks::Undecided { num_blocks } => {
+                self.blocks = Blocks::own(num_blocks * self.block_size)
+            }
+            Blocks::External { .. } => return Err(KvError::Mixed(slot)),
+            Blocks::Own { .. } => {}
         }
         let mut reserved_here = 0;
         if let Blocks::Own {
@@ -308,6 +330,38 @@ impl KvCache {
         Ok(())
     }
 
+    /// Registers a slot whose block table comes from outside, with `table`
+    /// and the first `len` positions already valid (a cached prefix).
+    pub fn register(
+        &mut self,
+        slot: SlotId,
+        table: Vec<BlockId>,
+        len: usize,
+    ) -> Result<(), KvError> {
+        if self.slots.contains_key(&slot) {
+            return Err(KvError::AlreadyAllocated(slot));
+        }
+        match self.blocks {
+            Blocks::Undecided { num_blocks } => self.blocks = Blocks::External { num_blocks },
+            Blocks::Own { .. } => return Err(KvError::Mixed(slot)),
+            Blocks::External { .. } => {}
+        }
+        self.slots.insert(
+            slot,
+            SlotKv {
+                table: Vec::new(),
+                len: 0,
+                reserved: 0,
+                spec_start: None,
+            },
+        );
+        let result = self.set_table(slot, table, Some(len));
+        if result.is_err() {
+            self.slots.remove(&slot);
+        }
+        result
+    }
+
     /// External caches: the slot's new block table (the scheduler's) and
     /// the valid length, when it changes (`None`: keep `len`, which must
     /// fit the table).
@@ -319,7 +373,7 @@ impl KvCache {
     ) -> Result<(), KvError> {
         let num_blocks = match self.blocks {
             Blocks::External { num_blocks } => num_blocks,
-            Blocks::Own { .. } => {
+            Blocks::Own { .. } | Blocks::Undecided { .. } => {
                 return Err(KvError::Tensor(
                     "set_table on a self-managed KV cache: this is a bug".into(),
                 ))
@@ -359,7 +413,9 @@ impl KvCache {
             return Ok(());
         }
         let cap_rows = match self.blocks {
-            Blocks::External { num_blocks } => num_blocks * self.block_size,
+            Blocks::External { num_blocks } | Blocks::Undecided { num_blocks } => {
+                num_blocks * self.block_size
+            }
             Blocks::Own { .. } => usize::MAX,
         };
         let new_rows = rows
@@ -413,7 +469,7 @@ impl KvCache {
         let s = self.slots.get(&slot).ok_or(KvError::UnknownSlot(slot))?;
         Ok(match self.blocks {
             Blocks::Own { .. } => s.reserved,
-            Blocks::External { .. } => s.table.len() * self.block_size,
+            _ => s.table.len() * self.block_size,
         })
     }
 

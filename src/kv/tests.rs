@@ -22,8 +22,12 @@ fn rows(from: usize, n: usize) -> Tensor {
 #[test]
 fn writes_and_views_go_through_a_scattered_table() {
     let mut kv = KvCache::paged(layout(), Device::Cpu, 8, 4);
-    kv.allocate(1, 0).unwrap();
-    kv.set_table(1, vec![5, 2, 7], Some(0)).unwrap();
+    kv.register(1, vec![5, 2, 7], 0).unwrap();
+    assert_eq!(
+        kv.allocate(2, 4),
+        Err(KvError::Mixed(2)),
+        "tables, then a reservation"
+    );
     kv.ensure_room(1, 10).unwrap();
     assert!(kv.ensure_room(1, 13).is_err(), "three blocks hold 12");
     kv.write(1, 1, 0, &rows(0, 6), &rows(100, 6)).unwrap();
@@ -58,14 +62,11 @@ fn writes_and_views_go_through_a_scattered_table() {
 #[test]
 fn two_slots_share_a_prefix_block_and_read_the_same_rows() {
     let mut kv = KvCache::paged(layout(), Device::Cpu, 8, 4);
-    for slot in [1, 2] {
-        kv.allocate(slot, 0).unwrap();
-    }
-    kv.set_table(1, vec![3, 4], Some(0)).unwrap();
+    kv.register(1, vec![3, 4], 0).unwrap();
     kv.write(1, 0, 0, &rows(0, 6), &rows(0, 6)).unwrap();
     kv.set_len(1, 6).unwrap();
     // Slot 2 starts after the shared full block and writes its own.
-    kv.set_table(2, vec![3, 6], Some(4)).unwrap();
+    kv.register(2, vec![3, 6], 4).unwrap();
     kv.write(2, 0, 4, &rows(40, 2), &rows(40, 2)).unwrap();
     let (k1, _) = kv.view(1, 0, 6).unwrap();
     let (k2, _) = kv.view(2, 0, 6).unwrap();

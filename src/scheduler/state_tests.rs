@@ -13,6 +13,8 @@ fn info() -> EngineInfo {
         eos_ids: vec![0],
         kv_capacity_tokens: 1000,
         speculation: None,
+        kv_block_size: 16,
+        draft_needs_hidden: false,
     }
 }
 
@@ -22,6 +24,7 @@ fn state(max_seqs: usize) -> SchedulerState {
         max_queue: 8,
         step_token_budget: 16,
         max_prefill_chunk: 8,
+        prefix_caching: true,
     };
     SchedulerState::new(&config, info())
 }

@@ -255,6 +255,7 @@ async fn soak_with_cancellations_malformed_requests_and_overload() {
             max_queue: 6,
             step_token_budget: 64,
             max_prefill_chunk: 32,
+            prefix_caching: true,
         },
         ..Options::default()
     }));
