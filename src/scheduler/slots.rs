@@ -103,7 +103,8 @@ impl RunningSeq {
 #[derive(Debug)]
 enum Slot {
     Free,
-    Running(RunningSeq),
+    /// Boxed: a running sequence is far larger than the other states.
+    Running(Box<RunningSeq>),
     /// Ended on the scheduler side; the engine must still be told.
     Releasing {
         blocks: SeqBlocks,
@@ -209,7 +210,7 @@ impl SlotTable {
     pub fn admit(&mut self, build: impl FnOnce(SlotId) -> RunningSeq) -> Option<SlotId> {
         let slot = self.free.pop_front()?;
         let seq = build(slot);
-        self.slots[slot as usize] = Slot::Running(seq);
+        self.slots[slot as usize] = Slot::Running(Box::new(seq));
         self.by_age.push(slot);
         Some(slot)
     }
@@ -231,7 +232,7 @@ impl SlotTable {
     /// A running sequence and the pool, borrowed together.
     pub fn with_pool_mut(&mut self, slot: SlotId) -> Option<(&mut RunningSeq, &mut BlockPool)> {
         match self.slots.get_mut(slot as usize) {
-            Some(Slot::Running(seq)) => Some((seq, &mut self.pool)),
+            Some(Slot::Running(seq)) => Some((&mut **seq, &mut self.pool)),
             _ => None,
         }
     }
@@ -323,7 +324,7 @@ impl SlotTable {
                 self.by_age.retain(|&s| s != slot);
                 seq.blocks.free(&mut self.pool);
                 self.free.push_back(slot);
-                Some(seq)
+                Some(*seq)
             }
             Slot::Releasing { mut blocks } => {
                 self.to_release.retain(|&s| s != slot);
@@ -354,7 +355,7 @@ impl SlotTable {
         };
         self.by_age.retain(|&s| s != slot);
         self.to_release.push(slot);
-        Some(seq)
+        Some(*seq)
     }
 
     /// Slots whose release goes into the plan being built; their blocks go
