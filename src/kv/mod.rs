@@ -121,22 +121,27 @@ enum Blocks {
     /// The plan's tables; `num_blocks` bounds the ids.
     External { num_blocks: usize },
     /// The cache itself: freed ids (lowest reused first) and the next
-    /// never-used id; capacity is a token reservation.
+    /// never-used id; capacity is a token reservation. `undecided`: the
+    /// pool's size when it was undecided before, which it becomes again
+    /// once its last slot is freed (a driver that warms an engine up with
+    /// reservations leaves it free for the scheduler's tables).
     Own {
         free: std::collections::BTreeSet<BlockId>,
         next: BlockId,
         capacity: usize,
         reserved: usize,
+        undecided: Option<usize>,
     },
 }
 
 impl Blocks {
-    fn own(capacity: usize) -> Self {
+    fn own(capacity: usize, undecided: Option<usize>) -> Self {
         Blocks::Own {
             free: Default::default(),
             next: 0,
             capacity,
             reserved: 0,
+            undecided,
         }
     }
 }
@@ -178,7 +183,12 @@ impl KvCache {
         capacity_tokens: usize,
         block_size: usize,
     ) -> Self {
-        Self::build(layout, device, block_size, Blocks::own(capacity_tokens))
+        Self::build(
+            layout,
+            device,
+            block_size,
+            Blocks::own(capacity_tokens, None),
+        )
     }
 
     /// A cache of `num_blocks` blocks of `block_size` tokens whose tables
@@ -297,7 +307,7 @@ impl KvCache {
         }
         match self.blocks {
             Blocks::Undecided { num_blocks } => {
-                self.blocks = Blocks::own(num_blocks * self.block_size)
+                self.blocks = Blocks::own(num_blocks * self.block_size, Some(num_blocks))
             }
             Blocks::External { .. } => return Err(KvError::Mixed(slot)),
             Blocks::Own { .. } => {}
@@ -445,9 +455,18 @@ impl KvCache {
         let Some(s) = self.slots.remove(&slot) else {
             return false;
         };
-        if let Blocks::Own { free, reserved, .. } = &mut self.blocks {
+        if let Blocks::Own {
+            free,
+            reserved,
+            undecided,
+            ..
+        } = &mut self.blocks
+        {
             *reserved -= s.reserved;
             free.extend(s.table);
+            if let (Some(num_blocks), true) = (*undecided, self.slots.is_empty()) {
+                self.blocks = Blocks::Undecided { num_blocks };
+            }
         }
         true
     }

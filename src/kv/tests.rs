@@ -100,3 +100,20 @@ fn an_own_cache_takes_blocks_as_it_grows_and_returns_rejected_drafts() {
     assert!(kv.free(1) && kv.free(2));
     assert_eq!(kv.reserved_tokens(), 0);
 }
+
+#[test]
+fn a_pool_reserved_then_emptied_takes_tables_again() {
+    let mut kv = KvCache::paged(layout(), Device::Cpu, 8, 4);
+    kv.allocate(1, 8).unwrap();
+    kv.ensure_room(1, 8).unwrap();
+    assert!(matches!(kv.register(2, vec![5], 0), Err(KvError::Mixed(2))));
+    assert!(kv.free(1));
+    kv.register(2, vec![5], 0).unwrap();
+    assert_eq!(kv.allocate(3, 4), Err(KvError::Mixed(3)));
+    assert!(kv.free(2));
+    assert_eq!(
+        kv.allocate(3, 4),
+        Err(KvError::Mixed(3)),
+        "tables stay: cached blocks"
+    );
+}
