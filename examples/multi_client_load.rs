@@ -660,7 +660,7 @@ mod chat {
         vocab: u32,
         context: usize,
     ) -> Vec<Turn> {
-        let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ (client as u64 + 1) * 0x9e37);
+        let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ ((client as u64 + 1) * 0x9e37));
         let mut conversation = system;
         let mut turns = Vec::new();
         for _ in 0..args.turns {

@@ -8,7 +8,7 @@
 //!   proves the request was checked against the engine's [`EngineInfo`]: a
 //!   non-empty prompt shorter than the context, every prompt id inside the
 //!   vocabulary, at least one token to generate, sampling and speculation
-//!   options in range, and a KV reservation the pool can hold.
+//!   options in range, and a longest length whose KV blocks fit the pool.
 //! - Nothing downstream checks these again. The scheduler core takes a
 //!   `ValidSeq` and only adds queue and slot admission; the engine receives
 //!   the same values in its `Admission`.
@@ -25,7 +25,7 @@ use crate::sampler::SamplingOptions;
 
 use super::SchedulerError;
 
-/// A checked request, with its KV reservation resolved. Built only by
+/// A checked request. Built only by
 /// [`validate_seq`]; the fields are public to the scheduler so that the
 /// planner can move them into the engine's `Admission`.
 #[derive(Debug, Clone)]
