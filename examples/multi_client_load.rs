@@ -9,6 +9,17 @@
 //! cargo run --release --example multi_client_load -- --shape ../shared/bench/llama-100m --uniform --engine-baseline
 //! ```
 //!
+//! `--turns N` runs a multi-turn chat workload instead: every client
+//! continues its own conversation for N turns (each turn's prompt is the
+//! whole conversation so far), all conversations open with the same
+//! `--system-tokens` system prompt, and the report gives, per turn, the
+//! time to first token and the share of prompt tokens served by the prefix
+//! cache (`--no-prefix-cache` for the baseline).
+//!
+//! ```text
+//! cargo run --release --example multi_client_load -- --turns 8 --clients 16
+//! ```
+//!
 //! `--shape DIR` loads `DIR/config.json` with random weights (and
 //! `DIR/tokenizer.json` when present). `--uniform` gives every client the
 //! same greedy options, prompt length and `--max-tokens` (a clean throughput
@@ -25,8 +36,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tandem::api::{Event, GenerateRequest, Prompt};
 use tandem::engine::{
-    Admission, DraftHead, DraftSchedule, EarlyExitDraft, Engine, EngineConfig, MtpDraft, SeqWork,
-    SpecConfig, SpecOptions, StepExecutor, StepPlan, MAX_DRAFT_TOKENS,
+    Admission, DraftHead, DraftSchedule, EarlyExitDraft, Engine, EngineConfig, KvGrant, MtpDraft,
+    SeqWork, SpecConfig, SpecOptions, StepExecutor, StepPlan, MAX_DRAFT_TOKENS,
 };
 use tandem::model::{LoadOptions, Model, ModelConfig, MtpHead, Weights};
 use tandem::sampler::SamplingOptions;
@@ -89,6 +100,19 @@ struct Args {
     /// Run the workload twice, MTP off then with `--mtp`, and print the ratio.
     #[arg(long)]
     mtp_compare: bool,
+    /// Multi-turn chat: every client continues its conversation this many
+    /// turns (0: the one-shot workload).
+    #[arg(long, default_value_t = 0)]
+    turns: usize,
+    /// Multi-turn chat: tokens of the system prompt every conversation shares.
+    #[arg(long, default_value_t = 256)]
+    system_tokens: usize,
+    /// Multi-turn chat: tokens of each user message.
+    #[arg(long, default_value_t = 32)]
+    user_tokens: usize,
+    /// Turn the scheduler's prefix cache off.
+    #[arg(long)]
+    no_prefix_cache: bool,
 }
 
 /// A draft head choice (`--mtp`).
@@ -154,6 +178,7 @@ fn build_engine(
             kv_capacity_tokens: kv_tokens,
             model_name: name,
             eos_ids: tokenizer.eos_ids().to_vec(),
+            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
         },
     );
     let engine = match head {
@@ -361,10 +386,17 @@ fn main() -> anyhow_like::Result<()> {
         max_seqs: args.max_seqs,
         step_token_budget: args.step_tokens.max(args.max_seqs),
         max_prefill_chunk: (args.step_tokens / 2).max(1),
+        prefix_caching: !args.no_prefix_cache,
         ..Default::default()
     };
 
     let system = actix::System::new();
+    if args.turns > 0 {
+        let per_client = args.system_tokens + args.turns * (args.user_tokens + args.max_tokens);
+        let kv = (args.clients * per_client.min(context)).max(context);
+        let (engine, tokenizer) = build_engine(&args, draft.as_ref(), kv)?;
+        return system.block_on(chat::run(engine, tokenizer, config, args, vocab, context));
+    }
     let mut runs = vec![draft.clone()];
     if args.mtp_compare {
         runs.insert(0, None);
@@ -400,6 +432,7 @@ fn main() -> anyhow_like::Result<()> {
                 kv_capacity_tokens: kv_tokens,
                 model_name: "baseline".into(),
                 eos_ids: vec![],
+                kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
             },
         );
         warm_up(&mut engine, vocab);
@@ -541,7 +574,7 @@ fn engine_baseline(engine: &mut Engine, jobs: &[Job], budget: usize) -> f64 {
             prompt: Arc::from(j.prompt.clone()),
             sampling: j.sampling,
             max_new_tokens: j.max_tokens,
-            kv_reserve: j.prompt.len() + j.max_tokens,
+            kv: KvGrant::Reserve(j.prompt.len() + j.max_tokens),
             spec: None,
         });
     }
@@ -588,4 +621,165 @@ fn engine_baseline(engine: &mut Engine, jobs: &[Job], budget: usize) -> f64 {
         }
     }
     tokens as f64 / start.elapsed().as_secs_f64()
+}
+
+/// The multi-turn chat workload (`--turns`).
+mod chat {
+    use std::time::{Duration, Instant};
+
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+    use tandem::api::{Event, GenerateRequest, Prompt};
+    use tandem::engine::Engine;
+    use tandem::sampler::SamplingOptions;
+    use tandem::scheduler::SchedulerConfig;
+    use tandem::tokenizer::Tokenizer;
+    use tandem::TandemHandle;
+
+    use super::{anyhow_like, Args};
+
+    /// One turn of one client.
+    #[derive(Debug, Clone, Copy, Default)]
+    struct Turn {
+        ttft: Option<Duration>,
+        prompt: usize,
+        cached: usize,
+    }
+
+    fn message(rng: &mut ChaCha8Rng, n: usize, vocab: u32) -> Vec<u32> {
+        (0..n).map(|_| rng.random_range(3..vocab)).collect()
+    }
+
+    /// One client's conversation: `turns` requests, each the whole
+    /// conversation so far plus a new user message.
+    async fn converse(
+        handle: TandemHandle,
+        system: Vec<u32>,
+        args: Args,
+        client: usize,
+        vocab: u32,
+        context: usize,
+    ) -> Vec<Turn> {
+        let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ ((client as u64 + 1) * 0x9e37));
+        let mut conversation = system;
+        let mut turns = Vec::new();
+        for _ in 0..args.turns {
+            conversation.extend(message(&mut rng, args.user_tokens, vocab));
+            if conversation.len() + args.max_tokens >= context {
+                break; // the conversation no longer fits the context
+            }
+            let request = GenerateRequest {
+                prompt: Prompt::Tokens(conversation.clone()),
+                max_tokens: Some(args.max_tokens),
+                sampling: SamplingOptions::greedy(),
+                stop: vec![],
+                mtp: None,
+            };
+            let t0 = Instant::now();
+            let mut turn = Turn {
+                prompt: conversation.len(),
+                ..Turn::default()
+            };
+            let Ok(mut stream) = handle.generate(request).await else {
+                break;
+            };
+            while let Some(event) = stream.next_event().await {
+                match event {
+                    Event::Tokens { tokens, .. } => {
+                        if turn.ttft.is_none() && !tokens.is_empty() {
+                            turn.ttft = Some(t0.elapsed());
+                        }
+                        conversation.extend(tokens.iter().map(|t| t.id));
+                    }
+                    Event::Finished(f) => turn.cached = f.usage.cached_prompt_tokens,
+                    Event::Error { error, .. } => eprintln!("client {client}: {error}"),
+                }
+            }
+            turns.push(turn);
+        }
+        turns
+    }
+
+    /// Runs every conversation concurrently and prints the per-turn report.
+    pub async fn run(
+        engine: Engine,
+        tokenizer: Tokenizer,
+        config: SchedulerConfig,
+        args: Args,
+        vocab: u32,
+        context: usize,
+    ) -> anyhow_like::Result<()> {
+        let caching = config.prefix_caching;
+        let handle = TandemHandle::start(engine, tokenizer, config)?;
+        let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
+        let system = message(&mut rng, args.system_tokens, vocab);
+        println!(
+            "multi-turn chat: {} clients x {} turns, shared system prompt of {} tokens, {} user tokens and {} reply tokens a turn, prefix cache {}",
+            args.clients,
+            args.turns,
+            args.system_tokens,
+            args.user_tokens,
+            args.max_tokens,
+            if caching { "on" } else { "off" }
+        );
+        let start = Instant::now();
+        let tasks: Vec<_> = (0..args.clients)
+            .map(|c| {
+                let f = converse(
+                    handle.clone(),
+                    system.clone(),
+                    args.clone(),
+                    c,
+                    vocab,
+                    context,
+                );
+                actix::spawn(f)
+            })
+            .collect();
+        let mut all = Vec::new();
+        for t in tasks {
+            all.push(t.await.unwrap_or_default());
+        }
+        let elapsed = start.elapsed();
+        println!("turn  requests  mean TTFT   p90 TTFT   prompt tokens  cached   hit rate");
+        for turn in 0..args.turns {
+            let rows: Vec<Turn> = all.iter().filter_map(|c| c.get(turn).copied()).collect();
+            if rows.is_empty() {
+                break;
+            }
+            let mut ttfts: Vec<f64> = rows
+                .iter()
+                .filter_map(|t| t.ttft.map(|d| d.as_secs_f64() * 1e3))
+                .collect();
+            ttfts.sort_by(f64::total_cmp);
+            let mean = ttfts.iter().sum::<f64>() / ttfts.len().max(1) as f64;
+            let prompt: usize = rows.iter().map(|t| t.prompt).sum();
+            let cached: usize = rows.iter().map(|t| t.cached).sum();
+            println!(
+                "{:>4}  {:>8}  {:>7.1} ms {:>7.1} ms  {:>13}  {:>7}  {:>7.1} %",
+                turn + 1,
+                rows.len(),
+                mean,
+                super::percentile(&ttfts, 0.9),
+                prompt,
+                cached,
+                100.0 * cached as f64 / prompt.max(1) as f64
+            );
+        }
+        let s = handle.stats().await?;
+        println!(
+            "in {elapsed:.2?}: prompt tokens computed {} (of {} looked up, {} cached: hit rate {:.1} %), preemptions {}, KV blocks {} of {} cached at the end",
+            s.prompt_tokens_processed,
+            s.prefix_cache_query_tokens,
+            s.prefix_cache_hit_tokens,
+            100.0 * s.prefix_cache_hit_tokens as f64 / s.prefix_cache_query_tokens.max(1) as f64,
+            s.preemptions,
+            s.kv_blocks_cached,
+            s.kv_blocks_total,
+        );
+        handle
+            .shutdown(tandem::scheduler::ShutdownMode::Drain)
+            .await?;
+        Ok(())
+    }
 }

@@ -15,7 +15,7 @@
 //!
 //! actix::System::new().block_on(async {
 //!     let (model, tokenizer) = tiny_model_cpu(TinyPreset::Default).unwrap();
-//!     let engine = Engine::new(model, EngineConfig { kv_capacity_tokens: 16_384, model_name: "tiny".into(), eos_ids: vec![] });
+//!     let engine = Engine::new(model, EngineConfig { kv_capacity_tokens: 16_384, model_name: "tiny".into(), eos_ids: vec![], ..Default::default() });
 //!     let tandem = TandemHandle::start(engine, tokenizer, SchedulerConfig::default()).unwrap();
 //!     let done = tandem.complete(GenerateRequest::new("hello", 16)).await.unwrap();
 //!     println!("{} ({:?})", done.text, done.finished.reason);

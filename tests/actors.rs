@@ -19,6 +19,7 @@ fn start(config: SchedulerConfig, kv: usize) -> TandemHandle {
             kv_capacity_tokens: kv,
             model_name: "test".into(),
             eos_ids: vec![],
+            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
         },
     );
     TandemHandle::start(engine, tokenizer, config).unwrap()
@@ -36,6 +37,7 @@ fn perfect_drafter(kv: usize) -> (Engine, tandem::tokenizer::Tokenizer) {
             kv_capacity_tokens: kv,
             model_name: "test".into(),
             eos_ids: vec![],
+            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
         },
     )
     .with_draft(
@@ -339,6 +341,7 @@ async fn queue_full_is_an_immediate_overload_error() {
             max_queue: 1,
             step_token_budget: 16,
             max_prefill_chunk: 8,
+            prefix_caching: true,
         },
         4096,
     );

@@ -26,6 +26,7 @@ fn engine_for(model: Model, kv: usize) -> Engine {
             kv_capacity_tokens: kv,
             model_name: "test".into(),
             eos_ids: vec![],
+            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
         },
     )
 }
@@ -149,12 +150,12 @@ fn one_bad_sequence_does_not_fail_the_others() {
         prompt: Arc::from(vec![5u32, 6, 7]),
         sampling: SamplingOptions::greedy(),
         max_new_tokens: 4,
-        kv_reserve: 7,
+        kv: KvGrant::Reserve(7),
         spec: None,
     };
     let too_big = Admission {
         slot: 2,
-        kv_reserve: 1000,
+        kv: KvGrant::Reserve(1000),
         ..ok.clone()
     };
     let bad_opts = Admission {
@@ -167,7 +168,6 @@ fn one_bad_sequence_does_not_fail_the_others() {
     };
     let plan = StepPlan {
         step: 0,
-        release: vec![],
         admit: vec![ok, too_big, bad_opts],
         work: vec![
             SeqWork::Prefill {
@@ -190,6 +190,7 @@ fn one_bad_sequence_does_not_fail_the_others() {
                 len: 1,
             },
         ],
+        ..Default::default()
     };
     let outcome = engine.execute(plan);
     let by_slot: HashMap<u32, Vec<&Result<SeqProgress, EngineError>>> =
@@ -267,6 +268,7 @@ fn eos_ends_a_sequence_on_the_eos_token() {
             kv_capacity_tokens: 1000,
             model_name: "t".into(),
             eos_ids: vec![eos],
+            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
         },
     );
     let got = ids(&run_tokens(&mut engine, std::slice::from_ref(&req), 64)[0]);

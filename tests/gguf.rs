@@ -493,6 +493,7 @@ fn server_load_accepts_a_gguf_file() {
         dtype: candle_core::DType::F32,
         device: candle_core::Device::Cpu,
         kv_tokens: 4096,
+        kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
         weight_format: tandem::model::WeightFormat::AsCompute,
         mtp: Default::default(),
         draft_max: 4,
@@ -554,41 +555,58 @@ async fn the_binary_serves_the_gguf_with_reference_replies() {
         .await
         .unwrap();
     assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1");
-    for case in reference["prompts"].as_array().unwrap() {
-        let n = case["generated_ids"].as_array().unwrap().len();
-        let (route, body, field) = if case["kind"] == "chat" {
-            (
-                "/v1/chat/completions",
-                json!({"messages": case["messages"], "max_tokens": n, "temperature": 0}),
-                "/message/content",
-            )
-        } else {
-            (
-                "/v1/completions",
-                json!({"prompt": case["text"], "max_tokens": n, "temperature": 0}),
-                "/text",
-            )
-        };
-        let (status, v) = post_json(&c, &server.url(route), &body).await;
-        assert_eq!(status, 200, "{v}");
-        let choice = &v["choices"][0];
-        assert_eq!(
-            choice.pointer(field).and_then(Value::as_str),
-            case["generated_text"].as_str(),
-            "{}",
-            case["name"]
-        );
-        assert_eq!(
-            v["usage"]["prompt_tokens"],
-            case["prompt_ids"].as_array().unwrap().len(),
-            "{}",
-            case["name"]
-        );
-        let reason = if case["stopped_at_eos"] == true {
-            "stop"
-        } else {
-            "length"
-        };
-        assert_eq!(choice["finish_reason"], reason, "{}", case["name"]);
+    // The second pass runs with the prefix cache warm: every prompt of a
+    // full block or more starts after its cached blocks, same replies.
+    for pass in 0..2 {
+        for case in reference["prompts"].as_array().unwrap() {
+            let n = case["generated_ids"].as_array().unwrap().len();
+            let (route, body, field) = if case["kind"] == "chat" {
+                (
+                    "/v1/chat/completions",
+                    json!({"messages": case["messages"], "max_tokens": n, "temperature": 0}),
+                    "/message/content",
+                )
+            } else {
+                (
+                    "/v1/completions",
+                    json!({"prompt": case["text"], "max_tokens": n, "temperature": 0}),
+                    "/text",
+                )
+            };
+            let (status, v) = post_json(&c, &server.url(route), &body).await;
+            assert_eq!(status, 200, "{v}");
+            let choice = &v["choices"][0];
+            assert_eq!(
+                choice.pointer(field).and_then(Value::as_str),
+                case["generated_text"].as_str(),
+                "{}",
+                case["name"]
+            );
+            assert_eq!(
+                v["usage"]["prompt_tokens"],
+                case["prompt_ids"].as_array().unwrap().len(),
+                "{}",
+                case["name"]
+            );
+            let reason = if case["stopped_at_eos"] == true {
+                "stop"
+            } else {
+                "length"
+            };
+            assert_eq!(choice["finish_reason"], reason, "{}", case["name"]);
+            let prompt_len = case["prompt_ids"].as_array().unwrap().len();
+            let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap() as usize;
+            if pass == 1 {
+                let blocks = (prompt_len - 1) / tandem::kv::DEFAULT_BLOCK_SIZE;
+                assert_eq!(
+                    cached,
+                    blocks * tandem::kv::DEFAULT_BLOCK_SIZE,
+                    "{}",
+                    case["name"]
+                );
+            }
+        }
     }
 }

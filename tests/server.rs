@@ -62,7 +62,12 @@ async fn completions_whole_and_streamed_match_the_library() {
     assert!(v["choices"][0]["logprobs"].is_null());
     assert_eq!(
         v["usage"],
-        json!({"prompt_tokens": prompt_tokens, "completion_tokens": 12, "total_tokens": prompt_tokens + 12})
+        json!({
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 12,
+            "total_tokens": prompt_tokens + 12,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        })
     );
 
     // Streamed, without usage: no `usage` key at all, and the same text.

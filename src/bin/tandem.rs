@@ -117,9 +117,12 @@ struct ModelArgs {
     /// Compute device: cpu, cuda or metal (GPU backends need a build with `--features cuda` / `metal`).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// KV cache pool in tokens, over all sequences. A request reserves prompt + max_tokens (capped at the context length) when it starts.
+    /// KV cache pool in tokens, over all sequences, in blocks of --kv-block-size. A request takes blocks as it grows (its prompt's when it starts, minus a cached prefix); when they run out the newest running request is preempted and recomputed later.
     #[arg(long, default_value_t = 131_072)]
     kv_tokens: usize,
+    /// Tokens per KV cache block (the unit of allocation and of prefix caching).
+    #[arg(long, default_value_t = tandem::kv::DEFAULT_BLOCK_SIZE)]
+    kv_block_size: usize,
     /// Speculative decoding: `off`, `early-exit:L` (draft with the model's first L layers) or `head:DIR` (an MTP head trained by `tandem train-mtp`).
     #[arg(long, default_value = "off")]
     mtp: String,
@@ -141,6 +144,9 @@ struct ServeArgs {
     /// Most sequences generated together (one forward pass per step).
     #[arg(long, default_value_t = 64)]
     max_seqs: usize,
+    /// Turn automatic prefix caching off (every prompt is computed in full).
+    #[arg(long)]
+    no_prefix_cache: bool,
     /// Most requests waiting for a slot; beyond it requests get HTTP 429.
     #[arg(long, default_value_t = 1024)]
     max_queue: usize,
@@ -242,6 +248,7 @@ fn load_spec(args: &ModelArgs) -> Result<LoadSpec, BoxError> {
         weight_format,
         device: args.device.parse::<DeviceKind>()?.open()?,
         kv_tokens: args.kv_tokens,
+        kv_block_size: args.kv_block_size,
         mtp: args
             .mtp
             .parse::<MtpMode>()
@@ -283,6 +290,7 @@ fn scheduler_config(args: &ServeArgs) -> Result<SchedulerConfig, BoxError> {
         // Half the budget, so a long prompt never holds back newer ones
         // (see SchedulerConfig::max_prefill_chunk).
         max_prefill_chunk: (args.step_tokens / 2).max(1),
+        prefix_caching: !args.no_prefix_cache,
     };
     let roomy = EngineInfo {
         model_name: String::new(),
@@ -290,6 +298,8 @@ fn scheduler_config(args: &ServeArgs) -> Result<SchedulerConfig, BoxError> {
         vocab_size: usize::MAX,
         eos_ids: Vec::new(),
         kv_capacity_tokens: usize::MAX,
+        kv_block_size: 1,
+        draft_needs_hidden: false,
         speculation: None,
     };
     match cfg.validate(&roomy) {

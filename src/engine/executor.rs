@@ -38,12 +38,25 @@ use crate::sampler::{SamplePath, SampleResult, Sampler};
 /// Engine settings.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// KV pool size in tokens, over all slots.
+    /// KV pool size in tokens, over all slots (rounded down to whole blocks).
     pub kv_capacity_tokens: usize,
+    /// Tokens per KV block ([`crate::kv::DEFAULT_BLOCK_SIZE`] by default).
+    pub kv_block_size: usize,
     /// Name reported to clients.
     pub model_name: String,
     /// Extra end-of-sequence ids (the tokenizer's), merged with the model's.
     pub eos_ids: Vec<u32>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            kv_capacity_tokens: 16_384,
+            kv_block_size: crate::kv::DEFAULT_BLOCK_SIZE,
+            model_name: "tandem".into(),
+            eos_ids: Vec::new(),
+        }
+    }
 }
 
 /// The engine thread's state. Build it, then hand it to
@@ -71,18 +84,23 @@ impl Engine {
                 eos_ids.push(id);
             }
         }
+        let block_size = config.kv_block_size.max(1);
+        let num_blocks = config.kv_capacity_tokens / block_size;
         let info = EngineInfo {
             model_name: config.model_name,
             context_len: cfg.max_position_embeddings,
             vocab_size: cfg.vocab_size,
             eos_ids,
-            kv_capacity_tokens: config.kv_capacity_tokens,
+            kv_capacity_tokens: num_blocks * block_size,
+            kv_block_size: block_size,
+            draft_needs_hidden: false,
             speculation: None,
         };
-        let kv = KvCache::new(
+        let kv = KvCache::paged(
             model.kv_layout(),
             model.device().clone(),
-            config.kv_capacity_tokens,
+            num_blocks,
+            block_size,
         );
         let seqs = Sequences::new(kv, Sampler::new(info.context_len));
         Self { model, seqs, info }
@@ -91,6 +109,7 @@ impl Engine {
     /// Enables speculative decoding with `head` (sequences draft according
     /// to their own [`SpecOptions`], or `config.default`).
     pub fn with_draft(mut self, head: Box<dyn DraftHead>, config: SpecConfig) -> Self {
+        self.info.draft_needs_hidden = head.needs_hidden();
         self.seqs.set_head(head, config);
         self.info.speculation = Some(config.default);
         self
@@ -100,19 +119,53 @@ impl Engine {
         &self.model
     }
 
-    /// KV tokens currently reserved (for tests and stats).
+    /// KV tokens currently reserved, or held by block tables (for tests and stats).
     pub fn kv_reserved_tokens(&self) -> usize {
         self.seqs.kv.reserved_tokens()
     }
 
-    fn admit(&mut self, admissions: Vec<Admission>, out: &mut Vec<SeqOutcome>) {
+    /// Preemptions, admissions, resumptions and table updates, in that
+    /// order; a sequence that fails one is released and reported.
+    fn apply_kv(
+        &mut self,
+        preempt: Vec<SlotId>,
+        admissions: Vec<Admission>,
+        resume: Vec<Resume>,
+        tables: Vec<TableUpdate>,
+        out: &mut Vec<SeqOutcome>,
+    ) {
+        let mut fail = |seqs: &mut super::sequences::Sequences, slot, error: EngineError| {
+            if !matches!(
+                error,
+                EngineError::UnknownSlot(_) | EngineError::DuplicateSlot(_)
+            ) {
+                seqs.release(slot);
+            }
+            out.push(SeqOutcome {
+                slot,
+                result: Err(error),
+            });
+        };
+        for slot in preempt {
+            if let Err(e) = self.seqs.preempt(slot) {
+                fail(&mut self.seqs, slot, e);
+            }
+        }
         for a in admissions {
             let slot = a.slot;
-            if let Err(error) = self.seqs.admit(a) {
-                out.push(SeqOutcome {
-                    slot,
-                    result: Err(error),
-                });
+            if let Err(e) = self.seqs.admit(a) {
+                fail(&mut self.seqs, slot, e);
+            }
+        }
+        for r in resume {
+            let slot = r.slot;
+            if let Err(e) = self.seqs.resume(r) {
+                fail(&mut self.seqs, slot, e);
+            }
+        }
+        for t in tables {
+            if let Err(e) = self.seqs.kv.set_table(t.slot, t.table, None) {
+                fail(&mut self.seqs, t.slot, kv_err(t.slot, e));
             }
         }
     }
@@ -299,7 +352,13 @@ impl StepExecutor for Engine {
         for slot in plan.release {
             self.seqs.release(slot);
         }
-        self.admit(plan.admit, &mut outcome.seqs);
+        self.apply_kv(
+            plan.preempt,
+            plan.admit,
+            plan.resume,
+            plan.tables,
+            &mut outcome.seqs,
+        );
         let mut planned = self.plan(plan.work, &mut outcome.seqs);
         self.draft(&mut planned, &mut outcome.stats);
         if !planned.is_empty() {

@@ -7,7 +7,7 @@
 //!   admit → plan → draft → forward → sample → verify → update.
 //! - `sequences`: the slot registry (every per-sequence store, one admit
 //!   and one idempotent release, the end-of-sequence rule).
-//! - `work`: the plan phase (work items checked, KV reserved).
+//! - `work`: the plan phase (work items checked against their KV room).
 //! - `rows`: the pure row layout (planned work → ragged batch + row map).
 //! - `drafting`: the batched draft rounds.
 //! - `update`: the verify and update phases of one sequence.

@@ -32,8 +32,16 @@ pub struct EngineInfo {
     pub vocab_size: usize,
     /// Token ids that end generation.
     pub eos_ids: Vec<u32>,
-    /// KV pool capacity in tokens, summed over all slots.
+    /// KV pool capacity in tokens, summed over all slots: a whole number
+    /// of blocks.
     pub kv_capacity_tokens: usize,
+    /// Tokens per KV block (the pool holds `kv_capacity_tokens /
+    /// kv_block_size` blocks, ids `0..` that).
+    pub kv_block_size: usize,
+    /// The draft head needs the target's hidden state at every position
+    /// (an MTP head): a drafting sequence cannot start from a cached prefix,
+    /// whose hidden states were never kept.
+    pub draft_needs_hidden: bool,
     /// The speculation options a request that does not say gets; `None`
     /// when the engine has no draft head (nobody drafts).
     pub speculation: Option<SpecOptions>,
@@ -47,8 +55,17 @@ pub struct StepPlan {
     /// Slots to drop before this step's work (cancelled, stopped by a stop
     /// string, or abandoned by their requester).
     pub release: Vec<SlotId>,
+    /// Slots whose KV is dropped before this step's work (preempted: the
+    /// sequence keeps its slot, sampler and generated tokens, and is
+    /// recomputed after a later [`Resume`]).
+    pub preempt: Vec<SlotId>,
     /// Slots to register before this step's work.
     pub admit: Vec<Admission>,
+    /// Preempted slots that get a block table again (after `admit`).
+    pub resume: Vec<Resume>,
+    /// Running slots whose block table changed (grown for this step's
+    /// tokens, or trimmed), applied after `resume`.
+    pub tables: Vec<TableUpdate>,
     /// Per-sequence work, batched into one forward pass and one sampler call.
     pub work: Vec<SeqWork>,
 }
@@ -63,12 +80,45 @@ pub struct Admission {
     pub sampling: SamplingOptions,
     /// Generation stops with [`SeqFinish::Length`] after this many tokens.
     pub max_new_tokens: usize,
-    /// KV tokens to reserve up front (prompt + max_new_tokens, capped at the
-    /// context length); admission control makes sure they are available.
-    pub kv_reserve: usize,
+    /// Where its KV goes.
+    pub kv: KvGrant,
     /// Speculative decoding for this sequence; `None` uses the engine's
     /// default (see [`crate::engine::SpecConfig`]).
     pub spec: Option<SpecOptions>,
+}
+
+/// Where an admitted sequence's KV lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvGrant {
+    /// Blocks of the scheduler's pool. The first `cached_tokens` positions
+    /// (whole blocks of a cached prefix, fewer than the prompt) are already
+    /// computed: prefill starts there.
+    Blocks {
+        table: Vec<u32>,
+        cached_tokens: usize,
+    },
+    /// Tokens the engine reserves and takes blocks for by itself, for
+    /// drivers without a block pool (tests, benches). A pool serves one kind
+    /// of admission for its whole life.
+    Reserve(usize),
+}
+
+/// A preempted sequence given blocks again: its first `cached_tokens`
+/// positions are found in the prefix cache, the rest (prompt and every
+/// generated token but the last) is recomputed by prefill work before it
+/// decodes again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resume {
+    pub slot: SlotId,
+    pub table: Vec<u32>,
+    pub cached_tokens: usize,
+}
+
+/// A running slot's whole new block table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableUpdate {
+    pub slot: SlotId,
+    pub table: Vec<u32>,
 }
 
 /// How a sequence drafts tokens for speculative (MTP) decoding.
@@ -152,8 +202,10 @@ pub enum DraftSchedule {
 /// What one sequence contributes to a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeqWork {
-    /// Feed `prompt[start..start + len]`. When the chunk reaches the end of
-    /// the prompt the first generated token is sampled in the same step.
+    /// Feed positions `start..start + len` of the sequence: prompt tokens,
+    /// or (recomputing after a preemption) prompt and generated tokens up
+    /// to the last one. When a first prefill reaches the end of the prompt
+    /// the first generated token is sampled in the same step.
     Prefill {
         slot: SlotId,
         start: usize,

@@ -7,9 +7,15 @@
 //!   draft policy (those two only when it drafts) and in the slot table; on
 //!   any failure it calls [`Sequences::release`], which removes the slot
 //!   from every store and is a no-op for stores that never had it.
-//! - Until the prompt is done `Sequence::prefilled` equals the KV length;
-//!   afterwards the KV holds `prompt + generated - 1` positions (the last
-//!   sampled token is fed by the next decode).
+//! - Until the prompt is done `Sequence::prefilled` equals the KV length
+//!   (it starts at the cached prefix's length); afterwards the KV holds
+//!   `prompt + generated - 1` positions (the last sampled token is fed by
+//!   the next decode).
+//! - Preemption ([`Sequences::preempt`]) drops only the KV: the sampler
+//!   (seeded RNG, penalty history), the draft head and the generated tokens
+//!   stay, so after [`Sequences::resume`] and the recompute (prefill work
+//!   over prompt + generated tokens but the last, `recompute` set until it
+//!   is done) the sequence continues exactly as if never preempted.
 //! - For a draft head that needs hidden states, `pending_hidden` holds the
 //!   target's hidden states of the fed positions the head has not consumed
 //!   (its own KV length up to the target's).
@@ -24,7 +30,8 @@ use super::draft_heads::DraftHead;
 use super::errors::{kv_err, model_err};
 use super::spec::{DraftPolicy, Drafting, SpecConfig};
 use super::{
-    Admission, EngineError, GeneratedToken, SeqFinish, SlotId, SpecOptions, MAX_DRAFT_TOKENS,
+    Admission, EngineError, GeneratedToken, KvGrant, Resume, SeqFinish, SlotId, SpecOptions,
+    MAX_DRAFT_TOKENS,
 };
 use crate::kv::KvCache;
 use crate::sampler::{Sampler, SamplingOptions};
@@ -33,6 +40,9 @@ use crate::sampler::{Sampler, SamplingOptions};
 pub(crate) struct Sequence {
     pub prompt: Arc<[u32]>,
     pub prefilled: usize,
+    /// While recomputing after a preemption: the KV length to reach
+    /// (`prompt + generated - 1`) before decoding again.
+    pub recompute: Option<usize>,
     pub last_token: Option<u32>,
     /// Generated token ids, in order (MTP heads pair hidden states with them).
     pub generated: Vec<u32>,
@@ -45,7 +55,13 @@ pub(crate) struct Sequence {
 
 impl Sequence {
     pub fn prompt_done(&self) -> bool {
-        self.prefilled == self.prompt.len()
+        self.recompute.is_none() && self.prefilled >= self.prompt.len()
+    }
+
+    /// The KV length prefill work may reach: the prompt, or the recompute
+    /// target.
+    pub fn fill_target(&self) -> usize {
+        self.recompute.unwrap_or(self.prompt.len())
     }
 
     /// Token at `position` of the whole sequence (prompt, then generated).
@@ -171,13 +187,43 @@ impl Sequences {
                 reason: "empty prompt or max_new_tokens 0".into(),
             });
         }
-        self.kv
-            .allocate(slot, a.kv_reserve)
-            .map_err(|e| kv_err(slot, e))?;
+        let max_tokens = a.prompt.len().saturating_add(a.max_new_tokens);
+        let cached = match a.kv {
+            KvGrant::Reserve(tokens) => {
+                self.kv
+                    .allocate(slot, tokens)
+                    .map_err(|e| kv_err(slot, e))?;
+                0
+            }
+            KvGrant::Blocks {
+                table,
+                cached_tokens,
+            } => {
+                if cached_tokens >= a.prompt.len() {
+                    return Err(EngineError::InvalidWork {
+                        slot,
+                        reason: format!(
+                            "{cached_tokens} cached tokens of a {}-token prompt",
+                            a.prompt.len()
+                        ),
+                    });
+                }
+                self.kv
+                    .register(slot, table, cached_tokens)
+                    .map_err(|e| kv_err(slot, e))?;
+                cached_tokens
+            }
+        };
         self.sampler.add(slot, a.sampling, &a.prompt)?;
         if let Some(drafting) = Drafting::resolve(a.spec, self.default_spec, &a.sampling) {
             let head = self.head.as_mut().expect("a default spec implies a head");
-            head.admit(slot, a.kv_reserve + MAX_DRAFT_TOKENS)
+            if cached > 0 && head.needs_hidden() {
+                return Err(EngineError::InvalidWork {
+                    slot,
+                    reason: "a cached prefix for a head that needs every hidden state".into(),
+                });
+            }
+            head.admit(slot, max_tokens.saturating_add(MAX_DRAFT_TOKENS))
                 .map_err(model_err)?;
             self.policy.admit(slot, drafting);
         }
@@ -185,7 +231,8 @@ impl Sequences {
             slot,
             Sequence {
                 prompt: a.prompt,
-                prefilled: 0,
+                prefilled: cached,
+                recompute: None,
                 last_token: None,
                 generated: Vec::new(),
                 max_new_tokens: a.max_new_tokens,
@@ -194,6 +241,40 @@ impl Sequences {
             },
         );
         Ok(())
+    }
+
+    /// Drops `slot`'s KV (its blocks go back to the scheduler); everything
+    /// else stays for [`resume`](Self::resume).
+    pub fn preempt(&mut self, slot: SlotId) -> Result<(), EngineError> {
+        if !self.seqs.contains_key(&slot) || !self.kv.free(slot) {
+            return Err(EngineError::UnknownSlot(slot));
+        }
+        Ok(())
+    }
+
+    /// Gives a preempted `slot` its KV back: `table`, whose first
+    /// `cached_tokens` positions are valid; the rest is recomputed.
+    pub fn resume(&mut self, r: Resume) -> Result<(), EngineError> {
+        let slot = r.slot;
+        let seq = self
+            .seqs
+            .get_mut(&slot)
+            .ok_or(EngineError::UnknownSlot(slot))?;
+        let target = match seq.generated.len() {
+            0 => seq.prompt.len(),
+            g => seq.prompt.len() + g - 1,
+        };
+        if r.cached_tokens > target || (seq.generated.is_empty() && r.cached_tokens == target) {
+            return Err(EngineError::InvalidWork {
+                slot,
+                reason: format!("resume with {} cached of {target}", r.cached_tokens),
+            });
+        }
+        seq.prefilled = r.cached_tokens;
+        seq.recompute = (!seq.generated.is_empty() && r.cached_tokens < target).then_some(target);
+        self.kv
+            .register(slot, r.table, r.cached_tokens)
+            .map_err(|e| kv_err(slot, e))
     }
 
     /// Removes `slot` from every store. Idempotent.
@@ -288,7 +369,7 @@ mod tests {
             prompt: Arc::from(vec![1u32, 2, 3]),
             sampling: SamplingOptions::greedy(),
             max_new_tokens: 4,
-            kv_reserve: 7,
+            kv: KvGrant::Reserve(7),
             spec: None,
         }
     }
@@ -375,6 +456,7 @@ mod tests {
         let seq = |max_new_tokens, generated: Vec<u32>| Sequence {
             prompt: Arc::from(vec![1u32, 2]),
             prefilled: 2,
+            recompute: None,
             last_token: generated.last().copied(),
             generated,
             max_new_tokens,

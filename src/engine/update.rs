@@ -90,6 +90,9 @@ pub(crate) fn update(
     if !seq.prompt_done() {
         seq.prefilled += p.tokens.len();
         progress.prefilled = p.tokens.len();
+        if seq.recompute == Some(seq.prefilled) {
+            seq.recompute = None;
+        }
     }
     if p.keep_hidden {
         let new = step

@@ -74,15 +74,20 @@ pub(crate) fn plan_one(
     let invalid = |reason: String| EngineError::InvalidWork { slot, reason };
     let (tokens, samples, allowed) = match work {
         SeqWork::Prefill { start, len, .. } => {
-            if start != seq.prefilled || len == 0 || start + len > seq.prompt.len() {
-                let (done, total) = (seq.prefilled, seq.prompt.len());
+            let target = seq.fill_target();
+            if start != seq.prefilled || len == 0 || start + len > target {
+                let done = seq.prefilled;
                 return Err(invalid(format!(
-                    "prefill {start}..{} but {done} of {total} prompt tokens are done",
+                    "prefill {start}..{} but {done} of {target} positions are done",
                     start + len
                 )));
             }
-            let chunk = seq.prompt[start..start + len].to_vec();
-            (chunk, start + len == seq.prompt.len(), 0)
+            let chunk = (start..start + len)
+                .map(|p| seq.token_at(p))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| invalid("prefill past the known tokens".into()))?;
+            let samples = seq.recompute.is_none() && start + len == seq.prompt.len();
+            (chunk, samples, 0)
         }
         SeqWork::Decode { max_drafts, .. } => match seq.last_token {
             Some(t) if seq.prompt_done() => (
@@ -99,8 +104,11 @@ pub(crate) fn plan_one(
             offset + tokens.len()
         )));
     }
+    let recomputing = seq.recompute.is_some();
     let draft_budget = seqs.policy.drafts_for(slot, allowed, step_allows);
-    let keep_hidden = seqs.keeps_hidden(slot);
+    // A recompute refills the target's KV only: the draft head already
+    // consumed these positions' hidden states before the preemption.
+    let keep_hidden = seqs.keeps_hidden(slot) && !recomputing;
     seqs.kv
         .ensure_room(slot, tokens.len() + draft_budget)
         .map_err(|e| kv_err(slot, e))?;

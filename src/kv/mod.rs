@@ -1,35 +1,38 @@
-//! Per-slot KV cache with explicit capacity accounting and speculation.
+//! The KV cache: K/V storage in fixed-size blocks, each slot reading and
+//! writing through its block table, with speculation.
 //!
 //! # Ownership and invariants
 //! - Owned by the engine thread; nothing else touches it.
-//! - Capacity is counted in tokens (one token = K and V for every layer). A
-//!   slot *reserves* its worst case (prompt + max new tokens) when it is
-//!   allocated, so a running sequence can never run out mid-generation;
-//!   `reserved_tokens() <= capacity_tokens()` always holds, and freeing a
-//!   slot returns its reservation.
-//! - K and V are laid out `[tokens, kv_heads, head_dim]` per layer
-//!   (token-major, so appending a chunk is one contiguous copy and
-//!   attention reads a prefix without copying), in one of two storages:
-//!   - **per slot** (CPU): each slot has its own buffers, grown
-//!     geometrically up to the reservation; the lean CPU kernels read them;
-//!   - **pooled** (GPUs): one buffer per layer for all slots, each slot
-//!     owning a contiguous range the size of its reservation, so that one
-//!     gather reads every sequence's keys of a batch (batched attention in
-//!     one launch per op instead of one per sequence). The pool grows to
-//!     its high-water mark, first fit from the front; when free space is
-//!     only fragmented the live ranges are compacted (rare: a copy of their
-//!     valid rows).
-//!
-//!   Either way rows past `len` are garbage.
+//! - Storage: one buffer per layer for K and one for V, `[rows, kv_heads,
+//!   head_dim]` (token-major), divided into blocks of `block_size` rows.
+//!   Position `p` of a slot lives at row `table[p / block_size] *
+//!   block_size + p % block_size`. The buffers grow (geometrically) to the
+//!   highest block in use, so an idle pool costs nothing. Rows past a
+//!   slot's `len` are garbage.
+//! - Who decides the tables:
+//!   - **external** ([`KvCache::paged`], the engine's cache): the
+//!     scheduler's [`BlockPool`] owns the accounting, the prefix cache and
+//!     preemption, and every plan carries the tables that changed
+//!     ([`KvCache::set_table`]). Several slots may share a block (a cached
+//!     prefix); the scheduler hands a slot shared blocks only for positions
+//!     it will never write.
+//!   - **own** ([`KvCache::new`]: draft heads, tests, one-off generation):
+//!     the cache takes and returns blocks itself, and capacity is a token
+//!     *reservation* per slot, as before paging ([`KvCache::allocate`]).
 //! - `len` is the number of positions whose K/V are valid. Forward passes
 //!   append at `len`. Speculation: [`KvCache::begin`] remembers `len`, drafts
 //!   are appended like any tokens, and [`KvCache::commit`]`(j)` sets `len` back
 //!   to the remembered value + j, which leaves the cache exactly as if only
-//!   the j accepted tokens had been fed (stale rows are overwritten later).
+//!   the j accepted tokens had been fed (stale rows are overwritten later;
+//!   an own cache also returns the blocks only the rejected drafts used).
+
+pub mod blocks;
 
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
+
+pub use blocks::{blocks_for, BlockId, BlockPool, SeqBlocks, DEFAULT_BLOCK_SIZE};
 
 use crate::slot::SlotId;
 
@@ -54,6 +57,12 @@ pub enum KvError {
         reserved: usize,
         needed: usize,
     },
+    #[error("slot {slot}: block {block} is outside the pool of {blocks} blocks")]
+    BadBlock {
+        slot: SlotId,
+        block: BlockId,
+        blocks: usize,
+    },
     #[error("slot {slot}: commit of {accepted} tokens but only {fed} were fed since begin")]
     BadCommit {
         slot: SlotId,
@@ -62,6 +71,8 @@ pub enum KvError {
     },
     #[error("slot {0}: commit without begin")]
     NoSpeculation(SlotId),
+    #[error("slot {0}: a KV pool is driven by block tables or by reservations, never both")]
+    Mixed(SlotId),
     #[error("tensor error in KV cache: {0}")]
     Tensor(String),
 }
@@ -88,227 +99,376 @@ impl KvLayout {
     }
 }
 
-/// Smallest buffer a slot starts with, in tokens.
-const MIN_ALLOC_TOKENS: usize = 64;
+/// Smallest storage, in blocks.
+const MIN_POOL_BLOCKS: usize = 16;
 
 struct SlotKv {
-    /// Per layer: (K, V), each `[alloc, kv_heads, head_dim]` (per-slot storage only).
-    layers: Vec<(Tensor, Tensor)>,
-    /// Rows usable without growing: the buffers' length (per slot) or the
-    /// reservation (pooled).
-    alloc: usize,
-    /// First pool row of the slot's range (pooled storage only).
-    base: usize,
+    table: Vec<BlockId>,
     len: usize,
+    /// Tokens reserved (own caches only).
     reserved: usize,
     /// `len` when speculation began.
     spec_start: Option<usize>,
 }
 
-/// Smallest pool, in tokens.
-const MIN_POOL_TOKENS: usize = 256;
+/// Who hands out blocks.
+enum Blocks {
+    /// A pool of `num_blocks` whose first registration decides: a table
+    /// ([`KvCache::register`]) makes it external, a reservation
+    /// ([`KvCache::allocate`]) makes it own. Never both: the scheduler's
+    /// cached blocks must not be handed out behind its back.
+    Undecided { num_blocks: usize },
+    /// The plan's tables; `num_blocks` bounds the ids.
+    External { num_blocks: usize },
+    /// The cache itself: freed ids (lowest reused first) and the next
+    /// never-used id; capacity is a token reservation. `undecided`: the
+    /// pool's size when it was undecided before, which it becomes again
+    /// once its last slot is freed (a driver that warms an engine up with
+    /// reservations leaves it free for the scheduler's tables).
+    Own {
+        free: std::collections::BTreeSet<BlockId>,
+        next: BlockId,
+        capacity: usize,
+        reserved: usize,
+        undecided: Option<usize>,
+    },
+}
 
-/// The shared buffers of pooled storage.
-struct Pool {
-    /// Per layer: (K, V), each `[rows, kv_heads, head_dim]`.
-    layers: Vec<(Tensor, Tensor)>,
-    rows: usize,
+impl Blocks {
+    fn own(capacity: usize, undecided: Option<usize>) -> Self {
+        Blocks::Own {
+            free: Default::default(),
+            next: 0,
+            capacity,
+            reserved: 0,
+            undecided,
+        }
+    }
 }
 
 /// The KV caches of every slot.
 pub struct KvCache {
     layout: KvLayout,
     device: Device,
-    capacity: usize,
-    reserved: usize,
+    block_size: usize,
+    blocks: Blocks,
     slots: HashMap<SlotId, SlotKv>,
-    /// `Some` for pooled storage.
-    pool: Option<Pool>,
+    /// Per layer: (K, V), each `[rows, kv_heads, head_dim]`.
+    layers: Vec<(Tensor, Tensor)>,
+    rows: usize,
 }
 
 impl KvCache {
-    /// An empty cache holding at most `capacity_tokens` tokens in total:
-    /// per-slot storage on the CPU, pooled elsewhere.
+    /// A cache that manages its own blocks, holding at most
+    /// `capacity_tokens` reserved tokens in total.
     pub fn new(layout: KvLayout, device: Device, capacity_tokens: usize) -> Self {
-        if device.is_cpu() {
-            Self::per_slot(layout, device, capacity_tokens)
-        } else {
-            Self::pooled(layout, device, capacity_tokens)
-        }
+        Self::own(layout, device, capacity_tokens, DEFAULT_BLOCK_SIZE)
     }
 
-    /// Per-slot storage on any device.
+    /// [`new`](Self::new) (kept for callers of the pre-paging API: every
+    /// cache is one pool now).
     pub fn per_slot(layout: KvLayout, device: Device, capacity_tokens: usize) -> Self {
+        Self::new(layout, device, capacity_tokens)
+    }
+
+    /// [`new`](Self::new) (as [`per_slot`](Self::per_slot)).
+    pub fn pooled(layout: KvLayout, device: Device, capacity_tokens: usize) -> Self {
+        Self::new(layout, device, capacity_tokens)
+    }
+
+    /// A self-managed cache with blocks of `block_size` tokens.
+    pub fn own(
+        layout: KvLayout,
+        device: Device,
+        capacity_tokens: usize,
+        block_size: usize,
+    ) -> Self {
+        Self::build(
+            layout,
+            device,
+            block_size,
+            Blocks::own(capacity_tokens, None),
+        )
+    }
+
+    /// A cache of `num_blocks` blocks of `block_size` tokens whose tables
+    /// come from outside ([`set_table`](Self::set_table)), or, when its
+    /// driver reserves tokens instead ([`allocate`](Self::allocate)), that
+    /// hands out its blocks itself: the first registration decides.
+    pub fn paged(layout: KvLayout, device: Device, num_blocks: usize, block_size: usize) -> Self {
+        Self::build(layout, device, block_size, Blocks::Undecided { num_blocks })
+    }
+
+    fn build(layout: KvLayout, device: Device, block_size: usize, blocks: Blocks) -> Self {
+        assert!(block_size > 0, "KV block size 0: this is a bug");
         Self {
             layout,
             device,
-            capacity: capacity_tokens,
-            reserved: 0,
+            block_size,
+            blocks,
             slots: HashMap::new(),
-            pool: None,
+            layers: Vec::new(),
+            rows: 0,
         }
     }
 
-    /// Pooled storage on any device (the batched attention path reads it).
-    pub fn pooled(layout: KvLayout, device: Device, capacity_tokens: usize) -> Self {
-        Self {
-            pool: Some(Pool {
-                layers: Vec::new(),
-                rows: 0,
-            }),
-            ..Self::per_slot(layout, device, capacity_tokens)
-        }
+    /// Whether the tables come from outside.
+    pub fn is_external(&self) -> bool {
+        matches!(self.blocks, Blocks::External { .. })
     }
 
-    /// Whether every slot lives in one buffer per layer.
+    /// Every cache is one pool per layer (the batched attention paths read it).
     pub fn is_pooled(&self) -> bool {
-        self.pool.is_some()
+        true
     }
 
-    /// Pooled storage: layer `layer`'s (K, V) buffers `[rows, kv_heads,
-    /// head_dim]` shared by all slots; `None` for per-slot storage.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Layer `layer`'s (K, V) buffers `[rows, kv_heads, head_dim]` shared by
+    /// all slots; `None` before anything was stored.
     pub fn pool_layer(&self, layer: usize) -> Option<(&Tensor, &Tensor)> {
-        let pool = self.pool.as_ref()?;
-        pool.layers.get(layer).map(|(k, v)| (k, v))
+        self.layers.get(layer).map(|(k, v)| (k, v))
     }
 
-    /// Pooled storage: the pool row of the slot's position 0.
-    pub fn pool_base(&self, slot: SlotId) -> Result<usize, KvError> {
+    /// The slot's block table.
+    pub fn table(&self, slot: SlotId) -> Result<&[BlockId], KvError> {
         self.slots
             .get(&slot)
-            .map(|s| s.base)
+            .map(|s| s.table.as_slice())
             .ok_or(KvError::UnknownSlot(slot))
+    }
+
+    /// The pool row of the slot's position `pos` (its block must be in the table).
+    pub fn row(&self, slot: SlotId, pos: usize) -> Result<usize, KvError> {
+        let s = self.slots.get(&slot).ok_or(KvError::UnknownSlot(slot))?;
+        row_of(&s.table, self.block_size, pos).ok_or(KvError::OverReservation {
+            slot,
+            reserved: s.table.len() * self.block_size,
+            needed: pos + 1,
+        })
+    }
+
+    /// When the slot's first `upto` positions lie in consecutive blocks, the
+    /// pool row of its position 0 (kernels that read one contiguous range
+    /// per sequence use it; others gather through the table).
+    pub fn contiguous_base(&self, slot: SlotId, upto: usize) -> Option<usize> {
+        let s = self.slots.get(&slot)?;
+        let n = blocks_for(upto, self.block_size);
+        let t = s.table.get(..n.max(1))?;
+        let first = t[0];
+        t.iter()
+            .enumerate()
+            .all(|(i, &b)| b == first + i as BlockId)
+            .then_some(first as usize * self.block_size)
     }
 
     pub fn layout(&self) -> KvLayout {
         self.layout
     }
 
+    /// Token capacity: the reservation limit of an own cache, the pool's
+    /// size for an external one.
     pub fn capacity_tokens(&self) -> usize {
-        self.capacity
+        match &self.blocks {
+            Blocks::External { num_blocks } | Blocks::Undecided { num_blocks } => {
+                num_blocks * self.block_size
+            }
+            Blocks::Own { capacity, .. } => *capacity,
+        }
     }
 
-    /// Tokens reserved by all allocated slots.
+    /// Tokens reserved by all slots (own), or held by their tables (external).
     pub fn reserved_tokens(&self) -> usize {
-        self.reserved
+        match &self.blocks {
+            Blocks::External { .. } | Blocks::Undecided { .. } => {
+                self.blocks_in_tables() * self.block_size
+            }
+            Blocks::Own { reserved, .. } => *reserved,
+        }
+    }
+
+    /// Blocks in all tables (a shared block counts once per table).
+    pub fn blocks_in_tables(&self) -> usize {
+        self.slots.values().map(|s| s.table.len()).sum()
     }
 
     pub fn available_tokens(&self) -> usize {
-        self.capacity - self.reserved
+        self.capacity_tokens() - self.reserved_tokens()
     }
 
-    /// Reserves `reserve_tokens` for a new slot.
+    /// Registers a slot whose cache reserves `reserve_tokens` for it (the
+    /// most it may hold) and takes blocks as it grows. On an external
+    /// cache use [`register`](Self::register).
     pub fn allocate(&mut self, slot: SlotId, reserve_tokens: usize) -> Result<(), KvError> {
         if self.slots.contains_key(&slot) {
             return Err(KvError::AlreadyAllocated(slot));
         }
-        if reserve_tokens > self.available_tokens() {
-            return Err(KvError::Exhausted {
-                requested: reserve_tokens,
-                available: self.available_tokens(),
-                capacity: self.capacity,
-            });
+        match self.blocks {
+            Blocks::Undecided { num_blocks } => {
+                self.blocks = Blocks::own(num_blocks * self.block_size, Some(num_blocks))
+            }
+            Blocks::External { .. } => return Err(KvError::Mixed(slot)),
+            Blocks::Own { .. } => {}
         }
-        let (base, alloc) = match self.pool.is_some() {
-            true => (self.place(reserve_tokens)?, reserve_tokens),
-            false => (0, 0),
-        };
-        self.reserved += reserve_tokens;
+        let mut reserved_here = 0;
+        if let Blocks::Own {
+            capacity, reserved, ..
+        } = &mut self.blocks
+        {
+            let available = *capacity - *reserved;
+            if reserve_tokens > available {
+                return Err(KvError::Exhausted {
+                    requested: reserve_tokens,
+                    available,
+                    capacity: *capacity,
+                });
+            }
+            *reserved += reserve_tokens;
+            reserved_here = reserve_tokens;
+        }
         self.slots.insert(
             slot,
             SlotKv {
-                layers: Vec::new(),
-                alloc,
-                base,
+                table: Vec::new(),
                 len: 0,
-                reserved: reserve_tokens,
+                reserved: reserved_here,
                 spec_start: None,
             },
         );
         Ok(())
     }
 
-    /// Pooled storage: finds (first fit) or makes room for a range of
-    /// `tokens` rows and returns its first row. The caller has checked the
-    /// accounting, so compaction always makes room.
-    fn place(&mut self, tokens: usize) -> Result<usize, KvError> {
-        let mut ranges: Vec<(usize, usize)> =
-            self.slots.values().map(|s| (s.base, s.reserved)).collect();
-        ranges.sort_unstable();
-        let mut at = 0;
-        for &(base, len) in &ranges {
-            if base >= at + tokens {
-                break;
-            }
-            at = at.max(base + len);
+    /// Registers a slot whose block table comes from outside, with `table`
+    /// and the first `len` positions already valid (a cached prefix).
+    pub fn register(
+        &mut self,
+        slot: SlotId,
+        table: Vec<BlockId>,
+        len: usize,
+    ) -> Result<(), KvError> {
+        if self.slots.contains_key(&slot) {
+            return Err(KvError::AlreadyAllocated(slot));
         }
-        if at + tokens > self.capacity {
-            at = self.compact()?;
+        match self.blocks {
+            Blocks::Undecided { num_blocks } => self.blocks = Blocks::External { num_blocks },
+            Blocks::Own { .. } => return Err(KvError::Mixed(slot)),
+            Blocks::External { .. } => {}
         }
-        self.grow_pool(at + tokens)?;
-        Ok(at)
+        self.slots.insert(
+            slot,
+            SlotKv {
+                table: Vec::new(),
+                len: 0,
+                reserved: 0,
+                spec_start: None,
+            },
+        );
+        let result = self.set_table(slot, table, Some(len));
+        if result.is_err() {
+            self.slots.remove(&slot);
+        }
+        result
     }
 
-    /// Pooled storage: moves every slot's valid rows to the front, in pool
-    /// order, and returns the first free row after them.
-    fn compact(&mut self) -> Result<usize, KvError> {
-        let mut order: Vec<(usize, SlotId)> =
-            self.slots.iter().map(|(&id, s)| (s.base, id)).collect();
-        order.sort_unstable();
-        let layers = &self.pool.as_ref().expect("pooled").layers;
-        let mut at = 0;
-        for (base, id) in order {
-            let s = self.slots.get_mut(&id).expect("listed slot");
-            if base != at && s.len > 0 {
-                for (k, v) in layers {
-                    // Through a copy: the old and new ranges may overlap.
-                    k.slice_set(&k.narrow(0, base, s.len)?.copy()?, 0, at)?;
-                    v.slice_set(&v.narrow(0, base, s.len)?.copy()?, 0, at)?;
-                }
+    /// External caches: the slot's new block table (the scheduler's) and
+    /// the valid length, when it changes (`None`: keep `len`, which must
+    /// fit the table).
+    pub fn set_table(
+        &mut self,
+        slot: SlotId,
+        table: Vec<BlockId>,
+        len: Option<usize>,
+    ) -> Result<(), KvError> {
+        let num_blocks = match self.blocks {
+            Blocks::External { num_blocks } => num_blocks,
+            Blocks::Own { .. } | Blocks::Undecided { .. } => {
+                return Err(KvError::Tensor(
+                    "set_table on a self-managed KV cache: this is a bug".into(),
+                ))
             }
-            s.base = at;
-            at += s.reserved;
+        };
+        if let Some(&block) = table.iter().find(|&&b| b as usize >= num_blocks) {
+            return Err(KvError::BadBlock {
+                slot,
+                block,
+                blocks: num_blocks,
+            });
         }
-        Ok(at)
+        let bs = self.block_size;
+        let s = self
+            .slots
+            .get_mut(&slot)
+            .ok_or(KvError::UnknownSlot(slot))?;
+        let len = len.unwrap_or(s.len);
+        if len > table.len() * bs {
+            return Err(KvError::OverReservation {
+                slot,
+                reserved: table.len() * bs,
+                needed: len,
+            });
+        }
+        s.table = table;
+        s.len = len;
+        s.spec_start = None;
+        let top = s.table.iter().max().map_or(0, |&b| b as usize + 1);
+        self.grow_storage(top)
     }
 
-    /// Pooled storage: grows the buffers (geometrically, up to the
-    /// capacity) to hold at least `rows` rows.
-    fn grow_pool(&mut self, rows: usize) -> Result<(), KvError> {
-        let layout = self.layout;
-        let pool = self.pool.as_mut().expect("pooled");
-        if rows <= pool.rows {
+    /// Grows the buffers to hold at least `blocks` blocks.
+    fn grow_storage(&mut self, blocks: usize) -> Result<(), KvError> {
+        let rows = blocks * self.block_size;
+        if rows <= self.rows {
             return Ok(());
         }
+        let cap_rows = match self.blocks {
+            Blocks::External { num_blocks } | Blocks::Undecided { num_blocks } => {
+                num_blocks * self.block_size
+            }
+            Blocks::Own { .. } => usize::MAX,
+        };
         let new_rows = rows
-            .max(2 * pool.rows)
-            .max(MIN_POOL_TOKENS)
-            .min(self.capacity.max(rows));
+            .max(2 * self.rows)
+            .max(MIN_POOL_BLOCKS * self.block_size)
+            .min(cap_rows.max(rows));
+        let layout = self.layout;
         let shape = (new_rows, layout.num_kv_heads, layout.head_dim);
         let mut layers = Vec::with_capacity(layout.num_layers);
         for l in 0..layout.num_layers {
             let k = Tensor::zeros(shape, layout.dtype, &self.device)?;
             let v = Tensor::zeros(shape, layout.dtype, &self.device)?;
-            if let Some((old_k, old_v)) = pool.layers.get(l) {
+            if let Some((old_k, old_v)) = self.layers.get(l) {
                 k.slice_set(old_k, 0, 0)?;
                 v.slice_set(old_v, 0, 0)?;
             }
             layers.push((k, v));
         }
-        pool.layers = layers;
-        pool.rows = new_rows;
+        self.layers = layers;
+        self.rows = new_rows;
         Ok(())
     }
 
-    /// Frees a slot and returns its reservation. Returns false if unknown.
+    /// Frees a slot: an own cache takes its blocks and reservation back.
+    /// Returns false if unknown.
     pub fn free(&mut self, slot: SlotId) -> bool {
-        match self.slots.remove(&slot) {
-            Some(s) => {
-                self.reserved -= s.reserved;
-                true
+        let Some(s) = self.slots.remove(&slot) else {
+            return false;
+        };
+        if let Blocks::Own {
+            free,
+            reserved,
+            undecided,
+            ..
+        } = &mut self.blocks
+        {
+            *reserved -= s.reserved;
+            free.extend(s.table);
+            if let (Some(num_blocks), true) = (*undecided, self.slots.is_empty()) {
+                self.blocks = Blocks::Undecided { num_blocks };
             }
-            None => false,
         }
+        true
     }
 
     pub fn contains(&self, slot: SlotId) -> bool {
@@ -323,24 +483,36 @@ impl KvCache {
             .ok_or(KvError::UnknownSlot(slot))
     }
 
-    /// Tokens reserved by a slot.
+    /// Tokens reserved by a slot (own), or its table's room (external).
     pub fn reserved(&self, slot: SlotId) -> Result<usize, KvError> {
-        self.slots
-            .get(&slot)
-            .map(|s| s.reserved)
-            .ok_or(KvError::UnknownSlot(slot))
+        let s = self.slots.get(&slot).ok_or(KvError::UnknownSlot(slot))?;
+        Ok(match self.blocks {
+            Blocks::Own { .. } => s.reserved,
+            _ => s.table.len() * self.block_size,
+        })
     }
 
-    /// Makes room for `extra` more tokens after `len` (within the
-    /// reservation), growing the buffers if needed. Call before writing.
+    /// Makes room for `extra` more tokens after `len`. An own cache takes
+    /// blocks (within the reservation); an external one checks that its
+    /// table already has them. Call before writing.
     pub fn ensure_room(&mut self, slot: SlotId, extra: usize) -> Result<(), KvError> {
-        let layout = self.layout;
-        let device = self.device.clone();
+        let bs = self.block_size;
         let s = self
             .slots
             .get_mut(&slot)
             .ok_or(KvError::UnknownSlot(slot))?;
         let needed = s.len + extra;
+        let room = s.table.len() * bs;
+        let Blocks::Own { free, next, .. } = &mut self.blocks else {
+            if needed > room {
+                return Err(KvError::OverReservation {
+                    slot,
+                    reserved: room,
+                    needed,
+                });
+            }
+            return Ok(());
+        };
         if needed > s.reserved {
             return Err(KvError::OverReservation {
                 slot,
@@ -348,30 +520,18 @@ impl KvCache {
                 needed,
             });
         }
-        if needed <= s.alloc {
-            return Ok(());
-        }
-        // (Pooled slots hold their whole reservation: only per-slot buffers grow.)
-        let new_alloc = needed
-            .max(2 * s.alloc)
-            .max(MIN_ALLOC_TOKENS)
-            .min(s.reserved);
-        let shape = (new_alloc, layout.num_kv_heads, layout.head_dim);
-        let mut layers = Vec::with_capacity(layout.num_layers);
-        for l in 0..layout.num_layers {
-            let k = Tensor::zeros(shape, layout.dtype, &device)?;
-            let v = Tensor::zeros(shape, layout.dtype, &device)?;
-            if let Some((old_k, old_v)) = s.layers.get(l) {
-                if s.len > 0 {
-                    k.slice_set(&old_k.narrow(0, 0, s.len)?, 0, 0)?;
-                    v.slice_set(&old_v.narrow(0, 0, s.len)?, 0, 0)?;
+        while s.table.len() * bs < needed {
+            let b = match free.pop_first() {
+                Some(b) => b,
+                None => {
+                    *next += 1;
+                    *next - 1
                 }
-            }
-            layers.push((k, v));
+            };
+            s.table.push(b);
         }
-        s.layers = layers;
-        s.alloc = new_alloc;
-        Ok(())
+        let top = s.table.iter().max().map_or(0, |&b| b as usize + 1);
+        self.grow_storage(top)
     }
 
     /// Writes `k`, `v` (`[n, kv_heads, head_dim]`, contiguous) of `layer` at
@@ -384,60 +544,87 @@ impl KvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<(), KvError> {
-        let s = self.slots.get(&slot).ok_or(KvError::UnknownSlot(slot))?;
         let n = k.dim(0)?;
-        if at + n > s.alloc {
-            return Err(KvError::OverReservation {
-                slot,
-                reserved: s.alloc,
-                needed: at + n,
-            });
+        let segments = self.segments(slot, at, n)?;
+        let (kb, vb) = self.layer(layer)?;
+        for (row, from, len) in segments {
+            kb.slice_set(&k.narrow(0, from, len)?, 0, row)?;
+            vb.slice_set(&v.narrow(0, from, len)?, 0, row)?;
         }
-        let (kb, vb) = self.buffers(s, layer);
-        kb.slice_set(k, 0, s.base + at)?;
-        vb.slice_set(v, 0, s.base + at)?;
         Ok(())
     }
 
-    /// K and V of `layer` for positions `[0, upto)`, as views
-    /// `[upto, kv_heads, head_dim]` (no copy).
+    /// The runs of consecutive pool rows that positions `[at, at + n)` of
+    /// `slot` occupy: `(first row, offset into the n positions, length)`.
+    pub fn segments(
+        &self,
+        slot: SlotId,
+        at: usize,
+        n: usize,
+    ) -> Result<Vec<(usize, usize, usize)>, KvError> {
+        let s = self.slots.get(&slot).ok_or(KvError::UnknownSlot(slot))?;
+        let bs = self.block_size;
+        if at + n > s.table.len() * bs {
+            return Err(KvError::OverReservation {
+                slot,
+                reserved: s.table.len() * bs,
+                needed: at + n,
+            });
+        }
+        let mut out = Vec::new();
+        let mut pos = at;
+        while pos < at + n {
+            let len = (bs - pos % bs).min(at + n - pos);
+            let row = s.table[pos / bs] as usize * bs + pos % bs;
+            match out.last_mut() {
+                Some((r, _, l)) if *r + *l == row => *l += len,
+                _ => out.push((row, pos - at, len)),
+            }
+            pos += len;
+        }
+        Ok(out)
+    }
+
+    fn layer(&self, layer: usize) -> Result<(&Tensor, &Tensor), KvError> {
+        self.layers
+            .get(layer)
+            .map(|(k, v)| (k, v))
+            .ok_or_else(|| KvError::Tensor(format!("KV layer {layer} has no storage yet")))
+    }
+
+    /// K and V of `layer` for positions `[0, upto)`, `[upto, kv_heads,
+    /// head_dim]`: a view when the positions are in consecutive blocks, a
+    /// gather through the table otherwise.
     pub fn view(
         &self,
         slot: SlotId,
         layer: usize,
         upto: usize,
     ) -> Result<(Tensor, Tensor), KvError> {
-        let s = self.slots.get(&slot).ok_or(KvError::UnknownSlot(slot))?;
-        if upto > s.alloc {
-            return Err(KvError::OverReservation {
-                slot,
-                reserved: s.alloc,
-                needed: upto,
-            });
+        let segments = self.segments(slot, 0, upto)?;
+        let (k, v) = self.layer(layer)?;
+        if let [(row, _, _)] = segments[..] {
+            return Ok((k.narrow(0, row, upto)?, v.narrow(0, row, upto)?));
         }
-        let (k, v) = self.buffers(s, layer);
-        Ok((k.narrow(0, s.base, upto)?, v.narrow(0, s.base, upto)?))
-    }
-
-    /// The buffers holding a slot's rows (from row `s.base`).
-    fn buffers<'a>(&'a self, s: &'a SlotKv, layer: usize) -> (&'a Tensor, &'a Tensor) {
-        let (k, v) = match &self.pool {
-            Some(pool) => &pool.layers[layer],
-            None => &s.layers[layer],
-        };
-        (k, v)
+        let rows: Vec<u32> = segments
+            .iter()
+            .flat_map(|&(row, _, len)| (row..row + len).map(|r| r as u32))
+            .collect();
+        let idx = Tensor::new(rows.as_slice(), &self.device)?;
+        Ok((k.index_select(&idx, 0)?, v.index_select(&idx, 0)?))
     }
 
     /// Marks positions `[0, len)` valid (after a forward pass wrote them).
     pub fn set_len(&mut self, slot: SlotId, len: usize) -> Result<(), KvError> {
+        let bs = self.block_size;
         let s = self
             .slots
             .get_mut(&slot)
             .ok_or(KvError::UnknownSlot(slot))?;
-        if len > s.alloc {
+        if len > s.table.len() * bs {
             return Err(KvError::OverReservation {
                 slot,
-                reserved: s.alloc,
+                reserved: s.table.len() * bs,
                 needed: len,
             });
         }
@@ -456,8 +643,10 @@ impl KvCache {
     }
 
     /// Ends speculation keeping the first `accepted` tokens fed since
-    /// [`begin`](Self::begin).
+    /// [`begin`](Self::begin). An own cache returns the blocks past the
+    /// new length; an external one leaves that to the table's owner.
     pub fn commit(&mut self, slot: SlotId, accepted: usize) -> Result<(), KvError> {
+        let bs = self.block_size;
         let s = self
             .slots
             .get_mut(&slot)
@@ -473,6 +662,19 @@ impl KvCache {
             });
         }
         s.len = start + accepted;
+        if let Blocks::Own { free, .. } = &mut self.blocks {
+            let keep = blocks_for(s.len, bs);
+            free.extend(s.table.drain(keep.min(s.table.len())..));
+        }
         Ok(())
     }
 }
+
+/// The pool row of position `pos` through `table`.
+pub fn row_of(table: &[BlockId], block_size: usize, pos: usize) -> Option<usize> {
+    let b = *table.get(pos / block_size)?;
+    Some(b as usize * block_size + pos % block_size)
+}
+
+#[cfg(test)]
+mod tests;

@@ -268,12 +268,14 @@ impl GroupTables {
         };
         for (gi, &i) in group.iter().enumerate() {
             let (s, start) = &spans[i];
-            let base = kv.pool_base(s.slot)?;
             let total = s.offset + s.len;
             t.group_rows
                 .extend((*start..start + s.len).map(|r| r as u32));
-            t.key_rows
-                .extend((0..keys).map(|c| (base + if c < total { c } else { 0 }) as u32));
+            // Through the block table; padding keys read position 0.
+            for c in 0..keys {
+                t.key_rows
+                    .push(kv.row(s.slot, if c < total { c } else { 0 })? as u32);
+            }
             for j in 0..max_queries {
                 t.unmask_query(cfg, gi, j, s, keys);
                 if j < s.len {
@@ -337,8 +339,9 @@ fn pool_write_rows<'a>(
 ) -> Result<Tensor, ModelError> {
     let mut rows = Vec::with_capacity(tokens);
     for s in seqs {
-        let base = kv.pool_base(s.slot)?;
-        rows.extend((base + s.offset..base + s.offset + s.len).map(|r| r as u32));
+        for pos in s.offset..s.offset + s.len {
+            rows.push(kv.row(s.slot, pos)? as u32);
+        }
     }
     let width = cfg.num_kv_heads * cfg.head_dim;
     Ok(Tensor::new(rows.as_slice(), device)?

@@ -181,13 +181,25 @@ impl Lean {
 }
 
 /// Writes `rows` rows of `width` floats (from `src`, `ld` apart) into a
-/// cache tensor at token `at`, converting to its dtype.
+/// layer's KV pool at a sequence's positions `at..at + rows`, through its
+/// block `table` (`block` rows per block), converting to the pool's dtype.
 struct WriteRows<'a> {
     src: &'a [f32],
     ld: usize,
     width: usize,
     rows: usize,
     at: usize,
+    table: &'a [u32],
+    block: usize,
+}
+
+impl WriteRows<'_> {
+    /// Element offset of row `r` in the pool, or `None` past the table.
+    fn dst(&self, r: usize) -> Option<usize> {
+        let pos = self.at + r;
+        let b = *self.table.get(pos / self.block)? as usize;
+        Some((b * self.block + pos % self.block) * self.width)
+    }
 }
 
 impl candle_core::InplaceOp1 for WriteRows<'_> {
@@ -196,23 +208,21 @@ impl candle_core::InplaceOp1 for WriteRows<'_> {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let start = layout.start_offset() + self.at * self.width;
-        let end = start + self.rows * self.width;
-        let rows = (0..self.rows).map(|r| &self.src[r * self.ld..r * self.ld + self.width]);
-        match storage {
-            CpuStorage::F32(d) if d.len() >= end => {
-                for (r, row) in rows.enumerate() {
-                    let o = start + r * self.width;
-                    d[o..o + self.width].copy_from_slice(row);
+        let start = layout.start_offset();
+        for r in 0..self.rows {
+            let row = &self.src[r * self.ld..r * self.ld + self.width];
+            let Some(o) = self.dst(r).map(|o| start + o) else {
+                candle_core::bail!("KV write past the block table");
+            };
+            match storage {
+                CpuStorage::F32(d) if d.len() >= o + self.width => {
+                    d[o..o + self.width].copy_from_slice(row)
                 }
-            }
-            CpuStorage::F16(d) if d.len() >= end => {
-                for (r, row) in rows.enumerate() {
-                    let o = start + r * self.width;
-                    narrow(row, &mut d[o..o + self.width]);
+                CpuStorage::F16(d) if d.len() >= o + self.width => {
+                    narrow(row, &mut d[o..o + self.width])
                 }
+                _ => candle_core::bail!("KV cache storage is not f32/f16 or is too short"),
             }
-            _ => candle_core::bail!("KV cache storage is not f32/f16 or is too short"),
         }
         Ok(())
     }
@@ -400,17 +410,25 @@ impl Lean {
         }
         times.tick(2);
         self.rotate(d, qkv, &ws.positions);
-        // Each sequence's cache of this layer, shared by the writes and
-        // the attention below.
-        let views = batch
+        // The layer's pool and each sequence's block table, shared by the
+        // writes and the attention below.
+        let pool = kv
+            .pool_layer(l)
+            .ok_or_else(|| ModelError::InvalidBatch("KV pool has no such layer".into()))?;
+        let tables = batch
             .seqs
             .iter()
-            .map(|s| kv.view(s.slot, l, s.offset + s.len))
+            .map(|s| kv.table(s.slot))
             .collect::<Result<Vec<_>, _>>()?;
-        write_kv(d, batch, &views, qkv)?;
+        let cache = Cache {
+            pool,
+            tables: &tables,
+            block: kv.block_size(),
+        };
+        write_kv(d, batch, &cache, qkv)?;
         times.tick(3);
         let attn = grow(&mut ws.attn, n * d.qw);
-        self.attend(d, batch, &views, kv.layout().dtype, qkv, attn)?;
+        self.attend(d, batch, &cache, kv.layout().dtype, qkv, attn)?;
         times.tick(4);
         w.o_proj.forward_cpu(isa, threads, attn, n, x, true)?;
         times.tick(5);
@@ -499,24 +517,28 @@ impl Lean {
     }
 }
 
+/// One layer's KV pool and the batch's block tables (batch order).
+struct Cache<'a> {
+    pool: (&'a Tensor, &'a Tensor),
+    tables: &'a [&'a [u32]],
+    block: usize,
+}
+
 /// Writes every sequence's new K and V rows (from the projection rows
-/// `qkv`) into its cache `views` (one (K, V) pair per sequence, batch order).
-fn write_kv(
-    d: Dims,
-    batch: &Batch,
-    views: &[(Tensor, Tensor)],
-    qkv: &[f32],
-) -> Result<(), ModelError> {
+/// `qkv`) into the layer's pool through its block table.
+fn write_kv(d: Dims, batch: &Batch, cache: &Cache<'_>, qkv: &[f32]) -> Result<(), ModelError> {
     let mut start = 0;
-    for (s, (kc, vc)) in batch.seqs.iter().zip(views) {
+    for (s, table) in batch.seqs.iter().zip(cache.tables) {
         let rows = &qkv[start * d.ldqkv..(start + s.len) * d.ldqkv];
-        for (t, col) in [(kc, d.qw), (vc, d.qw + d.kvw)] {
+        for (t, col) in [(cache.pool.0, d.qw), (cache.pool.1, d.qw + d.kvw)] {
             t.inplace_op1(&WriteRows {
                 src: &rows[col..],
                 ld: d.ldqkv,
                 width: d.kvw,
                 rows: s.len,
                 at: s.offset,
+                table,
+                block: cache.block,
             })?;
         }
         start += s.len;
@@ -557,35 +579,35 @@ fn embed_rows(embed: &Tensor, h: usize, ids: &[u32], x: &mut [f32]) -> Result<()
 }
 
 impl Lean {
-    /// Attention of every sequence over its cache (`views`: K and V of the
-    /// layer, one pair per sequence in batch order, in `kv_dtype`) for the
-    /// rotated queries of the projection rows `qkv`, into `out`
-    /// (`[n, heads·head_dim]`).
+    /// Attention of every sequence over its cache (the layer's pool and
+    /// block tables, in `kv_dtype`) for the rotated queries of the
+    /// projection rows `qkv`, into `out` (`[n, heads·head_dim]`).
     fn attend(
         &self,
         d: Dims,
         batch: &Batch,
-        views: &[(Tensor, Tensor)],
+        cache: &Cache<'_>,
         kv_dtype: DType,
         qkv: &[f32],
         out: &mut [f32],
     ) -> Result<(), ModelError> {
-        let guards: Vec<_> = views
-            .iter()
-            .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()))
-            .collect();
+        let guards = (
+            cache.pool.0.storage_and_layout(),
+            cache.pool.1.storage_and_layout(),
+        );
         let o = SharedMut(out.as_mut_ptr());
         let (isa, threads, heads) = (self.isa, self.threads, d.heads);
         match kv_dtype {
             DType::F32 => {
-                let s = seq_attns::<f32>(d, batch, &guards, qkv, o)?;
+                let s = seq_attns::<f32>(d, batch, &guards, cache, qkv, o)?;
                 // SAFETY: every pointer comes from a live guard or buffer of
-                // the shape the batch describes (checked before the step),
-                // and the sequences' output rows are disjoint.
+                // the shape the batch describes (checked before the step:
+                // each table covers its sequence's positions), and the
+                // sequences' output rows are disjoint.
                 unsafe { attention(isa, threads, heads, &s) };
             }
             DType::F16 => {
-                let s = seq_attns::<f16>(d, batch, &guards, qkv, o)?;
+                let s = seq_attns::<f16>(d, batch, &guards, cache, qkv, o)?;
                 // SAFETY: as for f32: live guards and buffers of the checked
                 // shapes, disjoint output rows per sequence.
                 unsafe { attention(isa, threads, heads, &s) };
@@ -601,18 +623,30 @@ type Guard<'a> = (candle_core::StorageRef<'a>, &'a Layout);
 
 /// Each sequence's part of the attention call: its query rows in `qkv`,
 /// its output rows behind `o` (`[n, heads·head_dim]`) and its cache
-/// (`guards`, K then V, in `T`).
+/// (the pool `guards`, K then V, in `T`, and its block table).
 fn seq_attns<T: candle_core::WithDType>(
     d: Dims,
     batch: &Batch,
-    guards: &[(Guard, Guard)],
+    guards: &(Guard, Guard),
+    cache: &Cache<'_>,
     qkv: &[f32],
     o: SharedMut<f32>,
 ) -> candle_core::Result<Vec<SeqAttn<T>>> {
     let (ldqkv, ldo) = (d.ldqkv, d.qw);
+    let ((ks, kl), (vs, vl)) = guards;
+    let (k, v) = (cpu_ptr::<T>(ks, kl)?, cpu_ptr::<T>(vs, vl)?);
+    let rows = kl.shape().dims().first().copied().unwrap_or(0);
     let mut out = Vec::with_capacity(batch.seqs.len());
     let mut start = 0;
-    for (s, ((ks, kl), (vs, vl))) in batch.seqs.iter().zip(guards) {
+    for (s, table) in batch.seqs.iter().zip(cache.tables) {
+        let visible = s.offset + s.len;
+        let fits = table.len() * cache.block >= visible
+            && table[..visible.div_ceil(cache.block)]
+                .iter()
+                .all(|&b| (b as usize + 1) * cache.block <= rows);
+        if !fits {
+            candle_core::bail!("slot {}: block table does not cover its positions", s.slot);
+        }
         out.push(SeqAttn {
             q: qkv[start * ldqkv..].as_ptr(),
             ldq: ldqkv,
@@ -623,8 +657,10 @@ fn seq_attns<T: candle_core::WithDType>(
             ldo,
             offset: s.offset,
             len: s.len,
-            k: cpu_ptr::<T>(ks, kl)?,
-            v: cpu_ptr::<T>(vs, vl)?,
+            k,
+            v,
+            table: table.as_ptr(),
+            block: cache.block,
         });
         start += s.len;
     }

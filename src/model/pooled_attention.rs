@@ -18,6 +18,12 @@
 //! The per-pass plan (per query token: its pool base and visible
 //! positions) is built on the host once per forward pass and shared by
 //! every layer.
+//!
+//! Paged KV: the kernels address a sequence as one range of pool rows, so
+//! they run only when every sequence of the batch has its blocks at
+//! consecutive ids ([`KvCache::contiguous_base`]); any other batch goes
+//! through [`super::batched_attention`], which gathers keys and scatters
+//! new rows through the block tables.
 
 use candle_core::{Device, Tensor};
 
@@ -72,7 +78,13 @@ impl PooledAttention {
         let mut max_keys = 0;
         let mut at = 0;
         for s in &batch.seqs {
-            let base = kv.pool_base(s.slot)?;
+            // The kernels read one contiguous range per sequence: they take
+            // the batch only when every sequence's blocks are consecutive
+            // in the pool; otherwise the gather path (batched attention
+            // through the block tables) runs.
+            let Some(base) = kv.contiguous_base(s.slot, s.offset + s.len) else {
+                return Ok(None);
+            };
             for pos in s.offset..s.offset + s.len {
                 let first = match cfg.sliding_window {
                     Some(w) if pos + 1 > w => pos + 1 - w,

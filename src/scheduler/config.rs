@@ -30,6 +30,10 @@ pub struct SchedulerConfig {
     /// short prompt arriving behind a long one still gets its first token
     /// within a step or two.
     pub max_prefill_chunk: usize,
+    /// Automatic prefix caching: full KV blocks of finished sequences stay
+    /// cached (until their memory is needed) and a new request starts after
+    /// its longest cached prefix. Outputs are the same either way.
+    pub prefix_caching: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -39,6 +43,7 @@ impl Default for SchedulerConfig {
             max_queue: 1024,
             step_token_budget: 512,
             max_prefill_chunk: 256,
+            prefix_caching: true,
         }
     }
 }
@@ -124,6 +129,8 @@ mod tests {
             eos_ids: vec![0],
             kv_capacity_tokens: 65536,
             speculation: None,
+            kv_block_size: 16,
+            draft_needs_hidden: false,
         }
     }
 

@@ -146,6 +146,8 @@ pub struct Usage {
     pub prompt_tokens: usize,
     /// Tokens delivered in `Tokens` events.
     pub completion_tokens: usize,
+    /// Prompt tokens found in the prefix cache (not computed again).
+    pub cached_prompt_tokens: usize,
     /// Draft tokens proposed for this request (speculative decoding).
     pub draft_tokens: usize,
     /// Draft tokens the target accepted.

@@ -303,10 +303,30 @@ pub struct SchedulerStats {
     pub free_slots: usize,
     /// Total slots (`max_seqs`).
     pub max_seqs: usize,
-    /// KV tokens reserved by occupied slots.
+    /// KV tokens in blocks owned by some sequence (`kv_blocks_used ·
+    /// kv_block_size`).
     pub kv_reserved_tokens: usize,
     /// KV pool capacity in tokens (from the engine).
     pub kv_capacity_tokens: usize,
+    /// Tokens per KV block.
+    pub kv_block_size: usize,
+    /// Blocks of the pool.
+    pub kv_blocks_total: usize,
+    /// Blocks owned by at least one sequence.
+    pub kv_blocks_used: usize,
+    /// Blocks nobody owns that hold a cached prefix (evictable).
+    pub kv_blocks_cached: usize,
+    /// Prefix-cache lookups (admissions and resumptions).
+    pub prefix_cache_queries: u64,
+    /// Tokens looked up / found cached (whole blocks).
+    pub prefix_cache_query_tokens: u64,
+    pub prefix_cache_hit_tokens: u64,
+    /// Cached blocks reused for new ones under memory pressure.
+    pub prefix_cache_evictions: u64,
+    /// Sequences preempted (their blocks freed, recomputed later).
+    pub preemptions: u64,
+    /// Sequences preempted now, waiting to resume.
+    pub preempted: usize,
     /// Plans submitted to the engine.
     pub steps: u64,
     /// Prompt tokens the engine has fed.

@@ -8,7 +8,7 @@
 //!
 //! # Ownership
 //! - The [`Scheduler`] actor owns all scheduling state: the bounded waiting
-//!   queue, the slot table with its KV reservations, the routing table
+//!   queue, the slot table with the KV block pool, the routing table
 //!   `RequestId → Recipient`, and the one plan in flight. Nobody else mutates
 //!   it; callers talk through messages.
 //! - The engine thread owns every tensor. The two sides exchange plain data
@@ -24,8 +24,10 @@
 //! - Every accepted request receives exactly one terminal event
 //!   ([`SeqEvent::Finished`] or [`SeqEvent::Failed`]), and it is its last.
 //!   `Tokens` indices start at 0 and increase by one per token, no gaps.
-//! - KV admission: the reservations of all occupied slots never exceed the
-//!   engine's KV capacity; a request that could never fit is rejected at
+//! - KV: the scheduler's block pool owns the accounting; a sequence holds
+//!   the blocks of its table (shared prefix blocks counted once per
+//!   holder), takes more as it grows and is preempted when none are left;
+//!   a request whose longest length could never fit the pool is rejected at
 //!   `Submit`.
 //!
 //! # Layout
@@ -36,8 +38,9 @@
 //! - `validate`: the edge's checks; the only constructor of `ValidSeq`, the
 //!   checked request the queue, the slots and the engine's `Admission` carry.
 //! - `queue`: the bounded FIFO of requests waiting for a slot.
-//! - `slots`: the slot table: running sequences, free list, KV reservations.
-//! - `plan`: the pure step planner (admission, decodes, prefill chunks).
+//! - `slots`: the slot table: running sequences, free list, the KV block pool.
+//! - `plan`: the pure step planner (admission, block growth and preemption,
+//!   resumption, decodes, prefill chunks).
 //! - `state`: the pure scheduling core (submit, cancel, plan, apply outcome).
 //! - [`metrics`]: histograms, step timings and the [`SchedulerStats`] snapshot.
 //! - `actor`: the actix shell: engine thread glue, routing, shutdown.

@@ -3,10 +3,22 @@
 //!
 //! Every step, in this order:
 //! 1. **Release**: slots ended on the scheduler side (cancel, stop string,
-//!    requester gone) go into `release`.
-//! 2. **Admit**: requests leave the FIFO queue while a slot is free, the
-//!    KV pool can hold the head's reservation, and the step budget can hold
-//!    its decode (with every draft of a pinned sequence). The head is never
+//!    requester gone) go into `release`, and their blocks back to the pool.
+//! 2. **Grow**: every decoding sequence, oldest first, gets the blocks its
+//!    decode token (and pinned drafts) needs. When the pool is out of
+//!    blocks, the most recently admitted running sequence is **preempted**
+//!    (all its blocks back; it keeps its slot and is recomputed later),
+//!    until the block is found or the sequence itself was the youngest.
+//!    The oldest sequence therefore always progresses.
+//! 3. **Resume**: preempted sequences, oldest first, get blocks again for
+//!    what they must recompute (prompt + generated tokens but the last),
+//!    minus their cached prefix, when the pool holds them with the
+//!    watermark to spare. They come before any queued request.
+//! 4. **Admit**: when nobody waits to resume, requests leave the FIFO queue
+//!    while a slot is free, the pool holds the blocks of the head's prompt
+//!    minus its cached prefix (plus a watermark of free blocks, so a fresh
+//!    admission does not preempt at once), and the step budget can hold its
+//!    decode (with every draft of a pinned sequence). The head is never
 //!    overtaken.
 //! 3. **Decode**: one token for every sequence whose prompt is done, plus
 //!    the full draft allowance of pinned (seeded sampled) sequences, whose
@@ -15,8 +27,12 @@
 //!    order, which the slot table keeps), each at most
 //!    `max_prefill_chunk` and at most what is left of the token budget.
 //! 5. **Drafts**: what is left of the budget goes to the other drafting
-//!    sequences' `max_drafts`, oldest first: speculation spends spare
-//!    capacity, never a waiting prompt's.
+//!    sequences' `max_drafts`, oldest first, as far as free blocks allow:
+//!    speculation spends spare capacity, never a waiting prompt's, and
+//!    never preempts.
+//!
+//! Every block table that changed goes into the plan (`tables`, or with
+//! its admission / resumption).
 //!
 //! Every token a step may feed (prefill chunks, decode tokens, drafts) is
 //! counted in `step_token_budget`; the engine may draft fewer than
@@ -30,7 +46,10 @@
 
 use std::time::{Duration, Instant};
 
-use crate::engine::{Admission, Drafting, SeqWork, SlotId, SpecOptions, StepPlan};
+use crate::engine::{
+    Admission, Drafting, KvGrant, Resume, SeqWork, SlotId, SpecOptions, StepPlan, TableUpdate,
+};
+use crate::kv::{blocks_for, SeqBlocks};
 
 use super::queue::{QueuedSeq, WaitingQueue};
 use super::slots::{RunningSeq, SlotTable};
@@ -43,6 +62,8 @@ pub(crate) struct PlanLimits {
     pub max_prefill_chunk: usize,
     /// The engine's default speculation options; `None`: nobody drafts.
     pub speculation: Option<SpecOptions>,
+    /// Drafting sequences need every hidden state: no prefix hits for them.
+    pub draft_needs_hidden: bool,
 }
 
 impl PlanLimits {
@@ -79,12 +100,18 @@ pub(crate) struct PlannedStep {
     pub drafts: usize,
     /// Sequences prefilling this step.
     pub prefills: usize,
+    /// Requests preempted in this plan.
+    pub preempted: Vec<RequestId>,
 }
 
 impl PlannedStep {
     /// Whether the plan asks nothing of the engine (then it is not sent).
     pub fn is_empty(&self) -> bool {
-        self.plan.release.is_empty() && self.plan.admit.is_empty() && self.plan.work.is_empty()
+        self.plan.release.is_empty()
+            && self.plan.admit.is_empty()
+            && self.plan.work.is_empty()
+            && self.plan.preempt.is_empty()
+            && self.plan.resume.is_empty()
     }
 
     /// The most tokens the forward pass may carry.
@@ -113,12 +140,129 @@ pub(crate) fn plan_step(
         },
         ..PlannedStep::default()
     };
-    admit(queue, slots, limits, now, &mut wanted, &mut out);
+    grow_decodes(slots, limits, &mut out);
+    resume(slots, limits, &mut out);
+    if !slots.iter_by_age().any(|s| s.preempted) {
+        admit(queue, slots, limits, now, &mut wanted, &mut out);
+    }
     schedule_work(slots, limits, &mut out);
+    collect_tables(slots, &mut out);
     for &slot in &out.plan.release {
         slots.complete_release(slot);
     }
     out
+}
+
+/// Free blocks a new admission or resumption must leave (none when nothing
+/// runs: a lone sequence may use the whole pool).
+fn watermark(slots: &SlotTable) -> usize {
+    if slots.iter_by_age().all(|s| s.preempted) {
+        0
+    } else {
+        (slots.pool().num_blocks() / 100).max(1)
+    }
+}
+
+/// Step 2: blocks for every decode, preempting the youngest when short.
+fn grow_decodes(slots: &mut SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
+    for slot in slots.slots_by_age() {
+        let Some(seq) = slots.get(slot).filter(|s| s.prompt_done()) else {
+            continue;
+        };
+        let tokens = seq.computed + limits.reserved_step_tokens(seq.drafting);
+        while !slots.grow(slot, tokens) {
+            let victim = slots
+                .slots_by_age()
+                .into_iter()
+                .rev()
+                .find(|&s| slots.get(s).is_some_and(|q| !q.preempted))
+                .expect("the growing sequence itself is running");
+            preempt(slots, victim, out);
+            if victim == slot {
+                break;
+            }
+        }
+    }
+}
+
+fn preempt(slots: &mut SlotTable, slot: SlotId, out: &mut PlannedStep) {
+    if let Some(seq) = slots.get(slot) {
+        seq.span
+            .in_scope(|| tracing::debug!(slot, computed = seq.computed, "preempted"));
+        out.preempted.push(seq.id);
+    }
+    slots.preempt(slot);
+    // A slot admitted or resumed in this very plan is never a victim: the
+    // growth pass runs before both.
+    out.plan.preempt.push(slot);
+}
+
+/// Step 3: preempted sequences get their blocks back, oldest first.
+fn resume(slots: &mut SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
+    for slot in slots.slots_by_age() {
+        if out.plan.preempt.contains(&slot) {
+            break; // preempted just now: no room to resume anything
+        }
+        let Some(seq) = slots.get(slot).filter(|s| s.preempted) else {
+            continue;
+        };
+        let bs = slots.block_size();
+        let target = seq.fill_target();
+        // A first prefill must compute at least one token (for its logits).
+        let max_hit = match seq.generated {
+            0 => (target - 1) / bs,
+            _ => target / bs,
+        };
+        let known: Vec<u32> = (0..target).map(|p| seq.token_at(p)).collect();
+        let lookup = !(seq.drafting.is_some() && limits.draft_needs_hidden);
+        let (hits, idle) = match lookup {
+            true => slots.pool().peek_prefix(&known, max_hit),
+            false => (0, 0),
+        };
+        // Room for the recompute and, when it has generated, the decode
+        // that follows (which may come at once if all of it is cached).
+        let room = match seq.generated {
+            0 => target,
+            _ => target + limits.reserved_step_tokens(seq.drafting),
+        };
+        let need = blocks_for(room, bs) - hits + idle;
+        if need + watermark(slots) > slots.pool().available() {
+            break; // oldest first: nobody younger overtakes it
+        }
+        let (seq, pool) = slots.with_pool_mut(slot).expect("running");
+        let (prefix, last) = match lookup {
+            true => pool.claim_prefix(&known, max_hit),
+            false => (Vec::new(), None),
+        };
+        let cached = prefix.len() * bs;
+        seq.blocks = SeqBlocks::with_prefix(prefix, last);
+        let grown = seq.blocks.grow_to(pool, room);
+        debug_assert!(grown, "checked against available() above");
+        seq.preempted = false;
+        seq.computed = cached;
+        seq.table_dirty = false;
+        out.plan.resume.push(Resume {
+            slot,
+            table: seq.blocks.table.clone(),
+            cached_tokens: cached,
+        });
+    }
+}
+
+/// The tables that changed (admissions and resumptions carry their own).
+fn collect_tables(slots: &mut SlotTable, out: &mut PlannedStep) {
+    for slot in slots.slots_by_age() {
+        let Some(seq) = slots.get_mut(slot) else {
+            continue;
+        };
+        if seq.table_dirty && !seq.preempted {
+            seq.table_dirty = false;
+            out.plan.tables.push(TableUpdate {
+                slot,
+                table: seq.blocks.table.clone(),
+            });
+        }
+    }
 }
 
 /// Moves requests from the queue's front into free slots.
@@ -143,22 +287,51 @@ fn admit(
             Drafting::resolve(head.seq.speculation, limits.speculation, &head.seq.sampling);
         let step_tokens = limits.reserved_step_tokens(drafting);
         let fits_step = step_reserved + step_tokens <= limits.step_token_budget;
-        if !fits_step || !slots.can_admit(head.seq.kv_reserve) {
+        if !fits_step || !slots.can_admit() {
+            break;
+        }
+        // The prompt's blocks, minus its cached prefix (at least one token
+        // is computed, for the first logits).
+        let bs = slots.block_size();
+        let prompt = &head.seq.prompt;
+        let max_hit = (prompt.len() - 1) / bs;
+        let lookup = !(drafting.is_some() && limits.draft_needs_hidden);
+        let (hits, idle) = match lookup {
+            true => slots.pool().peek_prefix(prompt, max_hit),
+            false => (0, 0),
+        };
+        let need = blocks_for(prompt.len(), bs) - hits + idle;
+        if need + watermark(slots) > slots.pool().available() {
             break;
         }
         let Some(q) = queue.pop_front() else { break };
         step_reserved += step_tokens;
         let queue_wait = now.saturating_duration_since(q.submitted_at);
+        let pool = slots.pool_mut();
+        let (prefix, last) = match lookup {
+            true => pool.claim_prefix(&q.seq.prompt, max_hit),
+            false => (Vec::new(), None),
+        };
+        let cached = prefix.len() * bs;
+        let mut blocks = SeqBlocks::with_prefix(prefix, last);
+        let grown = blocks.grow_to(pool, q.seq.prompt.len());
+        debug_assert!(grown, "checked against available() above");
+        let table = blocks.table.clone();
         let admission = |slot| RunningSeq {
             id: q.id,
             slot,
+            prompt: q.seq.prompt.clone(),
             prompt_len: q.seq.prompt.len(),
-            num_prefilled: 0,
+            computed: cached,
             generated: 0,
+            tokens: Vec::new(),
+            cached_tokens: cached,
+            blocks,
+            table_dirty: false,
+            preempted: false,
             drafted: 0,
             accepted_drafts: 0,
             max_new_tokens: q.seq.max_new_tokens,
-            kv_reserve: q.seq.kv_reserve,
             drafting,
             submitted_at: q.submitted_at,
             admitted_at: now,
@@ -166,7 +339,7 @@ fn admit(
             last_token_at: None,
             span: q.span.clone(),
         };
-        let Some(slot) = slots.admit(q.seq.kv_reserve, admission) else {
+        let Some(slot) = slots.admit(admission) else {
             break; // can_admit said yes just above
         };
         out.plan.admit.push(Admission {
@@ -174,7 +347,10 @@ fn admit(
             prompt: q.seq.prompt,
             sampling: q.seq.sampling,
             max_new_tokens: q.seq.max_new_tokens,
-            kv_reserve: q.seq.kv_reserve,
+            kv: KvGrant::Blocks {
+                table,
+                cached_tokens: cached,
+            },
             spec: q.seq.speculation,
         });
         out.admitted.push(Admitted {
@@ -187,7 +363,7 @@ fn admit(
 
 /// Fills the token budget: decodes (with pinned drafts) first, then
 /// prefill chunks oldest first, then the other drafts from what is left.
-fn schedule_work(slots: &SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
+fn schedule_work(slots: &mut SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
     let mut budget = limits.step_token_budget;
     // Admission keeps every decode and pinned draft inside the budget; the
     // checks only keep a bad state from overrunning it.
@@ -195,6 +371,9 @@ fn schedule_work(slots: &SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
         let tokens = limits.reserved_step_tokens(seq.drafting);
         if tokens > budget {
             break;
+        }
+        if seq.blocks.room(slots.block_size()) < seq.computed + tokens {
+            continue; // no blocks this step (the growth pass preempted it)
         }
         out.plan.work.push(SeqWork::Decode {
             slot: seq.slot,
@@ -204,7 +383,7 @@ fn schedule_work(slots: &SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
         out.drafts += tokens - 1;
         budget -= tokens;
     }
-    for seq in slots.iter_by_age().filter(|s| !s.prompt_done()) {
+    for seq in slots.iter_by_age().filter(|s| s.needs_prefill()) {
         if budget == 0 {
             break;
         }
@@ -214,7 +393,7 @@ fn schedule_work(slots: &SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
             .min(budget);
         out.plan.work.push(SeqWork::Prefill {
             slot: seq.slot,
-            start: seq.num_prefilled,
+            start: seq.computed,
             len,
         });
         out.prefills += 1;
@@ -225,9 +404,20 @@ fn schedule_work(slots: &SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
         let SeqWork::Decode { slot, max_drafts } = work else {
             continue;
         };
-        let drafting = slots.get(*slot).and_then(|s| s.drafting);
-        if let Some(d) = drafting.filter(|d| !d.pinned) {
-            let grant = d.planned_drafts(limits.step_token_budget).min(budget);
+        let Some(seq) = slots.get(*slot) else {
+            continue;
+        };
+        if let Some(d) = seq.drafting.filter(|d| !d.pinned) {
+            // Only as many drafts as free blocks hold: drafts never preempt.
+            let bs = slots.block_size();
+            let base = seq.computed + 1;
+            let room = seq.blocks.room(bs) + slots.pool().available() * bs - base;
+            let grant = d
+                .planned_drafts(limits.step_token_budget)
+                .min(budget)
+                .min(room);
+            let grown = slots.grow(*slot, base + grant);
+            debug_assert!(grown, "room counted the free blocks");
             *max_drafts = grant;
             out.drafts += grant;
             budget -= grant;
@@ -244,27 +434,40 @@ mod tests {
         step_token_budget: 64,
         max_prefill_chunk: 32,
         speculation: None,
+        draft_needs_hidden: false,
     };
 
     fn plan(q: &mut WaitingQueue, t: &mut SlotTable, step: u64) -> PlannedStep {
         plan_step(step, q, t, LIMITS, Instant::now(), |_| true)
     }
 
-    /// Applies a plan as a well-behaved engine would (counters only).
+    /// Applies a plan as a well-behaved engine would (counters and blocks).
     fn apply(t: &mut SlotTable, p: &PlannedStep) {
         for w in &p.plan.work {
-            let seq = t.get_mut(w.slot()).expect("planned slot is running");
+            let slot = w.slot();
+            let seq = t.get_mut(slot).expect("planned slot is running");
+            assert!(seq.blocks.room(t_block()) >= seq.computed + w.max_tokens());
             match *w {
                 SeqWork::Prefill { start, len, .. } => {
-                    assert_eq!(start, seq.num_prefilled, "chunks must be contiguous");
-                    seq.num_prefilled += len;
-                    if seq.prompt_done() {
+                    assert_eq!(start, seq.computed, "chunks must be contiguous");
+                    seq.computed += len;
+                    if seq.generated == 0 && seq.computed == seq.prompt_len {
                         seq.generated += 1;
+                        seq.tokens.push(7);
                     }
                 }
-                SeqWork::Decode { .. } => seq.generated += 1,
+                SeqWork::Decode { .. } => {
+                    seq.computed += 1;
+                    seq.generated += 1;
+                    seq.tokens.push(7);
+                }
             }
+            t.settle_blocks(slot);
         }
+    }
+
+    fn t_block() -> usize {
+        crate::kv::DEFAULT_BLOCK_SIZE
     }
 
     fn budget_used(p: &PlannedStep) -> usize {
@@ -312,6 +515,7 @@ mod tests {
             step_token_budget: 64,
             max_prefill_chunk: 64,
             speculation: None,
+            draft_needs_hidden: false,
         };
         let mut q = WaitingQueue::new(16);
         let mut t = SlotTable::new(8, 10_000);
@@ -353,7 +557,7 @@ mod tests {
             apply(&mut t, &p);
             step += 1;
         }
-        assert!(t.iter_by_age().all(|s| s.num_prefilled == s.prompt_len));
+        assert!(t.iter_by_age().all(|s| s.computed >= s.prompt_len));
         assert!(
             step <= 4,
             "160 prompt tokens at 64 per step took {step} steps"
@@ -377,13 +581,17 @@ mod tests {
     #[test]
     fn admission_limited_by_kv_and_head_is_not_overtaken() {
         let mut q = WaitingQueue::new(16);
-        let mut t = SlotTable::new(8, 100);
-        q.push(queued(1, 30, 30)).unwrap(); // 60
-        q.push(queued(2, 30, 20)).unwrap(); // 50: does not fit next to 60
-        q.push(queued(3, 5, 5)).unwrap(); // 10: would fit, but must wait its turn
+        let mut t = SlotTable::new(8, 160); // 10 blocks of 16
+        q.push(queued(1, 100, 30)).unwrap(); // 7 blocks for its prompt
+        q.push(queued(2, 50, 20)).unwrap(); // 4: not with 7 and a watermark of 1
+        q.push(queued(3, 5, 5)).unwrap(); // 1: would fit, but must wait its turn
         let p = plan(&mut q, &mut t, 0);
         assert_eq!(p.admitted.len(), 1);
-        assert_eq!(t.kv_reserved(), 60);
+        assert_eq!(
+            t.kv_used(),
+            7 * 16,
+            "the prompt's blocks, not its worst case"
+        );
         assert_eq!(q.len(), 2);
         // Once #1 ends, #2 and #3 both fit.
         let slot = p.admitted[0].slot;
@@ -391,7 +599,103 @@ mod tests {
         let p = plan(&mut q, &mut t, 1);
         let ids: Vec<u64> = p.admitted.iter().map(|a| a.id.0).collect();
         assert_eq!(ids, vec![2, 3]);
-        assert_eq!(t.kv_reserved(), 60);
+        assert_eq!(t.kv_used(), 5 * 16);
+        t.pool().check();
+    }
+
+    #[test]
+    fn out_of_blocks_the_youngest_is_preempted_and_resumed_first() {
+        let mut q = WaitingQueue::new(16);
+        let mut t = SlotTable::new(8, 64); // 4 blocks of 16
+        q.push(queued(1, 16, 40)).unwrap();
+        q.push(queued(2, 16, 40)).unwrap();
+        let p = plan(&mut q, &mut t, 0);
+        assert_eq!(p.admitted.len(), 2);
+        let (old, young) = (p.admitted[0].slot, p.admitted[1].slot);
+        apply(&mut t, &p);
+        // Both decode into a second block: the pool is full after that.
+        let mut step = 1;
+        let mut preempted_at = None;
+        while preempted_at.is_none() && step < 40 {
+            let p = plan(&mut q, &mut t, step);
+            if !p.plan.preempt.is_empty() {
+                assert_eq!(p.plan.preempt, vec![young], "the most recently admitted");
+                assert!(p.plan.work.iter().all(|w| w.slot() != young));
+                preempted_at = Some(step);
+            }
+            apply(&mut t, &p);
+            t.pool().check();
+            step += 1;
+        }
+        assert!(preempted_at.is_some(), "four blocks cannot hold both");
+        let young_seq = t.get(young).unwrap();
+        assert!(young_seq.preempted && young_seq.blocks.table.is_empty());
+        // The old one runs on alone; once it ends the young one resumes,
+        // recomputing everything but its last token.
+        let generated = young_seq.generated;
+        t.free_now(old);
+        let p = plan(&mut q, &mut t, step);
+        let resume = &p.plan.resume;
+        assert_eq!(resume.len(), 1);
+        assert_eq!(resume[0].slot, young);
+        let target = 16 + generated - 1;
+        let cached = resume[0].cached_tokens;
+        let want = match target - cached {
+            // Everything but the last token was still cached: decode at once.
+            0 => SeqWork::Decode {
+                slot: young,
+                max_drafts: 0,
+            },
+            left => SeqWork::Prefill {
+                slot: young,
+                start: cached,
+                len: left.min(LIMITS.max_prefill_chunk),
+            },
+        };
+        assert_eq!(p.plan.work, vec![want]);
+        apply(&mut t, &p);
+        t.pool().check();
+    }
+
+    #[test]
+    fn a_repeated_prompt_starts_after_its_cached_blocks() {
+        let mut q = WaitingQueue::new(16);
+        let mut t = SlotTable::new(8, 1024);
+        q.push(queued(1, 40, 1)).unwrap();
+        let mut step = 0;
+        while t.running_count() > 0 || step == 0 {
+            let p = plan(&mut q, &mut t, step);
+            apply(&mut t, &p);
+            let done: Vec<SlotId> = t
+                .iter_by_age()
+                .filter(|s| s.generated >= s.max_new_tokens)
+                .map(|s| s.slot)
+                .collect();
+            for s in done {
+                t.free_now(s);
+            }
+            step += 1;
+        }
+        assert_eq!(
+            t.pool().cached(),
+            2,
+            "two full blocks of the 40-token prompt"
+        );
+        q.push(queued(2, 40, 1)).unwrap();
+        let p = plan(&mut q, &mut t, step);
+        let KvGrant::Blocks { cached_tokens, .. } = p.plan.admit[0].kv else {
+            panic!("the scheduler hands out blocks");
+        };
+        assert_eq!(cached_tokens, 32);
+        assert_eq!(
+            p.plan.work,
+            vec![SeqWork::Prefill {
+                slot: p.admitted[0].slot,
+                start: 32,
+                len: 8
+            }]
+        );
+        assert_eq!(t.pool().counters().hit_tokens, 32);
     }
 
     #[test]
@@ -444,6 +748,7 @@ mod tests {
             step_token_budget,
             max_prefill_chunk,
             speculation: Some(SpecOptions::default()),
+            draft_needs_hidden: false,
         }
     }
 

@@ -29,6 +29,7 @@ use super::{
     CancelReason, FinishReason, RequestId, SchedulerConfig, SchedulerError, SeqEvent, Timings,
     Usage,
 };
+use crate::kv::BlockPool;
 
 /// The plan the engine is working on.
 #[derive(Debug)]
@@ -68,6 +69,7 @@ struct Counters {
     finished: u64,
     cancelled: u64,
     failed: u64,
+    preemptions: u64,
 }
 
 /// All scheduling state of one scheduler.
@@ -94,9 +96,18 @@ impl SchedulerState {
                 step_token_budget: config.step_token_budget,
                 max_prefill_chunk: config.max_prefill_chunk,
                 speculation: info.speculation,
+                draft_needs_hidden: info.draft_needs_hidden,
             },
             queue: WaitingQueue::new(config.max_queue),
-            slots: SlotTable::new(config.max_seqs, info.kv_capacity_tokens),
+            slots: SlotTable::with_pool(
+                config.max_seqs,
+                BlockPool::new(
+                    info.kv_capacity_tokens / info.kv_block_size,
+                    info.kv_block_size,
+                    config.prefix_caching,
+                    model_identity(&info.model_name),
+                ),
+            ),
             info,
             closed: None,
             next_id: 0,
@@ -257,7 +268,7 @@ impl SchedulerState {
                 error: error.clone(),
             });
         }
-        self.slots = SlotTable::new(self.slots.capacity(), self.slots.kv_capacity());
+        self.slots.reset();
     }
 
     /// Builds the next plan, or `None` when a plan is already in flight or
@@ -281,6 +292,7 @@ impl SchedulerState {
             now,
             wanted,
         );
+        self.counters.preemptions += planned.preempted.len() as u64;
         for q in &planned.abandoned {
             self.counters.cancelled += 1;
             out.push(queued_finished(q, FinishReason::Cancelled, now));
@@ -438,11 +450,16 @@ impl SchedulerState {
             );
             return self.fail_and_release(slot, reason, out);
         }
-        seq.num_prefilled += p.prefilled;
+        // A prefill chunk (or recompute) adds its positions; a decode feeds
+        // its input token and keeps one position per accepted draft.
+        seq.computed += match p.prefilled {
+            0 => p.tokens.len(),
+            n => n,
+        };
         seq.drafted += p.drafted;
         seq.accepted_drafts += p.accepted;
         if !p.tokens.is_empty() {
-            if !seq.prompt_done() {
+            if seq.preempted || seq.computed < seq.fill_target() {
                 let reason = "generated tokens before the prompt was fed".to_string();
                 return self.fail_and_release(slot, reason, out);
             }
@@ -461,6 +478,7 @@ impl SchedulerState {
                 }
             }
             seq.last_token_at = Some(now);
+            seq.tokens.extend(p.tokens.iter().map(|t| t.id));
             out.push(SeqEvent::Tokens {
                 id: seq.id,
                 first_index: seq.generated,
@@ -468,6 +486,12 @@ impl SchedulerState {
             });
             seq.generated += n;
         }
+        if p.finish.is_none() {
+            self.slots.settle_blocks(slot);
+        }
+        let Some(seq) = self.slots.get(slot) else {
+            return;
+        };
         if let Some(finish) = p.finish {
             if let Some(seq) = self.slots.free_now(slot) {
                 self.counters.finished += 1;
@@ -512,14 +536,25 @@ impl SchedulerState {
 
     pub fn stats(&self) -> SchedulerStats {
         let c = &self.counters;
+        let prefix = self.slots.pool().counters();
         SchedulerStats {
             queued: self.queue.len(),
             running: self.slots.running_count(),
             releasing: self.slots.occupied() - self.slots.running_count(),
             free_slots: self.slots.free_count(),
             max_seqs: self.slots.capacity(),
-            kv_reserved_tokens: self.slots.kv_reserved(),
+            kv_reserved_tokens: self.slots.kv_used(),
             kv_capacity_tokens: self.slots.kv_capacity(),
+            kv_block_size: self.slots.block_size(),
+            kv_blocks_total: self.slots.pool().num_blocks(),
+            kv_blocks_used: self.slots.pool().used(),
+            kv_blocks_cached: self.slots.pool().cached(),
+            prefix_cache_queries: prefix.queries,
+            prefix_cache_query_tokens: prefix.query_tokens,
+            prefix_cache_hit_tokens: prefix.hit_tokens,
+            prefix_cache_evictions: prefix.evictions,
+            preemptions: c.preemptions,
+            preempted: self.slots.iter_by_age().filter(|s| s.preempted).count(),
             steps: c.steps,
             prompt_tokens_processed: c.prompt_tokens,
             tokens_generated: c.tokens_generated,
@@ -550,6 +585,14 @@ impl SchedulerState {
     }
 }
 
+/// Salt of the prefix-cache hashes: what identifies the model's K/V.
+fn model_identity(model_name: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    model_name.hash(&mut h);
+    h.finish()
+}
+
 /// The terminal event of a request that ends while holding a slot.
 fn finished(seq: &RunningSeq, reason: FinishReason) -> SeqEvent {
     let decode_tokens_per_s = match (seq.first_token_at, seq.last_token_at) {
@@ -564,6 +607,7 @@ fn finished(seq: &RunningSeq, reason: FinishReason) -> SeqEvent {
         usage: Usage {
             prompt_tokens: seq.prompt_len,
             completion_tokens: seq.generated,
+            cached_prompt_tokens: seq.cached_tokens,
             draft_tokens: seq.drafted,
             accepted_draft_tokens: seq.accepted_drafts,
         },

@@ -13,6 +13,8 @@ fn info() -> EngineInfo {
         eos_ids: vec![0],
         kv_capacity_tokens: 1000,
         speculation: None,
+        kv_block_size: 16,
+        draft_needs_hidden: false,
     }
 }
 
@@ -22,6 +24,7 @@ fn state(max_seqs: usize) -> SchedulerState {
         max_queue: 8,
         step_token_budget: 16,
         max_prefill_chunk: 8,
+        prefix_caching: true,
     };
     SchedulerState::new(&config, info())
 }
@@ -294,4 +297,251 @@ fn fail_all_and_stop_accepting() {
     assert!(s.is_drained() && !s.plan_in_flight());
     let err = s.submit(checked(1, 1), Instant::now());
     assert_eq!(err, Err(SchedulerError::EngineGone));
+}
+
+mod block_accounting {
+    //! The scheduler's block accounting under random traffic, against a
+    //! model engine that follows the protocol (the tokens it reports are
+    //! what the plan allowed) and checks every plan against the pool.
+
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::engine::{SpecOptions, TableUpdate};
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// A request of `prompt` tokens from family `family` (shared prefixes).
+        Submit {
+            family: u32,
+            prompt: usize,
+            max_new: usize,
+        },
+        /// Cancel the `i`-th request submitted so far.
+        Cancel { i: usize },
+        /// One step; each decode keeps `accept` (mod its drafts + 1) drafts.
+        Step { accept: usize },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0u32..3, 1usize..50, 1usize..60).prop_map(|(family, prompt, max_new)| Op::Submit {
+                family,
+                prompt,
+                max_new
+            }),
+            (0usize..32).prop_map(|i| Op::Cancel { i }),
+            (0usize..8).prop_map(|accept| Op::Step { accept }),
+            (0usize..8).prop_map(|accept| Op::Step { accept }),
+            (0usize..8).prop_map(|accept| Op::Step { accept }),
+        ]
+    }
+
+    /// The model engine's view of one slot.
+    struct Eng {
+        prompt: usize,
+        kv: usize,
+        generated: usize,
+        max_new: usize,
+        table: Vec<u32>,
+    }
+
+    fn drafting_info(blocks: usize) -> EngineInfo {
+        EngineInfo {
+            context_len: 256,
+            vocab_size: 100,
+            kv_capacity_tokens: blocks * 16,
+            speculation: Some(SpecOptions::constant(3)),
+            ..info()
+        }
+    }
+
+    /// Checks a plan against the model engine and the pool, applies it,
+    /// and returns the outcome a well-behaved engine would report.
+    fn run(
+        s: &SchedulerState,
+        eng: &mut HashMap<SlotId, Eng>,
+        plan: &StepPlan,
+        accept: usize,
+    ) -> StepOutcome {
+        s.slots.pool().check();
+        for slot in &plan.release {
+            eng.remove(slot);
+        }
+        for slot in &plan.preempt {
+            let e = eng.get_mut(slot).expect("preempted slot is registered");
+            e.table.clear();
+            e.kv = 0;
+        }
+        for a in &plan.admit {
+            let crate::engine::KvGrant::Blocks {
+                table,
+                cached_tokens,
+            } = &a.kv
+            else {
+                panic!("blocks expected");
+            };
+            eng.insert(
+                a.slot,
+                Eng {
+                    prompt: a.prompt.len(),
+                    kv: *cached_tokens,
+                    generated: 0,
+                    max_new: a.max_new_tokens,
+                    table: table.clone(),
+                },
+            );
+        }
+        for r in &plan.resume {
+            let e = eng.get_mut(&r.slot).unwrap();
+            e.table = r.table.clone();
+            e.kv = r.cached_tokens;
+        }
+        for TableUpdate { slot, table } in &plan.tables {
+            eng.get_mut(slot).unwrap().table = table.clone();
+        }
+        // No block is in two live tables unless it is a shared full prefix
+        // block below both sequences' KV length (never written again).
+        let mut holders: HashMap<u32, Vec<SlotId>> = HashMap::new();
+        for (&slot, e) in eng.iter() {
+            for &b in &e.table {
+                holders.entry(b).or_default().push(slot);
+            }
+        }
+        for w in &plan.work {
+            let e = &eng[&w.slot()];
+            let end = e.kv + w.max_tokens();
+            assert!(e.table.len() * 16 >= end, "slot {}: no room", w.slot());
+            for pos in e.kv..end {
+                let b = e.table[pos / 16];
+                assert_eq!(
+                    holders[&b],
+                    vec![w.slot()],
+                    "block {b} written while shared"
+                );
+            }
+        }
+        let mut seqs = Vec::new();
+        for w in &plan.work {
+            let e = eng.get_mut(&w.slot()).unwrap();
+            let mut p = SeqProgress::default();
+            match *w {
+                SeqWork::Prefill { start, len, .. } => {
+                    assert_eq!(start, e.kv);
+                    e.kv += len;
+                    p.prefilled = len;
+                    if e.generated == 0 && e.kv == e.prompt {
+                        p.tokens.push(tok(3));
+                    }
+                }
+                SeqWork::Decode { max_drafts, .. } => {
+                    let kept = (accept % (max_drafts + 1)).min(e.max_new - e.generated - 1);
+                    e.kv += 1 + kept;
+                    p.drafted = max_drafts;
+                    p.accepted = kept;
+                    p.tokens = (0..=kept).map(|_| tok(3)).collect();
+                }
+            }
+            e.generated += p.tokens.len();
+            if !p.tokens.is_empty() && e.generated >= e.max_new {
+                p.finish = Some(SeqFinish::Length);
+            }
+            if p.finish.is_some() {
+                eng.remove(&w.slot());
+            }
+            seqs.push(SeqOutcome {
+                slot: w.slot(),
+                result: Ok(p),
+            });
+        }
+        outcome(plan.step, seqs)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        #[test]
+        fn random_traffic_returns_the_pool_to_its_start(ops in proptest::collection::vec(op(), 1..80)) {
+            let config = SchedulerConfig {
+                max_seqs: 6,
+                max_queue: 64,
+                step_token_budget: 48,
+                max_prefill_chunk: 16,
+                prefix_caching: true,
+            };
+            let mut s = SchedulerState::new(&config, drafting_info(8));
+            let mut eng: HashMap<SlotId, Eng> = HashMap::new();
+            let mut ids = Vec::new();
+            let mut out = Vec::new();
+            let mut events: HashMap<RequestId, (usize, bool)> = HashMap::new();
+            let step_events = |out: &mut Vec<SeqEvent>, events: &mut HashMap<RequestId, (usize, bool)>| {
+                for e in out.drain(..) {
+                    let id = e.id();
+                    let entry = events.entry(id).or_insert((0, false));
+                    assert!(!entry.1, "{id}: an event after its terminal one");
+                    match e {
+                        SeqEvent::Tokens { first_index, tokens, .. } => {
+                            assert_eq!(first_index, entry.0, "{id}: tokens once, in order");
+                            entry.0 += tokens.len();
+                        }
+                        e if e.is_terminal() => entry.1 = true,
+                        _ => {}
+                    }
+                }
+            };
+            let drive = |s: &mut SchedulerState, eng: &mut HashMap<SlotId, Eng>, accept: usize, out: &mut Vec<SeqEvent>| {
+                if let Some((plan, _)) = s.plan(Instant::now(), |_| true, out) {
+                    let o = run(s, eng, &plan, accept);
+                    s.apply_outcome(o, Instant::now(), out);
+                }
+            };
+            for op in ops {
+                match op {
+                    Op::Submit { family, prompt, max_new } => {
+                        let ids_: Vec<u32> = (0..prompt as u32).map(|i| 5 + (i * 7 + family * 13) % 90).collect();
+                        let seq = super::super::super::validate::validate_seq(
+                            ids_.into(),
+                            crate::sampler::SamplingOptions::greedy(),
+                            max_new,
+                            None,
+                            &drafting_info(8),
+                        );
+                        if let Ok(seq) = seq {
+                            if let Ok(id) = s.submit(seq, Instant::now()) {
+                                ids.push(id);
+                            }
+                        }
+                    }
+                    Op::Cancel { i } if !ids.is_empty() => {
+                        let id = ids[i % ids.len()];
+                        s.cancel(id, CancelReason::Client, Instant::now(), &mut out);
+                    }
+                    Op::Step { accept } => {
+                        drive(&mut s, &mut eng, accept, &mut out);
+                    }
+                    _ => {}
+                }
+                step_events(&mut out, &mut events);
+                s.slots.pool().check();
+            }
+            // Drain: everything ends, by length or not at all.
+            let mut guard = 0;
+            while !s.is_drained() {
+                drive(&mut s, &mut eng, guard, &mut out);
+                step_events(&mut out, &mut events);
+                guard += 1;
+                prop_assert!(guard < 5000, "the scheduler stalled");
+            }
+            for id in &ids {
+                prop_assert!(events.get(id).is_some_and(|e| e.1), "{id} got no terminal event");
+            }
+            let pool = s.slots.pool();
+            pool.check();
+            prop_assert_eq!(pool.used(), 0);
+            prop_assert_eq!(pool.available(), pool.num_blocks());
+            prop_assert!(eng.is_empty(), "the engine still holds slots");
+        }
+    }
 }

@@ -8,7 +8,7 @@
 //!   proves the request was checked against the engine's [`EngineInfo`]: a
 //!   non-empty prompt shorter than the context, every prompt id inside the
 //!   vocabulary, at least one token to generate, sampling and speculation
-//!   options in range, and a KV reservation the pool can hold.
+//!   options in range, and a longest length whose KV blocks fit the pool.
 //! - Nothing downstream checks these again. The scheduler core takes a
 //!   `ValidSeq` and only adds queue and slot admission; the engine receives
 //!   the same values in its `Admission`.
@@ -25,7 +25,7 @@ use crate::sampler::SamplingOptions;
 
 use super::SchedulerError;
 
-/// A checked request, with its KV reservation resolved. Built only by
+/// A checked request. Built only by
 /// [`validate_seq`]; the fields are public to the scheduler so that the
 /// planner can move them into the engine's `Admission`.
 #[derive(Debug, Clone)]
@@ -35,9 +35,6 @@ pub(crate) struct ValidSeq {
     pub max_new_tokens: usize,
     /// Speculative decoding options; `None` uses the engine's default.
     pub speculation: Option<SpecOptions>,
-    /// `min(prompt + max_new_tokens, context_len)`: the most KV tokens the
-    /// sequence can ever occupy, reserved up front at admission.
-    pub kv_reserve: usize,
     /// Private, so that no other module can build an unchecked `ValidSeq`.
     _checked: Checked,
 }
@@ -82,11 +79,15 @@ pub(crate) fn validate_seq(
             vocab_size: info.vocab_size,
         });
     }
+    // The most KV positions the sequence can ever occupy. Nothing is
+    // reserved up front (blocks are taken as it grows), but a request whose
+    // blocks would not fit the whole pool could never finish: refused here.
     let kv_reserve = prompt
         .len()
         .saturating_add(max_new_tokens)
         .min(info.context_len);
-    if kv_reserve > info.kv_capacity_tokens {
+    let blocks = crate::kv::blocks_for(kv_reserve, info.kv_block_size.max(1));
+    if blocks * info.kv_block_size > info.kv_capacity_tokens {
         return Err(SchedulerError::ExceedsKvCapacity {
             needed: kv_reserve,
             capacity: info.kv_capacity_tokens,
@@ -97,7 +98,6 @@ pub(crate) fn validate_seq(
         sampling,
         max_new_tokens,
         speculation: spec,
-        kv_reserve,
         _checked: Checked,
     })
 }
@@ -113,6 +113,8 @@ pub(crate) mod tests {
             vocab_size: 50,
             eos_ids: vec![0],
             kv_capacity_tokens: 80,
+            kv_block_size: 16,
+            draft_needs_hidden: false,
             speculation: None,
         }
     }
@@ -126,6 +128,8 @@ pub(crate) mod tests {
             vocab_size: 2,
             eos_ids: vec![0],
             kv_capacity_tokens: usize::MAX,
+            kv_block_size: 1,
+            draft_needs_hidden: false,
             speculation: None,
         };
         validate_seq(
@@ -150,10 +154,19 @@ pub(crate) mod tests {
 
     #[test]
     fn reservation_is_capped_at_context() {
-        assert_eq!(check(&[1, 2, 3], 10).map(|v| v.kv_reserve), Ok(13));
+        assert!(check(&[1, 2, 3], 10).is_ok());
+        // 80 tokens are exactly five blocks of 16; 81 need a sixth.
+        assert!(check(&[1; 70], 10).is_ok());
+        assert_eq!(
+            check(&[1; 70], 11).err(),
+            Some(SchedulerError::ExceedsKvCapacity {
+                needed: 81,
+                capacity: 80
+            })
+        );
         // 60 + 60 > context 100, capped; 100 > capacity 80, refused.
         assert_eq!(
-            check(&[1; 60], 60).map(|v| v.kv_reserve),
+            check(&[1; 60], 60).map(|_| ()),
             Err(SchedulerError::ExceedsKvCapacity {
                 needed: 100,
                 capacity: 80

@@ -128,6 +128,8 @@ pub struct LoadSpec {
     pub device: Device,
     /// KV pool size in tokens over all sequences.
     pub kv_tokens: usize,
+    /// Tokens per KV block.
+    pub kv_block_size: usize,
     /// Storage of the projection weights (`--dtype q8_0` / `q4_k` quantise at load).
     pub weight_format: WeightFormat,
     /// Speculative decoding: the draft head, and the longest draft.
@@ -182,6 +184,7 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, LoadError> {
         model,
         EngineConfig {
             kv_capacity_tokens: spec.kv_tokens,
+            kv_block_size: spec.kv_block_size,
             model_name: model_name.clone(),
             eos_ids: tokenizer.eos_ids().to_vec(),
         },

@@ -51,7 +51,7 @@ pub fn render(state: &AppState, stats: Option<&SchedulerStats>) -> String {
 }
 
 fn scheduler(out: &mut String, s: &SchedulerStats) {
-    let gauges: [(&str, &str, usize); 7] = [
+    let gauges: [(&str, &str, usize); 11] = [
         (
             "tandem_queue_depth",
             "Requests waiting for a slot.",
@@ -79,7 +79,7 @@ fn scheduler(out: &mut String, s: &SchedulerStats) {
         ),
         (
             "tandem_kv_reserved_tokens",
-            "KV cache tokens reserved by occupied slots.",
+            "KV cache tokens in blocks owned by some sequence.",
             s.kv_reserved_tokens,
         ),
         (
@@ -87,13 +87,58 @@ fn scheduler(out: &mut String, s: &SchedulerStats) {
             "KV cache capacity in tokens.",
             s.kv_capacity_tokens,
         ),
+        (
+            "tandem_kv_blocks_total",
+            "KV cache blocks in the pool.",
+            s.kv_blocks_total,
+        ),
+        (
+            "tandem_kv_blocks_used",
+            "KV cache blocks owned by some sequence.",
+            s.kv_blocks_used,
+        ),
+        (
+            "tandem_kv_blocks_cached",
+            "KV cache blocks nobody owns that hold a cached prefix (evictable).",
+            s.kv_blocks_cached,
+        ),
+        (
+            "tandem_preempted_sequences",
+            "Sequences preempted and waiting to be recomputed.",
+            s.preempted,
+        ),
     ];
     for (name, help, v) in gauges {
         metric(out, name, "gauge", help);
         sample(out, name, "", v as f64);
     }
 
-    let counters: [(&str, &str, u64); 7] = [
+    let counters: [(&str, &str, u64); 12] = [
+        (
+            "tandem_prefix_cache_queries_total",
+            "Prefix-cache lookups (admissions and resumptions).",
+            s.prefix_cache_queries,
+        ),
+        (
+            "tandem_prefix_cache_query_tokens_total",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_query_tokens,
+        ),
+        (
+            "tandem_prefix_cache_hit_tokens_total",
+            "Prompt tokens found in the prefix cache (not computed).",
+            s.prefix_cache_hit_tokens,
+        ),
+        (
+            "tandem_prefix_cache_evictions_total",
+            "Cached KV blocks taken back for new ones.",
+            s.prefix_cache_evictions,
+        ),
+        (
+            "tandem_preemptions_total",
+            "Sequences preempted when KV blocks ran out.",
+            s.preemptions,
+        ),
         (
             "tandem_steps_total",
             "Step plans run by the engine.",

@@ -45,6 +45,15 @@ pub struct UsageJson {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    /// As OpenAI reports it: `{"cached_tokens": n}`, the prompt tokens
+    /// served from the prefix cache.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// The breakdown of `prompt_tokens`.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
 }
 
 impl From<Usage> for UsageJson {
@@ -53,6 +62,9 @@ impl From<Usage> for UsageJson {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,
             total_tokens: u.prompt_tokens + u.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: u.cached_prompt_tokens,
+            },
         }
     }
 }

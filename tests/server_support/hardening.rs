@@ -576,6 +576,7 @@ async fn a_burst_fills_the_free_slots_and_the_queue() {
             max_queue: 2,
             step_token_budget: 64,
             max_prefill_chunk: 32,
+            prefix_caching: true,
         },
         ..Options::default()
     });

@@ -250,6 +250,7 @@ async fn a_full_queue_is_429() {
             max_queue: 1,
             step_token_budget: 64,
             max_prefill_chunk: 32,
+            prefix_caching: true,
         },
         ..Options::default()
     });

@@ -255,6 +255,7 @@ async fn soak_with_cancellations_malformed_requests_and_overload() {
             max_queue: 6,
             step_token_budget: 64,
             max_prefill_chunk: 32,
+            prefix_caching: true,
         },
         ..Options::default()
     }));
@@ -305,6 +306,14 @@ async fn soak_with_cancellations_malformed_requests_and_overload() {
         0.0,
         "no leaked KV reservation"
     );
+    assert_eq!(m.get("tandem_kv_blocks_used"), 0.0, "no block owned");
+    assert!(m.get("tandem_kv_blocks_total") > 0.0);
+    assert!(m.get("tandem_kv_blocks_cached") <= m.get("tandem_kv_blocks_total"));
+    assert!(
+        m.get("tandem_prefix_cache_hit_tokens_total")
+            <= m.get("tandem_prefix_cache_query_tokens_total")
+    );
+    assert_eq!(m.get("tandem_preempted_sequences"), 0.0);
     assert_eq!(m.outcome("failed"), 0.0);
     // Every accepted request ended exactly once.
     assert_eq!(

@@ -61,7 +61,7 @@ pub fn run(engine: &mut Engine, reqs: &[Req], chunk: usize) -> RunResult {
             prompt: Arc::from(r.prompt.clone()),
             sampling: r.sampling,
             max_new_tokens: r.max_new,
-            kv_reserve: r.prompt.len() + r.max_new,
+            kv: KvGrant::Reserve(r.prompt.len() + r.max_new),
             spec: r.spec,
         });
     }

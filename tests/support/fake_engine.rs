@@ -1,10 +1,12 @@
 //! A deterministic [`StepExecutor`] for scheduler tests.
 //!
 //! It behaves like the real engine at the protocol level: it registers slots
-//! with their KV reservation, checks that prefill chunks are contiguous and
-//! that decodes only follow a complete prompt, ends sequences itself (EOS,
-//! `max_new_tokens`, context full) and frees their slots, and frees released
-//! slots. Token ids are a pure function of the prompt and the token index
+//! with their block tables (and applies preemptions, resumptions and table
+//! updates), checks that prefill chunks are contiguous, that decodes only
+//! follow a complete prompt (or recompute), that every fed token has room
+//! in its table and that no block it writes is in another live table, ends
+//! sequences itself (EOS, `max_new_tokens`, context full) and frees their
+//! slots, and frees released slots. Token ids are a pure function of the prompt and the token index
 //! ([`fake_token`]), so tests know every expected output ([`expected`]).
 //!
 //! A [`FakeProbe`] (shared with the executor) lets a test read every plan the
@@ -18,9 +20,12 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tandem::engine::{
-    Admission, EngineError, EngineInfo, GeneratedToken, SeqFinish, SeqOutcome, SeqProgress,
-    SeqWork, SlotId, StepExecutor, StepOutcome, StepPlan, StepStats,
+    Admission, EngineError, EngineInfo, GeneratedToken, KvGrant, SeqFinish, SeqOutcome,
+    SeqProgress, SeqWork, SlotId, StepExecutor, StepOutcome, StepPlan, StepStats,
 };
+
+/// Tokens per KV block of the fake.
+pub const BLOCK: usize = 16;
 use tandem::scheduler::FinishReason;
 
 /// Vocabulary size of the fake model.
@@ -83,16 +88,21 @@ impl Default for FakeSettings {
 #[derive(Debug)]
 struct FakeSeq {
     prompt: Arc<[u32]>,
-    prefilled: usize,
+    /// Positions in the KV.
+    kv_len: usize,
+    /// Recomputing after a preemption, up to this KV length.
+    recompute: Option<usize>,
     generated: usize,
     max_new: usize,
-    kv_reserve: usize,
+    table: Vec<u32>,
+    preempted: bool,
 }
 
 #[derive(Debug, Default)]
 struct FakeState {
     seqs: HashMap<SlotId, FakeSeq>,
-    kv_used: usize,
+    /// Cached prefix tokens each admission started with, in order.
+    pub cached: Vec<usize>,
     plans: Vec<StepPlan>,
     /// (first prompt token, token index): fail such a sequence there.
     fail_rules: Vec<(u32, usize)>,
@@ -135,9 +145,20 @@ impl FakeProbe {
         lock(&self.0.state).seqs.len()
     }
 
-    /// KV tokens the engine still holds.
+    /// KV tokens in the blocks the engine's live tables hold.
     pub fn kv_used(&self) -> usize {
-        lock(&self.0.state).kv_used
+        let st = lock(&self.0.state);
+        let blocks: std::collections::HashSet<u32> = st
+            .seqs
+            .values()
+            .flat_map(|s| s.table.iter().copied())
+            .collect();
+        blocks.len() * BLOCK
+    }
+
+    /// Cached prefix tokens of every admission so far, in order.
+    pub fn cached_at_admission(&self) -> Vec<usize> {
+        lock(&self.0.state).cached.clone()
     }
 
     /// Whether the executor has been dropped (its thread has ended).
@@ -242,6 +263,8 @@ impl StepExecutor for FakeExecutor {
             eos_ids: vec![EOS],
             kv_capacity_tokens: self.settings.kv_capacity_tokens,
             speculation: None,
+            kv_block_size: BLOCK,
+            draft_needs_hidden: false,
         }
     }
 
@@ -256,9 +279,14 @@ impl StepExecutor for FakeExecutor {
         let mut st = lock(&self.probe.0.state);
         let mut seqs = Vec::new();
         for slot in &plan.release {
-            if let Some(s) = st.seqs.remove(slot) {
-                st.kv_used -= s.kv_reserve;
-            }
+            st.seqs.remove(slot);
+        }
+        for slot in &plan.preempt {
+            let s = st.seqs.get_mut(slot).expect("preempted slot is registered");
+            assert!(!s.preempted, "slot {slot} preempted twice");
+            s.preempted = true;
+            s.table.clear();
+            s.kv_len = 0;
         }
         for a in &plan.admit {
             if let Err(e) = admit(&mut st, a, &plan.release, &self.settings) {
@@ -267,6 +295,34 @@ impl StepExecutor for FakeExecutor {
                     result: Err(e),
                 });
             }
+        }
+        for r in &plan.resume {
+            let s = st
+                .seqs
+                .get_mut(&r.slot)
+                .expect("resumed slot is registered");
+            assert!(s.preempted, "slot {} resumed without a preemption", r.slot);
+            s.preempted = false;
+            s.table = r.table.clone();
+            s.kv_len = r.cached_tokens;
+            let target = match s.generated {
+                0 => s.prompt.len(),
+                g => s.prompt.len() + g - 1,
+            };
+            assert!(r.cached_tokens <= target);
+            s.recompute = (s.generated > 0 && r.cached_tokens < target).then_some(target);
+        }
+        for t in &plan.tables {
+            let s = st
+                .seqs
+                .get_mut(&t.slot)
+                .expect("table of a registered slot");
+            assert!(!s.preempted, "table update for preempted slot {}", t.slot);
+            assert!(
+                t.table.len() * BLOCK >= s.kv_len,
+                "a table shorter than the KV"
+            );
+            s.table = t.table.clone();
         }
         let mut tokens_in_batch = 0;
         let mut sampled = false;
@@ -280,9 +336,7 @@ impl StepExecutor for FakeExecutor {
                 sampled |= !p.tokens.is_empty();
             }
             if result.as_ref().map_or(true, |p| p.finish.is_some()) {
-                if let Some(s) = st.seqs.remove(&w.slot()) {
-                    st.kv_used -= s.kv_reserve;
-                }
+                st.seqs.remove(&w.slot());
             }
             seqs.push(SeqOutcome {
                 slot: w.slot(),
@@ -324,31 +378,75 @@ fn admit(
     if st.seqs.contains_key(&a.slot) {
         return Err(EngineError::DuplicateSlot(a.slot));
     }
-    let want = (a.prompt.len() + a.max_new_tokens).min(settings.context_len);
-    if a.kv_reserve != want {
+    let KvGrant::Blocks {
+        table,
+        cached_tokens,
+    } = &a.kv
+    else {
         return Err(EngineError::InvalidWork {
             slot: a.slot,
-            reason: format!("kv_reserve {} but expected {want}", a.kv_reserve),
+            reason: "the scheduler must hand out blocks".into(),
+        });
+    };
+    let blocks = settings.kv_capacity_tokens / BLOCK;
+    if table.iter().any(|&b| b as usize >= blocks) || table.len() * BLOCK < a.prompt.len() {
+        return Err(EngineError::InvalidWork {
+            slot: a.slot,
+            reason: format!("table {table:?} for a {}-token prompt", a.prompt.len()),
         });
     }
-    let available = settings.kv_capacity_tokens - st.kv_used;
-    if a.kv_reserve > available {
-        return Err(EngineError::KvExhausted {
-            requested: a.kv_reserve,
-            available,
+    if *cached_tokens >= a.prompt.len() || cached_tokens % BLOCK != 0 {
+        return Err(EngineError::InvalidWork {
+            slot: a.slot,
+            reason: format!("{cached_tokens} cached tokens"),
         });
     }
-    st.kv_used += a.kv_reserve;
+    st.cached.push(*cached_tokens);
     st.seqs.insert(
         a.slot,
         FakeSeq {
             prompt: a.prompt.clone(),
-            prefilled: 0,
+            kv_len: *cached_tokens,
+            recompute: None,
             generated: 0,
             max_new: a.max_new_tokens,
-            kv_reserve: a.kv_reserve,
+            table: table.clone(),
+            preempted: false,
         },
     );
+    Ok(())
+}
+
+/// The positions `w` feeds have room in its table, and none of their blocks
+/// is in another live table (a shared prefix block is never written).
+fn check_writes(st: &FakeState, w: SeqWork) -> Result<(), EngineError> {
+    let slot = w.slot();
+    let Some(seq) = st.seqs.get(&slot) else {
+        return Ok(()); // reported as unknown by the caller
+    };
+    let invalid = |reason: String| EngineError::InvalidWork { slot, reason };
+    if seq.preempted {
+        return Err(invalid("work for a preempted slot".into()));
+    }
+    let end = seq.kv_len + w.max_tokens();
+    if end > seq.table.len() * BLOCK {
+        return Err(invalid(format!(
+            "{end} positions but a table of {} blocks",
+            seq.table.len()
+        )));
+    }
+    for pos in seq.kv_len..end {
+        let b = seq.table[pos / BLOCK];
+        if let Some((other, _)) = st
+            .seqs
+            .iter()
+            .find(|(&o, s)| o != slot && s.table.contains(&b))
+        {
+            return Err(invalid(format!(
+                "writes block {b}, also held by slot {other}"
+            )));
+        }
+    }
     Ok(())
 }
 
@@ -359,6 +457,7 @@ fn run_work(
 ) -> Result<SeqProgress, EngineError> {
     let slot = w.slot();
     let fail_rules = st.fail_rules.clone();
+    check_writes(st, w)?;
     let seq = st
         .seqs
         .get_mut(&slot)
@@ -367,24 +466,31 @@ fn run_work(
     let mut progress = SeqProgress::default();
     match w {
         SeqWork::Prefill { start, len, .. } => {
-            if start != seq.prefilled || len == 0 || start + len > seq.prompt.len() {
+            let target = seq.recompute.unwrap_or(seq.prompt.len());
+            if start != seq.kv_len || len == 0 || start + len > target {
                 return Err(invalid(format!(
-                    "prefill {start}..{} but {} of {} prompt tokens fed",
+                    "prefill {start}..{} but {} of {target} positions fed",
                     start + len,
-                    seq.prefilled,
-                    seq.prompt.len()
+                    seq.kv_len,
                 )));
             }
-            seq.prefilled += len;
+            seq.kv_len += len;
             progress.prefilled = len;
-            if seq.prefilled < seq.prompt.len() {
+            if seq.recompute.is_some() {
+                if seq.kv_len == target {
+                    seq.recompute = None;
+                }
+                return Ok(progress);
+            }
+            if seq.kv_len < seq.prompt.len() {
                 return Ok(progress);
             }
         }
         SeqWork::Decode { .. } => {
-            if seq.prefilled < seq.prompt.len() || seq.generated == 0 {
+            if seq.kv_len < seq.prompt.len() || seq.generated == 0 || seq.recompute.is_some() {
                 return Err(invalid("decode before the prompt was fed".into()));
             }
+            seq.kv_len += 1;
         }
     }
     let index = seq.generated;

@@ -27,6 +27,7 @@ pub fn config(max_seqs: usize, max_queue: usize, budget: usize, chunk: usize) ->
         max_queue,
         step_token_budget: budget,
         max_prefill_chunk: chunk,
+        prefix_caching: true,
     }
 }
 

@@ -1,5 +1,6 @@
 //! Causal grouped-query attention of a ragged batch, read in place from
-//! each sequence's KV cache (`[tokens, kv_heads, head_dim]`, f32 or f16).
+//! the layer's paged KV pool (`[rows, kv_heads, head_dim]`, f32 or f16)
+//! through each sequence's block table.
 //!
 //! Work units are (sequence, KV head, block of query rows): the query heads
 //! sharing a KV head are scored together, so each key and value is loaded
@@ -8,6 +9,12 @@
 //! softmax (max-shifted, vectorised exp), then the probability-weighted sum
 //! of values. Nothing is copied out of the cache and nothing is allocated
 //! per call beyond per-thread score scratch that is kept between calls.
+//!
+//! Paging: keys are scored one block run at a time (each score is its own
+//! dot product, so the split changes nothing), and the weighted sum walks
+//! the value rows block by block inside one accumulation, in position
+//! order: the result is the same, bit for bit, as over a contiguous cache,
+//! whatever blocks the table names.
 
 use std::cell::RefCell;
 
@@ -38,9 +45,51 @@ pub(crate) struct SeqAttn<T> {
     /// Position of the first query row; query i sits at `offset + i`.
     pub offset: usize,
     pub len: usize,
-    /// The cache's K and V, valid for positions `0..offset + len`.
+    /// The layer's K and V pools; the sequence's position `p` is at row
+    /// `table[p / block] · block + p % block`, valid for `0..offset + len`.
     pub k: *const T,
     pub v: *const T,
+    /// The sequence's block table (covering `offset + len` positions).
+    pub table: *const u32,
+    /// Rows per block.
+    pub block: usize,
+}
+
+/// The value rows of positions `first..first + keys` of one sequence, for
+/// one KV head: runs of consecutive rows (one per block touched).
+#[derive(Clone, Copy)]
+pub(super) struct Rows<T> {
+    /// Element `(row, kvh, 0)` of the pool is at `base + row · ld`.
+    base: *const T,
+    ld: usize,
+    table: *const u32,
+    block: usize,
+    first: usize,
+    keys: usize,
+}
+
+impl<T> Rows<T> {
+    /// The run starting at key `t`: its first row and how many keys it holds.
+    #[inline(always)]
+    unsafe fn run(&self, t: usize) -> (*const T, usize) {
+        let pos = self.first + t;
+        let (b, off) = (pos / self.block, pos % self.block);
+        let n = (self.block - off).min(self.keys - t);
+        let row = *self.table.add(b) as usize * self.block + off;
+        (self.base.add(row * self.ld), n)
+    }
+
+    /// Calls `f(t, ptr, n)` for each run: keys `t..t + n` start at `ptr`
+    /// and are `ld` apart. In key order.
+    #[inline(always)]
+    unsafe fn runs(&self, mut f: impl FnMut(usize, *const T, usize)) {
+        let mut t = 0;
+        while t < self.keys {
+            let (ptr, n) = self.run(t);
+            f(t, ptr, n);
+            t += n;
+        }
+    }
 }
 
 // SAFETY: workers read q, k, v and write disjoint output rows/heads.
@@ -110,10 +159,16 @@ unsafe fn run_unit<T: WElem>(
         };
         let keys = pos + 1 - first;
         let q = s.q.add(i * s.ldq + kvh * g * hd);
-        let k = s.k.add(first * ldkv + kvh * hd);
-        let v = s.v.add(first * ldkv + kvh * hd);
         let sc = scores.as_mut_ptr();
-        dot_rows(isa, q, hd, g, hd, k, ldkv, keys, sc, keys);
+        let rows = |base: *const T| Rows {
+            base: base.add(kvh * hd),
+            ld: ldkv,
+            table: s.table,
+            block: s.block,
+            first,
+            keys,
+        };
+        rows(s.k).runs(|t, k, n| dot_rows(isa, q, hd, g, hd, k, ldkv, n, sc.add(t), keys));
         for j in 0..g {
             let row = std::slice::from_raw_parts_mut(sc.add(j * keys), keys);
             let m = max(isa, row);
@@ -124,19 +179,17 @@ unsafe fn run_unit<T: WElem>(
             }
         }
         let out = s.out.at(i * s.ldo + kvh * g * hd);
-        weighted_sum(isa, sc, keys, g, v, ldkv, hd, out);
+        weighted_sum(isa, sc, g, rows(s.v), hd, out);
     }
 }
 
-/// `out[j·hd + d] = Σ_t p[j·keys + t] · v[t·ldv + d]` for `j < g`, `d < hd`.
-#[allow(clippy::too_many_arguments)]
+/// `out[j·hd + d] = Σ_t p[j·keys + t] · v_t[d]` for `j < g`, `d < hd`,
+/// where `v_t` is the value row of key `t` in `v` (summed in key order).
 unsafe fn weighted_sum<T: WElem>(
     isa: Isa,
     p: *const f32,
-    keys: usize,
     g: usize,
-    v: *const T,
-    ldv: usize,
+    v: Rows<T>,
     hd: usize,
     out: *mut f32,
 ) {
@@ -145,14 +198,7 @@ unsafe fn weighted_sum<T: WElem>(
         Isa::Avx512 => {
             // Common head shapes keep every accumulator in registers and
             // read each value row once; the rest go 16 dimensions a pass.
-            let a = x86::Args {
-                p,
-                keys,
-                v,
-                ldv,
-                out,
-                hd,
-            };
+            let a = x86::Args { p, v, out, hd };
             match (hd, g) {
                 (64, 1) => x86::ws_regs::<4, 1, T>(a),
                 (64, 2) => x86::ws_regs::<4, 2, T>(a),
@@ -163,25 +209,28 @@ unsafe fn weighted_sum<T: WElem>(
                 (128, 1) => x86::ws_regs::<8, 1, T>(a),
                 (128, 2) => x86::ws_regs::<8, 2, T>(a),
                 (128, 3) => x86::ws_regs::<8, 3, T>(a),
-                _ => x86::weighted_sum_avx512(p, keys, g, v, ldv, hd, out),
+                _ => x86::weighted_sum_avx512(p, g, v, hd, out),
             }
         }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => x86::weighted_sum_avx2(p, keys, g, v, ldv, hd, out),
+        Isa::Avx2 => x86::weighted_sum_avx2(p, g, v, hd, out),
         _ => {
+            let keys = v.keys;
             for j in 0..g {
                 std::slice::from_raw_parts_mut(out.add(j * hd), hd).fill(0.0);
             }
-            for t in 0..keys {
-                let vt = v.add(t * ldv);
-                for j in 0..g {
-                    let pj = *p.add(j * keys + t);
-                    let o = out.add(j * hd);
-                    for d in 0..hd {
-                        *o.add(d) += pj * (*vt.add(d)).to_f32();
+            v.runs(|t0, rows, n| {
+                for i in 0..n {
+                    let vt = rows.add(i * v.ld);
+                    for j in 0..g {
+                        let pj = *p.add(j * keys + t0 + i);
+                        let o = out.add(j * hd);
+                        for d in 0..hd {
+                            *o.add(d) += pj * (*vt.add(d)).to_f32();
+                        }
                     }
                 }
-            }
+            });
         }
     }
 }
@@ -190,23 +239,21 @@ unsafe fn weighted_sum<T: WElem>(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::WElem;
+    use super::{Rows, WElem};
 
     /// Heads per register pass (accumulators: HEADS × 1 vector).
     const HEADS: usize = 8;
 
     /// 8 dimensions × up to 8 heads a pass over the keys (AVX2 tier).
     #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn weighted_sum_avx2<T: WElem>(
         p: *const f32,
-        keys: usize,
         g: usize,
-        v: *const T,
-        ldv: usize,
+        v: Rows<T>,
         hd: usize,
         out: *mut f32,
     ) {
+        let (keys, ldv) = (v.keys, v.ld);
         let mut d = 0;
         while d < hd {
             let lanes = (hd - d).min(8);
@@ -214,16 +261,21 @@ mod x86 {
             while j0 < g {
                 let nj = (g - j0).min(HEADS);
                 let mut acc = [_mm256_setzero_ps(); HEADS];
-                for t in 0..keys {
-                    let vt = if lanes == 8 {
-                        T::load8(v.add(t * ldv + d))
-                    } else {
-                        T::load8_partial(v.add(t * ldv + d), lanes)
-                    };
-                    for (j, a) in acc.iter_mut().enumerate().take(nj) {
-                        let pj = _mm256_set1_ps(*p.add((j0 + j) * keys + t));
-                        *a = _mm256_fmadd_ps(pj, vt, *a);
+                let mut t0 = 0;
+                while t0 < keys {
+                    let (rows, n) = v.run(t0);
+                    for i in 0..n {
+                        let vt = if lanes == 8 {
+                            T::load8(rows.add(i * ldv + d))
+                        } else {
+                            T::load8_partial(rows.add(i * ldv + d), lanes)
+                        };
+                        for (j, a) in acc.iter_mut().enumerate().take(nj) {
+                            let pj = _mm256_set1_ps(*p.add((j0 + j) * keys + t0 + i));
+                            *a = _mm256_fmadd_ps(pj, vt, *a);
+                        }
                     }
+                    t0 += n;
                 }
                 let mask = _mm256_cmpgt_epi32(
                     _mm256_set1_epi32(lanes as i32),
@@ -241,9 +293,7 @@ mod x86 {
     /// Operands of one weighted sum (see `super::weighted_sum`).
     pub(super) struct Args<T> {
         pub p: *const f32,
-        pub keys: usize,
-        pub v: *const T,
-        pub ldv: usize,
+        pub v: Rows<T>,
         pub out: *mut f32,
         pub hd: usize,
     }
@@ -251,15 +301,22 @@ mod x86 {
     /// G heads × C·16 dimensions held in registers over all keys.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn ws_regs<const C: usize, const G: usize, T: WElem>(a: Args<T>) {
+        let (keys, ldv) = (a.v.keys, a.v.ld);
         let mut acc = [[_mm512_setzero_ps(); C]; G];
-        for t in 0..a.keys {
-            let vt: [__m512; C] = std::array::from_fn(|c| T::load16(a.v.add(t * a.ldv + 16 * c)));
-            for (j, aj) in acc.iter_mut().enumerate() {
-                let pj = _mm512_set1_ps(*a.p.add(j * a.keys + t));
-                for (x, &vc) in aj.iter_mut().zip(&vt) {
-                    *x = _mm512_fmadd_ps(pj, vc, *x);
+        let mut t0 = 0;
+        while t0 < keys {
+            let (rows, n) = a.v.run(t0);
+            for i in 0..n {
+                let vt: [__m512; C] =
+                    std::array::from_fn(|c| T::load16(rows.add(i * ldv + 16 * c)));
+                for (j, aj) in acc.iter_mut().enumerate() {
+                    let pj = _mm512_set1_ps(*a.p.add(j * keys + t0 + i));
+                    for (x, &vc) in aj.iter_mut().zip(&vt) {
+                        *x = _mm512_fmadd_ps(pj, vc, *x);
+                    }
                 }
             }
+            t0 += n;
         }
         for (j, aj) in acc.iter().enumerate() {
             for (c, x) in aj.iter().enumerate() {
@@ -269,16 +326,14 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn weighted_sum_avx512<T: WElem>(
         p: *const f32,
-        keys: usize,
         g: usize,
-        v: *const T,
-        ldv: usize,
+        v: Rows<T>,
         hd: usize,
         out: *mut f32,
     ) {
+        let (keys, ldv) = (v.keys, v.ld);
         let mut d = 0;
         while d < hd {
             let lanes = (hd - d).min(16);
@@ -287,16 +342,21 @@ mod x86 {
             while j0 < g {
                 let nj = (g - j0).min(HEADS);
                 let mut acc = [_mm512_setzero_ps(); HEADS];
-                for t in 0..keys {
-                    let vt = if lanes == 16 {
-                        T::load16(v.add(t * ldv + d))
-                    } else {
-                        T::load16_masked(v.add(t * ldv + d), mask)
-                    };
-                    for (j, a) in acc.iter_mut().enumerate().take(nj) {
-                        let pj = _mm512_set1_ps(*p.add((j0 + j) * keys + t));
-                        *a = _mm512_fmadd_ps(pj, vt, *a);
+                let mut t0 = 0;
+                while t0 < keys {
+                    let (rows, n) = v.run(t0);
+                    for i in 0..n {
+                        let vt = if lanes == 16 {
+                            T::load16(rows.add(i * ldv + d))
+                        } else {
+                            T::load16_masked(rows.add(i * ldv + d), mask)
+                        };
+                        for (j, a) in acc.iter_mut().enumerate().take(nj) {
+                            let pj = _mm512_set1_ps(*p.add((j0 + j) * keys + t0 + i));
+                            *a = _mm512_fmadd_ps(pj, vt, *a);
+                        }
                     }
+                    t0 += n;
                 }
                 for (j, a) in acc.iter().enumerate().take(nj) {
                     _mm512_mask_storeu_ps(out.add((j0 + j) * hd + d), mask, *a);

@@ -201,6 +201,73 @@ fn attention_reference(
     out
 }
 
+/// A block table naming blocks 0, 1, 2, …: a contiguous cache.
+static IDENTITY: [u32; 64] = {
+    let mut t = [0u32; 64];
+    let mut i = 0;
+    while i < 64 {
+        t[i] = i as u32;
+        i += 1;
+    }
+    t
+};
+
+#[test]
+fn a_scattered_block_table_gives_the_contiguous_result_bit_for_bit() {
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let block = 4;
+    for isa in Isa::supported() {
+        for (nh, nkv, hd, window) in [(9, 3, 64, None), (8, 4, 8, Some(6)), (4, 2, 20, None)] {
+            let h = Heads {
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+                sliding_window: window,
+            };
+            let (offset, len) = (13usize, 6usize);
+            let n = offset + len;
+            let blocks = n.div_ceil(block);
+            let ldkv = nkv * hd;
+            let q = randn(&mut rng, len * nh * hd);
+            let k = randn(&mut rng, blocks * block * ldkv);
+            let v = randn(&mut rng, blocks * block * ldkv);
+            // The same rows scattered over a bigger pool, blocks reversed
+            // and spread out.
+            let table: Vec<u32> = (0..blocks).map(|b| (3 * (blocks - b) + 1) as u32).collect();
+            let pool_rows = (3 * blocks + 2) * block;
+            let (mut kp, mut vp) = (vec![0f32; pool_rows * ldkv], vec![0f32; pool_rows * ldkv]);
+            for pos in 0..blocks * block {
+                let row = table[pos / block] as usize * block + pos % block;
+                kp[row * ldkv..(row + 1) * ldkv].copy_from_slice(&k[pos * ldkv..(pos + 1) * ldkv]);
+                vp[row * ldkv..(row + 1) * ldkv].copy_from_slice(&v[pos * ldkv..(pos + 1) * ldkv]);
+            }
+            let ld = nh * hd;
+            let run = |k: &[f32], v: &[f32], table: &[u32]| {
+                let mut out = vec![0f32; len * ld];
+                let seqs = [SeqAttn {
+                    q: q.as_ptr(),
+                    ldq: ld,
+                    out: SharedMut(out.as_mut_ptr()),
+                    ldo: ld,
+                    offset,
+                    len,
+                    k: k.as_ptr(),
+                    v: v.as_ptr(),
+                    table: table.as_ptr(),
+                    block,
+                }];
+                // SAFETY: the tables cover `n` positions of live pools.
+                unsafe { attention(isa, 2, h, &seqs) };
+                out
+            };
+            let contiguous = run(&k, &v, &IDENTITY);
+            let scattered = run(&kp, &vp, &table);
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&contiguous), bits(&scattered), "{isa:?} {h:?}");
+        }
+    }
+}
+
 /// One attention case's inputs per sequence: q, K, V (f32) and an output
 /// buffer, for the (offset, len) `shapes`.
 type AttnCase = Vec<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)>;
@@ -252,6 +319,8 @@ fn check_attention_f32(isa: Isa, h: Heads, shapes: &[(usize, usize)], data: &mut
             len,
             k: d.1.as_ptr(),
             v: d.2.as_ptr(),
+            table: IDENTITY.as_ptr(),
+            block: 4,
         })
         .collect();
     // SAFETY: every pointer is into a live buffer of the shape its
@@ -288,6 +357,8 @@ fn check_attention_f16(isa: Isa, h: Heads, shapes: &[(usize, usize)], data: &Att
             len: shapes[s].1,
             k: kh[s].as_ptr(),
             v: vh[s].as_ptr(),
+            table: IDENTITY.as_ptr(),
+            block: 4,
         })
         .collect();
     // SAFETY: as for f32: live buffers of the implied shapes, separate outputs.

@@ -1,0 +1,119 @@
+use candle_core::{DType, Device, Tensor};
+
+use super::*;
+
+fn layout() -> KvLayout {
+    KvLayout {
+        num_layers: 2,
+        num_kv_heads: 1,
+        head_dim: 2,
+        dtype: DType::F32,
+    }
+}
+
+/// `[n, 1, 2]` rows whose values name their position.
+fn rows(from: usize, n: usize) -> Tensor {
+    let v: Vec<f32> = (from..from + n)
+        .flat_map(|p| [p as f32, -(p as f32)])
+        .collect();
+    Tensor::from_vec(v, (n, 1, 2), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn writes_and_views_go_through_a_scattered_table() {
+    let mut kv = KvCache::paged(layout(), Device::Cpu, 8, 4);
+    kv.register(1, vec![5, 2, 7], 0).unwrap();
+    assert_eq!(
+        kv.allocate(2, 4),
+        Err(KvError::Mixed(2)),
+        "tables, then a reservation"
+    );
+    kv.ensure_room(1, 10).unwrap();
+    assert!(kv.ensure_room(1, 13).is_err(), "three blocks hold 12");
+    kv.write(1, 1, 0, &rows(0, 6), &rows(100, 6)).unwrap();
+    kv.write(1, 1, 6, &rows(6, 4), &rows(106, 4)).unwrap();
+    kv.set_len(1, 10).unwrap();
+    let (k, v) = kv.view(1, 1, 10).unwrap();
+    assert_eq!(
+        k.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        rows(0, 10).flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    );
+    assert_eq!(
+        v.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        rows(100, 10)
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    );
+    assert_eq!(kv.row(1, 5).unwrap(), 2 * 4 + 1);
+    assert_eq!(
+        kv.segments(1, 2, 8).unwrap(),
+        vec![(22, 0, 2), (8, 2, 4), (28, 6, 2)]
+    );
+    assert_eq!(kv.contiguous_base(1, 4), Some(20));
+    assert_eq!(kv.contiguous_base(1, 5), None);
+    assert!(matches!(
+        kv.set_table(1, vec![8], None),
+        Err(KvError::BadBlock { block: 8, .. })
+    ));
+}
+
+#[test]
+fn two_slots_share_a_prefix_block_and_read_the_same_rows() {
+    let mut kv = KvCache::paged(layout(), Device::Cpu, 8, 4);
+    kv.register(1, vec![3, 4], 0).unwrap();
+    kv.write(1, 0, 0, &rows(0, 6), &rows(0, 6)).unwrap();
+    kv.set_len(1, 6).unwrap();
+    // Slot 2 starts after the shared full block and writes its own.
+    kv.register(2, vec![3, 6], 4).unwrap();
+    kv.write(2, 0, 4, &rows(40, 2), &rows(40, 2)).unwrap();
+    let (k1, _) = kv.view(1, 0, 6).unwrap();
+    let (k2, _) = kv.view(2, 0, 6).unwrap();
+    let (a, b): (Vec<f32>, Vec<f32>) = (
+        k1.flatten_all().unwrap().to_vec1().unwrap(),
+        k2.flatten_all().unwrap().to_vec1().unwrap(),
+    );
+    assert_eq!(a[..8], b[..8], "the shared block");
+    assert_eq!(&a[8..10], &[4.0, -4.0]);
+    assert_eq!(&b[8..10], &[40.0, -40.0]);
+}
+
+#[test]
+fn an_own_cache_takes_blocks_as_it_grows_and_returns_rejected_drafts() {
+    let mut kv = KvCache::own(layout(), Device::Cpu, 100, 4);
+    kv.allocate(1, 40).unwrap();
+    kv.ensure_room(1, 5).unwrap();
+    assert_eq!(kv.table(1).unwrap().len(), 2);
+    kv.set_len(1, 5).unwrap();
+    kv.begin(1).unwrap();
+    kv.ensure_room(1, 8).unwrap();
+    kv.set_len(1, 13).unwrap();
+    assert_eq!(kv.table(1).unwrap().len(), 4);
+    kv.commit(1, 2).unwrap();
+    assert_eq!((kv.len(1).unwrap(), kv.table(1).unwrap().len()), (7, 2));
+    // The returned blocks are reused first.
+    kv.allocate(2, 8).unwrap();
+    kv.ensure_room(2, 8).unwrap();
+    assert_eq!(kv.table(2).unwrap(), &[2, 3]);
+    assert!(kv.ensure_room(1, 40).is_err(), "past the reservation");
+    assert!(kv.free(1) && kv.free(2));
+    assert_eq!(kv.reserved_tokens(), 0);
+}
+
+#[test]
+fn a_pool_reserved_then_emptied_takes_tables_again() {
+    let mut kv = KvCache::paged(layout(), Device::Cpu, 8, 4);
+    kv.allocate(1, 8).unwrap();
+    kv.ensure_room(1, 8).unwrap();
+    assert!(matches!(kv.register(2, vec![5], 0), Err(KvError::Mixed(2))));
+    assert!(kv.free(1));
+    kv.register(2, vec![5], 0).unwrap();
+    assert_eq!(kv.allocate(3, 4), Err(KvError::Mixed(3)));
+    assert!(kv.free(2));
+    assert_eq!(
+        kv.allocate(3, 4),
+        Err(KvError::Mixed(3)),
+        "tables stay: cached blocks"
+    );
+}
