@@ -283,6 +283,7 @@ fn sampler_cost(device: &Device, vocab: usize, batches: &[usize]) {
 /// lean or the candle path); `None` for a name it does not know.
 fn bytes_per_weight(name: &str) -> Option<f64> {
     match name.trim_start_matches("candle-") {
+        "as-stored" => STORED_BYTES_PER_WEIGHT.get().copied(),
         "f32" => Some(4.0),
         "f16" | "bf16" => Some(2.0),
         "q8_0" => Some(34.0 / 32.0),
@@ -290,6 +291,10 @@ fn bytes_per_weight(name: &str) -> Option<f64> {
         _ => None,
     }
 }
+
+/// A GGUF's mean bytes per weight as stored (all its tensors' bytes over
+/// their elements): what `as-stored` reads per weight.
+static STORED_BYTES_PER_WEIGHT: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
 
 /// Bytes of the unembedding, and of everything one single-stream decode
 /// step at position `pos` reads: every projection weight once (the
@@ -460,6 +465,11 @@ fn main() {
             let file =
                 GgufFile::open(std::path::Path::new(&path)).expect("TANDEM_BENCH_MODEL: GGUF");
             let cfg = config_from_gguf(&file).expect("TANDEM_BENCH_MODEL: GGUF metadata");
+            let (bytes, elems) = file
+                .tensors()
+                .iter()
+                .fold((0u64, 0u64), |(b, e), t| (b + t.size, e + t.elem_count()));
+            let _ = STORED_BYTES_PER_WEIGHT.set(bytes as f64 / elems as f64);
             let (weights, _) = tensors::hf_weights(&file, &cfg, tensors::Blocks::Keep)
                 .expect("TANDEM_BENCH_MODEL: GGUF weights");
             (cfg, weights, path)

@@ -113,6 +113,16 @@ struct Args {
     /// Turn the scheduler's prefix cache off.
     #[arg(long)]
     no_prefix_cache: bool,
+    /// A file of real prompts, one user message per line: client `i` sends
+    /// line `i mod lines` through the model's chat template (greedy, up to
+    /// `--max-tokens`), and the report prints the first answers. Needs a
+    /// model with its own tokenizer (a GGUF, or a directory with
+    /// tokenizer.json).
+    #[arg(long, conflicts_with_all = ["uniform", "turns"])]
+    prompts: Option<PathBuf>,
+    /// With --prompts: how many answers to print.
+    #[arg(long, default_value_t = 3)]
+    show_answers: usize,
 }
 
 /// A draft head choice (`--mtp`).
@@ -215,6 +225,7 @@ fn warm_up(engine: &mut Engine, vocab: u32) {
             sampling: SamplingOptions::greedy(),
             max_tokens: 4,
             kind: "warm-up",
+            question: None,
         })
         .collect();
     engine_baseline(engine, &jobs, 512);
@@ -276,6 +287,51 @@ struct Job {
     sampling: SamplingOptions,
     max_tokens: usize,
     kind: &'static str,
+    /// The user message behind the prompt (`--prompts`), to print with its answer.
+    question: Option<String>,
+}
+
+/// `--prompts`: one greedy job per client, cycling through the file's
+/// lines, each rendered through the model's chat template.
+fn prompt_jobs(
+    args: &Args,
+    path: &std::path::Path,
+    tok: &Tokenizer,
+) -> anyhow_like::Result<Vec<Job>> {
+    use tandem::server::chat_template::{ChatMessage, ChatTemplate};
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("--prompts {}: {e}", path.display()))?;
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    if lines.is_empty() {
+        return Err(format!("--prompts {}: no prompts (one per line)", path.display()).into());
+    }
+    if tok.chat_template().is_none() {
+        eprintln!("note: the model has no chat template; prompts are sent as plain turns");
+    }
+    let template = ChatTemplate::from_tokenizer(tok)?;
+    (0..args.clients)
+        .map(|i| {
+            let question = lines[i % lines.len()].to_string();
+            let messages = [ChatMessage {
+                role: "user".into(),
+                content: question.clone(),
+            }];
+            let rendered = template
+                .render(&messages, true)
+                .map_err(|e| e.to_string())?;
+            Ok(Job {
+                prompt: tok.encode(&rendered)?,
+                sampling: SamplingOptions::greedy(),
+                max_tokens: args.max_tokens,
+                kind: "prompt file",
+                question: Some(question),
+            })
+        })
+        .collect()
 }
 
 fn workload(args: &Args, vocab: u32) -> Vec<Job> {
@@ -294,6 +350,7 @@ fn workload(args: &Args, vocab: u32) -> Vec<Job> {
                     sampling: SamplingOptions::greedy(),
                     max_tokens: args.max_tokens,
                     kind: "greedy",
+                    question: None,
                 };
             }
             let len = 8 + (i * 37) % 153;
@@ -334,6 +391,7 @@ fn workload(args: &Args, vocab: u32) -> Vec<Job> {
                 sampling,
                 max_tokens,
                 kind,
+                question: None,
             }
         })
         .collect()
@@ -345,6 +403,8 @@ struct ClientReport {
     ttft: Option<Duration>,
     latency: Duration,
     ok: bool,
+    /// The streamed text (kept for `--prompts`).
+    text: String,
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -362,11 +422,14 @@ fn main() -> anyhow_like::Result<()> {
         .init();
     let args = Args::parse();
     let t_load = Instant::now();
-    let (model, _, name) = load(&args)?;
+    let (model, tok, name) = load(&args)?;
     let vocab = model.config().vocab_size as u32;
     let context = model.config().max_position_embeddings;
     let params = model.config().num_parameters();
-    let jobs = workload(&args, vocab);
+    let jobs = match &args.prompts {
+        Some(path) => prompt_jobs(&args, path, &tok)?,
+        None => workload(&args, vocab),
+    };
     let kv_tokens = jobs
         .iter()
         .map(|j| (j.prompt.len() + j.max_tokens).min(context))
@@ -478,7 +541,10 @@ async fn run_clients(
             };
             while let Some(event) = stream.next_event().await {
                 match event {
-                    Event::Tokens { tokens, .. } => {
+                    Event::Tokens { tokens, text, .. } => {
+                        if job.question.is_some() {
+                            report.text.push_str(&text);
+                        }
                         if report.ttft.is_none() && !tokens.is_empty() {
                             report.ttft = Some(t0.elapsed());
                         }
@@ -560,6 +626,13 @@ async fn run_clients(
         steps.sample_total,
         100.0 * steps.overhead_fraction()
     );
+    let answered = jobs
+        .iter()
+        .zip(&reports)
+        .filter_map(|(j, r)| Some((j.question.as_ref()?, r)));
+    for (i, (question, report)) in answered.take(args.show_answers).enumerate() {
+        println!("\n[client {i}] {question}\n  → {}", report.text.trim());
+    }
     Ok(tps)
 }
 

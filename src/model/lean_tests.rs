@@ -1,6 +1,7 @@
 //! The lean CPU step against the candle-op path (the reference), and the
 //! agreement of f16 / Q8_0 / Q4_K greedy decoding with f32.
 
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device};
 
 use super::{Batch, LoadOptions, Model, ModelConfig, OutputRows, WeightFormat, Weights};
@@ -167,8 +168,10 @@ fn lean_unembeds_zero_rows() {
 }
 
 #[test]
-fn lean_quantized_equals_candle_quantized() {
-    // Same QTensors through both paths: only the surrounding step differs.
+fn lean_quantized_step_computes_its_dequantised_weights() {
+    // The lean step multiplies Q8_0 blocks with 15-bit activations: it
+    // must give what the candle step gives in f32 over the same weights
+    // dequantised, up to that activation rounding.
     let json = serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 64,
         "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -176,10 +179,36 @@ fn lean_quantized_equals_candle_quantized() {
     });
     let cfg = ModelConfig::from_json(&json.to_string()).expect("config");
     let w = Weights::random(&cfg, 12, 0.5).expect("weights");
-    let want = schedule_logits(&load(&cfg, &w, DType::F32, WeightFormat::Q8_0, false));
+    let Weights::Memory(tensors) = &w else {
+        panic!("random weights live in memory")
+    };
+    let dequantised = tensors
+        .iter()
+        .map(|(name, t)| {
+            let projection = name.contains("proj") || name.contains("lm_head");
+            let t = if projection {
+                let q = QTensor::quantize(t, GgmlDType::Q8_0).expect("quantise");
+                q.dequantize(&Device::Cpu).expect("dequantise")
+            } else {
+                t.clone()
+            };
+            (name.clone(), t)
+        })
+        .collect();
+    let dequantised = Weights::Memory(dequantised);
+    let want = schedule_logits(&load(
+        &cfg,
+        &dequantised,
+        DType::F32,
+        WeightFormat::AsCompute,
+        false,
+    ));
     let got = schedule_logits(&load(&cfg, &w, DType::F32, WeightFormat::Q8_0, true));
     let d = max_rel_diff(&got, &want);
-    assert!(d <= 1e-4, "lean Q8_0 differs from candle Q8_0 by {d:e}");
+    assert!(
+        d <= 1e-3,
+        "lean Q8_0 differs from its dequantised weights in f32 by {d:e}"
+    );
 }
 
 #[test]

@@ -6,7 +6,8 @@
 //! # Invariants
 //! - Every kernel exists for three instruction-set tiers ([`Isa`]): AVX-512,
 //!   AVX2 + FMA + F16C, and portable Rust (which the compiler vectorises for
-//!   whatever the target has). The tier is detected at run time, once, and
+//!   whatever the target has). (The quantised linear has no AVX-512 code of
+//!   its own yet: that tier runs its AVX2 code.) The tier is detected at run time, once, and
 //!   can only be lowered (`TANDEM_CPU_ISA=avx2|portable`), never raised past
 //!   what the CPU reports, so a binary built for generic x86-64 still runs
 //!   the widest kernels the machine has.

@@ -286,34 +286,33 @@ mod x86 {
         _mm256_set_m128i(hi, lo)
     }
 
-    /// Stores 32 levels (`i8` lanes, signed or not) widened to `i16` at `p`.
+    /// 32 levels (`i8` lanes, signed or not) widened to two vectors of 16
+    /// `i16`s.
     #[inline(always)]
-    unsafe fn store_levels(p: *mut i16, v: __m256i, signed: bool) {
+    unsafe fn widen(v: __m256i, signed: bool) -> (__m256i, __m256i) {
         let (lo, hi) = (_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-        let widen = |h| {
-            if signed {
-                _mm256_cvtepi8_epi16(h)
-            } else {
-                _mm256_cvtepu8_epi16(h)
-            }
-        };
-        _mm256_storeu_si256(p as *mut __m256i, widen(lo));
-        _mm256_storeu_si256(p.add(16) as *mut __m256i, widen(hi));
+        if signed {
+            (_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi))
+        } else {
+            (_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi))
+        }
     }
 
-    /// Stores 32 unsigned levels times the scales `s0` (first 16) and `s1`.
+    /// Stores 32 levels widened to `i16` at `p`.
+    #[inline(always)]
+    unsafe fn store_levels(p: *mut i16, v: __m256i, signed: bool) {
+        let (lo, hi) = widen(v, signed);
+        _mm256_storeu_si256(p as *mut __m256i, lo);
+        _mm256_storeu_si256(p.add(16) as *mut __m256i, hi);
+    }
+
+    /// Stores 32 levels widened to `i16` times the scales `s0` (first 16)
+    /// and `s1`.
     #[inline(always)]
     unsafe fn store_scaled(p: *mut i16, v: __m256i, signed: bool, s0: i16, s1: i16) {
-        let (lo, hi) = (_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-        let widen = |h| {
-            if signed {
-                _mm256_cvtepi8_epi16(h)
-            } else {
-                _mm256_cvtepu8_epi16(h)
-            }
-        };
-        let lo = _mm256_mullo_epi16(widen(lo), _mm256_set1_epi16(s0));
-        let hi = _mm256_mullo_epi16(widen(hi), _mm256_set1_epi16(s1));
+        let (lo, hi) = widen(v, signed);
+        let lo = _mm256_mullo_epi16(lo, _mm256_set1_epi16(s0));
+        let hi = _mm256_mullo_epi16(hi, _mm256_set1_epi16(s1));
         _mm256_storeu_si256(p as *mut __m256i, lo);
         _mm256_storeu_si256(p.add(16) as *mut __m256i, hi);
     }
@@ -421,10 +420,10 @@ mod x86 {
     const Q8_0: u8 = 2;
 
     /// `R` activation rows from `r0` against weight row `j` of a 32-element
-    /// block format, decoded straight from its bytes: the same sums as
-    /// [`tile`] over the decoded row (same integer sums, same float order)
-    /// but without the scratch row's store and reload, which at one to four
-    /// rows cost more than the multiplies.
+    /// block format, decoded straight from its bytes: the sums of [`tile`]
+    /// over the decoded row without the scratch row's store and reload,
+    /// which at one to four rows cost more than the multiplies. (The min
+    /// term is one fused multiply-add per block, in block order.)
     #[inline(always)]
     unsafe fn tile_direct<const R: usize, const F: u8>(job: &Job<'_>, j: usize, r0: usize) {
         let k = job.w.k;
@@ -437,7 +436,7 @@ mod x86 {
         let xs: [*const f32; R] = std::array::from_fn(|i| a.sum.as_ptr().add((r0 + i) * groups));
         let m4 = _mm_set1_epi8(0xF);
         let mut acc = [_mm256_setzero_ps(); R];
-        let mut lanes = [[0f32; 8]; R];
+        let mut mins = [0f32; R];
         for g in 0..groups {
             let b = p.add(g * bb);
             let (lo, hi) = match F {
@@ -458,8 +457,14 @@ mod x86 {
                     (_mm256_cvtepi8_epi16(l), _mm256_cvtepi8_epi16(h))
                 }
             };
-            let dw = _mm256_set1_ps(f16_at(b));
-            let min = if F == Q4_1 { f16_at(b.add(2)) } else { 0.0 };
+            let (d, min) = if F == Q4_1 {
+                // d and m side by side: one conversion for both.
+                let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(b as *const i32)));
+                (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)))
+            } else {
+                (f16_at(b), 0.0)
+            };
+            let dw = _mm256_set1_ps(d);
             for i in 0..R {
                 let x = xq[i].add(32 * g);
                 let x0 = _mm256_loadu_si256(x as *const __m256i);
@@ -468,18 +473,12 @@ mod x86 {
                 let scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(&*xd[i].add(g)));
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[i]);
                 if F == Q4_1 {
-                    // The min term in `min_term`'s lanes and order.
-                    lanes[i][g % 8] += min * *xs[i].add(g);
+                    mins[i] = min.mul_add(*xs[i].add(g), mins[i]);
                 }
             }
         }
         for i in 0..R {
-            let mut v = hsum(acc[i]);
-            if F == Q4_1 {
-                let l = &lanes[i];
-                v += ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-            }
-            store(job, r0 + i, j, v);
+            store(job, r0 + i, j, hsum(acc[i]) + mins[i]);
         }
     }
 
