@@ -10,7 +10,9 @@
 //! sub-block scales folded in) and multiplies it against every activation
 //! row, `MR` at a time: the decoded row stays in L1 while the activation
 //! rows stream past, so a weight is read from memory once per call however
-//! many rows there are, and decoded once. Per 16 elements a tier multiplies
+//! many rows there are, and decoded once. (The SIMD tier decodes Q4_0,
+//! Q4_1 and Q8_0 blocks in registers instead, once per `MR` rows: cheaper
+//! than the scratch row's store and reload.) Per 16 elements a tier multiplies
 //! 16-bit pairs into 32-bit sums (`vpmaddwd`), converts once per group
 //! (at most 128 elements), scaled by `d_w · d_x`, and a format with a min
 //! adds `Σ_b min_b · d_x Σ q_x` per 32 elements.
@@ -70,7 +72,6 @@ unsafe impl Sync for Job<'_> {}
 ///
 /// Panics if a slice is shorter than its shape says or `k` is not a whole
 /// number of the format's groups (caller bugs: loading checks both).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn qmatmul_t(
     isa: Isa,
     threads: usize,
@@ -276,16 +277,6 @@ mod x86 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
     }
 
-    /// 16 bytes of nibbles as 32 levels: the low nibbles, then the high ones.
-    #[inline(always)]
-    unsafe fn nibbles(p: *const u8) -> __m256i {
-        let v = _mm_loadu_si128(p as *const __m128i);
-        let m = _mm_set1_epi8(0xF);
-        let lo = _mm_and_si128(v, m);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), m);
-        _mm256_set_m128i(hi, lo)
-    }
-
     /// 32 levels (`i8` lanes, signed or not) widened to two vectors of 16
     /// `i16`s.
     #[inline(always)]
@@ -296,14 +287,6 @@ mod x86 {
         } else {
             (_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi))
         }
-    }
-
-    /// Stores 32 levels widened to `i16` at `p`.
-    #[inline(always)]
-    unsafe fn store_levels(p: *mut i16, v: __m256i, signed: bool) {
-        let (lo, hi) = widen(v, signed);
-        _mm256_storeu_si256(p as *mut __m256i, lo);
-        _mm256_storeu_si256(p.add(16) as *mut __m256i, hi);
     }
 
     /// Stores 32 levels widened to `i16` times the scales `s0` (first 16)
@@ -317,7 +300,9 @@ mod x86 {
         _mm256_storeu_si256(p.add(16) as *mut __m256i, hi);
     }
 
-    /// Decodes row `j` into `w`, as [`DecodedRow::decode`] does.
+    /// Decodes row `j` into `w`, as [`DecodedRow::decode`] does: the
+    /// K-quants in SIMD, the Q5 formats through the reference decoder (the
+    /// formats [`tile_direct`] reads never come here).
     #[inline(always)]
     unsafe fn decode(job: &Job<'_>, w: &mut DecodedRow, j: usize) {
         let (format, k) = (job.w.format, job.w.k);
@@ -329,33 +314,6 @@ mod x86 {
         let p = bytes.as_ptr();
         let m4 = _mm256_set1_epi8(0xF);
         match format {
-            QFormat::Q4_0 => {
-                for g in 0..groups {
-                    let b = p.add(g * bb);
-                    let v = _mm256_sub_epi8(nibbles(b.add(2)), _mm256_set1_epi8(8));
-                    store_levels(q.add(32 * g), v, true);
-                    w.d[g] = f16_at(b);
-                }
-            }
-            QFormat::Q4_1 => {
-                for g in 0..groups {
-                    let b = p.add(g * bb);
-                    store_levels(q.add(32 * g), nibbles(b.add(4)), false);
-                    w.d[g] = f16_at(b);
-                    w.min[g] = f16_at(b.add(2));
-                }
-            }
-            QFormat::Q8_0 => {
-                for g in 0..groups {
-                    let b = p.add(g * bb);
-                    store_levels(
-                        q.add(32 * g),
-                        _mm256_loadu_si256(b.add(2) as *const __m256i),
-                        true,
-                    );
-                    w.d[g] = f16_at(b);
-                }
-            }
             QFormat::Q4K => {
                 for g in 0..groups {
                     let b = &bytes[g * bb..(g + 1) * bb];
