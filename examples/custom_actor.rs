@@ -144,7 +144,7 @@ fn main() {
                 kv_capacity_tokens: 32 * 1024,
                 model_name: "tandem-tiny".into(),
                 eos_ids: tokenizer.eos_ids().to_vec(),
-                kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+                ..Default::default()
             },
         );
         // A prompt made of words the embedded vocabulary knows.

@@ -65,7 +65,7 @@ async fn main() -> std::io::Result<()> {
             kv_capacity_tokens: 64 * 1024,
             model_name: "tandem-tiny".into(),
             eos_ids: tokenizer.eos_ids().to_vec(),
-            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+            ..Default::default()
         },
     );
     let handle = TandemHandle::start(engine, tokenizer, SchedulerConfig::default())

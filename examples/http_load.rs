@@ -151,7 +151,7 @@ fn start_server(
                     kv_capacity_tokens: kv_tokens,
                     model_name: preset.name().into(),
                     eos_ids: Vec::new(),
-                    kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+                    ..Default::default()
                 },
             );
             let handle = TandemHandle::start(engine, tokenizer, SchedulerConfig::default())

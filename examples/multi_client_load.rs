@@ -188,7 +188,7 @@ fn build_engine(
             kv_capacity_tokens: kv_tokens,
             model_name: name,
             eos_ids: tokenizer.eos_ids().to_vec(),
-            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+            ..Default::default()
         },
     );
     let engine = match head {
@@ -495,7 +495,7 @@ fn main() -> anyhow_like::Result<()> {
                 kv_capacity_tokens: kv_tokens,
                 model_name: "baseline".into(),
                 eos_ids: vec![],
-                kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+                ..Default::default()
             },
         );
         warm_up(&mut engine, vocab);

@@ -19,7 +19,7 @@ fn start(config: SchedulerConfig, kv: usize) -> TandemHandle {
             kv_capacity_tokens: kv,
             model_name: "test".into(),
             eos_ids: vec![],
-            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+            ..Default::default()
         },
     );
     TandemHandle::start(engine, tokenizer, config).unwrap()
@@ -37,7 +37,7 @@ fn perfect_drafter(kv: usize) -> (Engine, tandem::tokenizer::Tokenizer) {
             kv_capacity_tokens: kv,
             model_name: "test".into(),
             eos_ids: vec![],
-            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+            ..Default::default()
         },
     )
     .with_draft(

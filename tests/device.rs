@@ -213,7 +213,7 @@ fn engine_for(model: Model) -> Engine {
             kv_capacity_tokens: 4096,
             model_name: "test".into(),
             eos_ids: vec![],
-            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+            ..Default::default()
         },
     )
 }

@@ -26,7 +26,7 @@ fn engine_for(model: Model, kv: usize) -> Engine {
             kv_capacity_tokens: kv,
             model_name: "test".into(),
             eos_ids: vec![],
-            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+            ..Default::default()
         },
     )
 }
@@ -268,7 +268,7 @@ fn eos_ends_a_sequence_on_the_eos_token() {
             kv_capacity_tokens: 1000,
             model_name: "t".into(),
             eos_ids: vec![eos],
-            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+            ..Default::default()
         },
     );
     let got = ids(&run_tokens(&mut engine, std::slice::from_ref(&req), 64)[0]);

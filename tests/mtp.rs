@@ -22,7 +22,7 @@ fn engine(model: Model, head: Option<Box<dyn DraftHead>>, eos: Vec<u32>) -> Engi
             kv_capacity_tokens: 1 << 16,
             model_name: "t".into(),
             eos_ids: eos,
-            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+            ..Default::default()
         },
     );
     match head {
@@ -281,7 +281,7 @@ fn second_third_tokens(
                 kv_capacity_tokens: 1 << 16,
                 model_name: "m".into(),
                 eos_ids: vec![],
-                kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+                ..Default::default()
             },
         )
         .with_draft(head, config);
@@ -420,7 +420,7 @@ fn seeded_sampled_mtp_is_reproducible_whatever_shares_the_batch() {
                 kv_capacity_tokens: 1 << 16,
                 model_name: "t".into(),
                 eos_ids: vec![],
-                kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+                ..Default::default()
             },
         )
         .with_draft(Box::new(EarlyExitDraft { layers }), config)

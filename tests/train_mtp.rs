@@ -87,7 +87,7 @@ fn training_lowers_heldout_loss_and_raises_agreement() {
                 kv_capacity_tokens: 4096,
                 model_name: "t".into(),
                 eos_ids: vec![],
-                kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+                ..Default::default()
             },
         ),
         &reqs,
@@ -99,7 +99,7 @@ fn training_lowers_heldout_loss_and_raises_agreement() {
             kv_capacity_tokens: 4096,
             model_name: "t".into(),
             eos_ids: vec![],
-            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+            ..Default::default()
         },
     )
     .with_draft(

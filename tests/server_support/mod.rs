@@ -124,7 +124,7 @@ impl TestServer {
                             kv_capacity_tokens: 256 * 1024,
                             model_name,
                             eos_ids: tokenizer.eos_ids().to_vec(),
-                            kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
+                            ..Default::default()
                         },
                     );
                     let h = TandemHandle::start(engine, tokenizer, opts.sched.clone())
