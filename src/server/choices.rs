@@ -276,7 +276,10 @@ mod tests {
         assert_eq!(param(r#"{"n":3,"best_of":2}"#), "best_of");
         assert_eq!(param(r#"{"best_of":0}"#), "best_of");
         let e = parse(r#"{"best_of":2,"stream":true}"#).unwrap_err();
-        assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("best_of")));
+        assert_eq!(
+            (e.status.as_u16(), e.param.as_deref()),
+            (400, Some("best_of"))
+        );
         // The library's `n` limit is `best_of`'s when that is what it checked.
         let limit = ApiError::invalid_field("n", "`n` must be in [1, 4]");
         assert_eq!(p.name_field(limit).param.as_deref(), Some("best_of"));
