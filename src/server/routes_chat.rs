@@ -67,9 +67,10 @@ async fn handle(
     let (stream, include_usage, choices) = (common.stream, common.include_usage, common.choices);
     let request = common.into_request(Prompt::Text(prompt), None);
     if !choices.is_single() {
+        let created = unix_now();
         let format = |id: &str, index| ChatFormat {
             id: id.to_string(),
-            created: unix_now(),
+            created,
             ready: ready.clone(),
             logprobs,
             include_usage,

@@ -61,9 +61,10 @@ async fn handle(
         choices,
     } = parse(&f)?;
     if !choices.is_single() {
+        let created = unix_now();
         let format = |id: &str, index| CompletionFormat {
             id: id.to_string(),
-            created: unix_now(),
+            created,
             ready: ready.clone(),
             logprobs: logprobs.is_some(),
             include_usage,

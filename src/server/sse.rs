@@ -121,7 +121,11 @@ impl<F: ChunkFormatter> SseStream<F> {
                 self.usage[i] = Some(f.usage);
             }
             Event::Error { error, .. } => {
-                let e = ApiError::from_tandem(&error, "prompt");
+                let mut e = ApiError::from_tandem(&error, "prompt");
+                if self.formats.len() > 1 {
+                    // The error body has no `index`: say which choice failed.
+                    e.message = format!("choice {i}: {}", e.message);
+                }
                 self.pending.push_back(e.body_json());
             }
         }
