@@ -300,3 +300,35 @@ async fn n_dropping_the_choice_stream_cancels_every_choice_and_frees_blocks() {
     );
     h.shutdown(ShutdownMode::Drain).await.unwrap();
 }
+
+#[actix::test]
+async fn n_choices_preempted_in_a_small_pool_keep_their_tokens() {
+    let sampling = seeded(21);
+    let singles: Vec<GenerateRequest> = (0..4)
+        .map(|i| {
+            let seed = sampling.seed.map(|s| s + i);
+            request(tokens(8, 34), 40, SamplingOptions { seed, ..sampling })
+        })
+        .collect();
+    let want = references(&singles).await;
+    for prefix_caching in [false, true] {
+        // Eight blocks: each choice grows to five (two of them shared).
+        let h = start(config(4, prefix_caching), 8 * BLOCK);
+        let req = request(tokens(8, 34), 40, sampling);
+        let got: Vec<Vec<u32>> = h
+            .complete_choices(req, 4)
+            .await
+            .unwrap()
+            .iter()
+            .map(|c| ids(c.as_ref().unwrap()))
+            .collect();
+        let s = h.stats().await.unwrap();
+        assert!(
+            s.preemptions > 0,
+            "the pool is too small (cache {prefix_caching})"
+        );
+        assert_eq!(got, want, "cache {prefix_caching}");
+        assert_eq!(s.kv_blocks_used, 0);
+        h.shutdown(ShutdownMode::Drain).await.unwrap();
+    }
+}

@@ -386,8 +386,10 @@ enum Prefix {
 /// The prefix `head` starts from. A later choice of a request waits until
 /// the first choice (running) has computed the prompt's full blocks, then
 /// shares them: the prompt is prefilled once for the whole request, with or
-/// without the prefix cache. If the first choice is no longer running, the
-/// choice is on its own (the prefix cache may still hold those blocks).
+/// without the prefix cache. If the first choice is no longer running (it
+/// ended, e.g. at `max_tokens` 1, before the others were admitted), the
+/// choice is on its own: the prefix cache, when on, still holds those
+/// blocks; without it the prompt is computed again.
 fn find_prefix(slots: &SlotTable, head: &QueuedSeq, lookup: bool) -> Prefix {
     let bs = slots.block_size();
     let prompt = &head.seq.prompt;
