@@ -323,7 +323,7 @@ fn check_choice_count(n: usize, max_seqs: usize) -> Result<(), TandemError> {
     if n == 0 || n > max_seqs {
         return Err(TandemError::InvalidRequest {
             field: "n",
-            reason: format!("must be in [1, {max_seqs}] (the server's sequence slots), got {n}"),
+            reason: format!("must be in [1, {max_seqs}] (`max_seqs`: the sequence slots), got {n}"),
         });
     }
     Ok(())
