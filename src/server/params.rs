@@ -15,6 +15,7 @@
 use serde_json::Value;
 
 use super::body::{describe, Fields};
+use super::choices::ChoiceParams;
 use super::errors::ApiError;
 use super::mtp::{check_draft_max, MtpMode};
 use crate::api::{GenerateRequest, Prompt};
@@ -41,6 +42,8 @@ pub struct CommonParams {
     pub include_usage: bool,
     /// The `tandem` extension: speculative decoding for this request.
     pub mtp: Option<SpecOptions>,
+    /// `n` and `best_of`.
+    pub choices: ChoiceParams,
 }
 
 impl CommonParams {
@@ -52,14 +55,6 @@ impl CommonParams {
                 return Err(ApiError::invalid_field(
                     "model",
                     format!("expected a string, got {}", describe(model)),
-                ));
-            }
-        }
-        if let Some(n) = f.int_in("n", i64::MIN, i64::MAX)? {
-            if n != 1 {
-                return Err(ApiError::unsupported(
-                    "n",
-                    format!("only one choice per request (n = 1) is supported, got {n}"),
                 ));
             }
         }
@@ -80,6 +75,7 @@ impl CommonParams {
             None => false,
         };
         let mtp = parse_tandem_extension(f)?;
+        let choices = ChoiceParams::parse(f, stream)?;
         Ok(Self {
             max_tokens,
             sampling,
@@ -87,6 +83,7 @@ impl CommonParams {
             stream,
             include_usage,
             mtp,
+            choices,
         })
     }
 
@@ -100,7 +97,7 @@ impl CommonParams {
         GenerateRequest {
             prompt,
             max_tokens: self.max_tokens.or(default_max_tokens),
-            sampling: self.sampling,
+            sampling: self.choices.sampling(self.sampling),
             stop: self.stop,
             mtp: self.mtp,
         }
@@ -404,7 +401,7 @@ mod tests {
     #[test]
     fn bad_fields_are_named() {
         assert_eq!(param_of(r#"{"temperature":3}"#), "temperature");
-        assert_eq!(param_of(r#"{"n":2}"#), "n");
+        assert_eq!(param_of(r#"{"n":0}"#), "n");
         assert_eq!(param_of(r#"{"max_tokens":0}"#), "max_tokens");
         assert_eq!(param_of(r#"{"stop":[1]}"#), "stop[0]");
         assert_eq!(param_of(r#"{"stop":["a",""]}"#), "stop[1]");

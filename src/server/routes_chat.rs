@@ -7,7 +7,8 @@
 //! (0–20, needs `logprobs`), and the extension `add_generation_prompt`
 //! (default true). `tools` and non-text `response_format`s are refused
 //! with a 400 rather than ignored. Without a limit, generation runs until
-//! EOS or the context is full.
+//! EOS or the context is full. `n`, and `best_of` as vLLM's extension, go
+//! through [`choices`].
 
 use std::sync::Arc;
 
@@ -16,6 +17,7 @@ use serde_json::Value;
 
 use super::body::{describe, json_kind, parse_object, read_body, respond, Fields};
 use super::chat_template::ChatMessage;
+use super::choices::{self, ChoiceParams};
 use super::errors::ApiError;
 use super::openai_types::{
     finish_reason, unix_now, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs,
@@ -25,7 +27,7 @@ use super::params::{check_tools, CommonParams};
 use super::sse::{ChunkFormatter, SseStream};
 use super::state::{AppState, Ready};
 use super::{count, ROUTE_CHAT};
-use crate::api::{Event, Finished, Prompt, TokenInfo};
+use crate::api::{Event, Finished, GenerateRequest, Prompt, TokenInfo};
 use crate::sampler::MAX_TOP_LOGPROBS;
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
@@ -62,8 +64,20 @@ async fn handle(
         add_generation_prompt,
     } = parse(&f)?;
     let prompt = ready.template.render(&messages, add_generation_prompt)?;
-    let (stream, include_usage) = (common.stream, common.include_usage);
+    let (stream, include_usage, choices) = (common.stream, common.include_usage, common.choices);
     let request = common.into_request(Prompt::Text(prompt), None);
+    if !choices.is_single() {
+        let created = unix_now();
+        let format = |id: &str, index| ChatFormat {
+            id: id.to_string(),
+            created,
+            ready: ready.clone(),
+            logprobs,
+            include_usage,
+            index,
+        };
+        return several_choices(&ready, request, choices, stream, format, &f).await;
+    }
     let mut events = ready
         .handle
         .generate(request)
@@ -75,6 +89,7 @@ async fn handle(
         ready: ready.clone(),
         logprobs,
         include_usage,
+        index: 0,
     };
     if stream {
         return Ok(SseStream::new(events, format).into_response());
@@ -113,6 +128,46 @@ async fn handle(
         }
     }
     Err(ApiError::internal("the request ended without a result"))
+}
+
+/// Answers a request of several choices (`n` or `best_of` > 1): a stream
+/// with one formatter per choice, or one whole response.
+async fn several_choices(
+    ready: &Arc<Ready>,
+    request: GenerateRequest,
+    choices: ChoiceParams,
+    stream: bool,
+    format: impl Fn(&str, usize) -> ChatFormat,
+    f: &Fields,
+) -> Result<HttpResponse, ApiError> {
+    let events = ready
+        .handle
+        .generate_choices(request, choices.best_of)
+        .await
+        .map_err(|e| {
+            choices.name_field(limit_field_as_sent(
+                ApiError::from_tandem(&e, "messages"),
+                f,
+            ))
+        })?;
+    let id = format!("chatcmpl-{}", events.ids()[0].0);
+    if stream {
+        let formats = (0..events.len()).map(|i| format(&id, i)).collect();
+        return Ok(SseStream::choices(events, formats).into_response());
+    }
+    let collected = choices::collect(events, choices)
+        .await
+        .map_err(|e| ApiError::from_tandem(&e, "messages"))?;
+    let first = format(&id, 0);
+    let response = ChatResponse {
+        id,
+        object: "chat.completion",
+        created: first.created,
+        model: ready.model_name.clone(),
+        choices: choices::chat_choices(&collected, first.logprobs, ready.handle.tokenizer()),
+        usage: collected.usage,
+    };
+    Ok(HttpResponse::Ok().json(response))
 }
 
 /// A chat body, checked (the prompt is rendered from `messages` later).
@@ -263,6 +318,8 @@ struct ChatFormat {
     ready: Arc<Ready>,
     logprobs: bool,
     include_usage: bool,
+    /// The choice this formatter streams.
+    index: usize,
 }
 
 impl ChatFormat {
@@ -279,12 +336,13 @@ impl ChatFormat {
     }
 
     fn choice(
+        &self,
         delta: ChatDelta,
         logprobs: Option<ChatLogprobs>,
         finish: Option<&'static str>,
     ) -> ChatChunkChoice {
         ChatChunkChoice {
-            index: 0,
+            index: self.index,
             delta,
             logprobs,
             finish_reason: finish,
@@ -298,7 +356,7 @@ impl ChunkFormatter for ChatFormat {
             role: Some("assistant"),
             content: Some(String::new()),
         };
-        vec![self.chunk(vec![Self::choice(delta, None, None)], None)]
+        vec![self.chunk(vec![self.choice(delta, None, None)], None)]
     }
 
     fn tokens(&mut self, text: String, tokens: Vec<TokenInfo>) -> Option<String> {
@@ -314,17 +372,17 @@ impl ChunkFormatter for ChatFormat {
             role: None,
             content: Some(text),
         };
-        Some(self.chunk(vec![Self::choice(delta, logprobs, None)], None))
+        Some(self.chunk(vec![self.choice(delta, logprobs, None)], None))
     }
 
     fn finished(&mut self, finished: &Finished) -> Vec<String> {
         let reason = Some(finish_reason(finished.reason));
-        let mut out =
-            vec![self.chunk(vec![Self::choice(ChatDelta::default(), None, reason)], None)];
-        if self.include_usage {
-            out.push(self.chunk(Vec::new(), Some(finished.usage.into())));
-        }
-        out
+        vec![self.chunk(vec![self.choice(ChatDelta::default(), None, reason)], None)]
+    }
+
+    fn usage(&mut self, usage: UsageJson) -> Option<String> {
+        self.include_usage
+            .then(|| self.chunk(Vec::new(), Some(usage)))
     }
 }
 

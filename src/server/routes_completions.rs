@@ -4,13 +4,16 @@
 //! list of token ids; a one-element list of either is accepted too),
 //! `logprobs` (an integer: report the sampled token's log-probability and
 //! that many alternatives, at most 20), `echo` (only `false`), `suffix`
-//! (only empty), `best_of` (only 1). `max_tokens` defaults to 16, as in
-//! OpenAI's API.
+//! (only empty). `n` and `best_of` ([`choices`]) go through their own path.
+//! `max_tokens` defaults to 16, as in OpenAI's API.
+
+use std::sync::Arc;
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::Value;
 
 use super::body::{describe, parse_object, read_body, respond, Fields};
+use super::choices::{self, ChoiceParams};
 use super::errors::ApiError;
 use super::openai_types::{
     finish_reason, unix_now, CompletionChoice, CompletionLogprobs, CompletionResponse, UsageJson,
@@ -19,7 +22,7 @@ use super::params::CommonParams;
 use super::sse::{ChunkFormatter, SseStream};
 use super::state::{AppState, Ready};
 use super::{count, ROUTE_COMPLETIONS};
-use crate::api::{Event, Finished, Prompt, TokenInfo};
+use crate::api::{Event, Finished, GenerateRequest, Prompt, TokenInfo};
 use crate::sampler::MAX_TOP_LOGPROBS;
 
 /// OpenAI's default `max_tokens` for completions.
@@ -55,7 +58,21 @@ async fn handle(
         logprobs,
         stream,
         include_usage,
+        choices,
     } = parse(&f)?;
+    if !choices.is_single() {
+        let created = unix_now();
+        let format = |id: &str, index| CompletionFormat {
+            id: id.to_string(),
+            created,
+            ready: ready.clone(),
+            logprobs: logprobs.is_some(),
+            include_usage,
+            offset: 0,
+            index,
+        };
+        return several_choices(&ready, request, choices, stream, format).await;
+    }
     let mut events = ready
         .handle
         .generate(request)
@@ -68,6 +85,7 @@ async fn handle(
         logprobs: logprobs.is_some(),
         include_usage,
         offset: 0,
+        index: 0,
     };
     if stream {
         return Ok(SseStream::new(events, format).into_response());
@@ -99,6 +117,37 @@ async fn handle(
     Err(ApiError::internal("the request ended without a result"))
 }
 
+/// Answers a request of several choices (`n` or `best_of` > 1): a stream
+/// with one formatter per choice, or one whole response.
+async fn several_choices(
+    ready: &Arc<Ready>,
+    request: GenerateRequest,
+    choices: ChoiceParams,
+    stream: bool,
+    format: impl Fn(&str, usize) -> CompletionFormat,
+) -> Result<HttpResponse, ApiError> {
+    let events = ready
+        .handle
+        .generate_choices(request, choices.best_of)
+        .await
+        .map_err(|e| choices.name_field(ApiError::from_tandem(&e, "prompt")))?;
+    let id = format!("cmpl-{}", events.ids()[0].0);
+    if stream {
+        let formats = (0..events.len()).map(|i| format(&id, i)).collect();
+        return Ok(SseStream::choices(events, formats).into_response());
+    }
+    let collected = choices::collect(events, choices)
+        .await
+        .map_err(|e| ApiError::from_tandem(&e, "prompt"))?;
+    let first = format(&id, 0);
+    let tokenizer = ready.handle.tokenizer();
+    let body = first.response(
+        choices::completion_choices(&collected, first.logprobs, tokenizer),
+        Some(Some(collected.usage)),
+    );
+    Ok(HttpResponse::Ok().json(body))
+}
+
 /// A completions body, checked.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Parsed {
@@ -108,6 +157,8 @@ pub struct Parsed {
     pub logprobs: Option<i64>,
     pub stream: bool,
     pub include_usage: bool,
+    /// `n` and `best_of`.
+    pub choices: ChoiceParams,
 }
 
 /// Reads and checks every field of a completions body (no I/O: the fuzz
@@ -121,12 +172,13 @@ pub fn parse(f: &Fields) -> Result<Parsed, ApiError> {
         common.sampling.logprobs = true;
         common.sampling.top_logprobs = n as usize;
     }
-    let (stream, include_usage) = (common.stream, common.include_usage);
+    let (stream, include_usage, choices) = (common.stream, common.include_usage, common.choices);
     Ok(Parsed {
         request: common.into_request(prompt, Some(DEFAULT_MAX_TOKENS)),
         logprobs,
         stream,
         include_usage,
+        choices,
     })
 }
 
@@ -185,14 +237,6 @@ fn check_unsupported(f: &Fields) -> Result<(), ApiError> {
             "insertion (suffix) is not supported",
         ));
     }
-    if let Some(b) = f.int_in("best_of", i64::MIN, i64::MAX)? {
-        if b != 1 {
-            return Err(ApiError::unsupported(
-                "best_of",
-                format!("only best_of = 1 is supported, got {b}"),
-            ));
-        }
-    }
     Ok(())
 }
 
@@ -200,11 +244,13 @@ fn check_unsupported(f: &Fields) -> Result<(), ApiError> {
 struct CompletionFormat {
     id: String,
     created: u64,
-    ready: std::sync::Arc<Ready>,
+    ready: Arc<Ready>,
     logprobs: bool,
     include_usage: bool,
     /// Characters streamed so far (the next chunk's `text_offset` base).
     offset: usize,
+    /// The choice this formatter streams.
+    index: usize,
 }
 
 impl CompletionFormat {
@@ -246,7 +292,7 @@ impl ChunkFormatter for CompletionFormat {
         });
         self.offset += chars;
         let choice = CompletionChoice {
-            index: 0,
+            index: self.index,
             text,
             logprobs,
             finish_reason: None,
@@ -256,16 +302,17 @@ impl ChunkFormatter for CompletionFormat {
 
     fn finished(&mut self, finished: &Finished) -> Vec<String> {
         let last = CompletionChoice {
-            index: 0,
+            index: self.index,
             text: String::new(),
             logprobs: None,
             finish_reason: Some(finish_reason(finished.reason)),
         };
-        let mut out = vec![self.chunk(vec![last], None)];
-        if self.include_usage {
-            out.push(self.chunk(Vec::new(), Some(finished.usage.into())));
-        }
-        out
+        vec![self.chunk(vec![last], None)]
+    }
+
+    fn usage(&mut self, usage: UsageJson) -> Option<String> {
+        self.include_usage
+            .then(|| self.chunk(Vec::new(), Some(usage)))
     }
 }
 
