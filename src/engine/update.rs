@@ -10,7 +10,7 @@ use super::rows::SeqRows;
 use super::sequences::Sequences;
 use super::spec::{self, Verdict};
 use super::work::Planned;
-use super::{EngineError, EngineInfo, GeneratedToken, SeqProgress, StepStats};
+use super::{EngineError, EngineInfo, GeneratedToken, SeqFinish, SeqProgress, StepStats};
 use crate::sampler::SampleResult;
 
 /// What the pass produced for the sequences of one step.
@@ -104,7 +104,20 @@ pub(crate) fn update(
             None => new,
         });
     }
-    let (tokens, finish) = seq.append(emitted, &info.eos_ids, info.context_len);
+    let (tokens, mut finish) = seq.append(emitted, &info.eos_ids, info.context_len);
+    if let Some(grammar) = seq.grammar.as_mut() {
+        let ends = |id: u32| info.eos_ids.contains(&id) || seq.stop_ids.contains(&id);
+        for t in tokens.iter().filter(|t| !ends(t.id)) {
+            grammar.accept(t.id).map_err(|e| EngineError::Grammar {
+                slot: p.slot,
+                reason: e.to_string(),
+            })?;
+        }
+        // A complete grammar accepts nothing more: the answer is whole.
+        if finish.is_none() && grammar.is_finished() {
+            finish = Some(SeqFinish::Eos);
+        }
+    }
     progress.tokens = tokens;
     progress.finish = finish;
     Ok(progress)

@@ -16,6 +16,7 @@
 use candle_core::Tensor;
 use rand::Rng;
 
+use super::adjust::RowAdjust;
 use super::batched::fault;
 use super::transform::{self, RowJob, RowScratch};
 use super::{draw, host, Sampler, SamplerError};
@@ -101,6 +102,10 @@ impl Sampler {
                     logits: &data[i * vocab..(i + 1) * vocab],
                     plan: &state.plan,
                     window,
+                    adjust: RowAdjust {
+                        bias: state.bias.pairs(),
+                        mask: None,
+                    },
                 };
                 let mut dist = vec![0.0f32; vocab];
                 transform::distribution_row(job, &mut scratch, &mut dist)

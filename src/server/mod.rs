@@ -90,6 +90,7 @@ pub mod routes_completions;
 pub mod routes_misc;
 pub mod sse;
 pub mod state;
+pub mod structured;
 
 #[cfg(test)]
 mod fuzz_tests;

@@ -244,15 +244,6 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
 /// Fields that would change the answer's meaning if silently ignored.
 fn check_unsupported(f: &Fields) -> Result<(), ApiError> {
     check_tools(f)?;
-    if let Some(fmt) = f.object("response_format")? {
-        let kind = fmt.get_as::<String>("type", "response_format.type")?;
-        if kind.as_deref().is_some_and(|k| k != "text") {
-            return Err(ApiError::unsupported(
-                "response_format.type",
-                "only `text` responses are supported",
-            ));
-        }
-    }
     Ok(())
 }
 

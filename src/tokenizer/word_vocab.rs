@@ -12,6 +12,12 @@
 //!   post-processor), 2 `</s>` (EOS); all three are special tokens, skipped
 //!   when decoding.
 //! - 3.. the punctuation marks of [`PUNCTUATION`], in that order.
+//! - then one *glue* token per printable ASCII character (`' '..='~'`, in
+//!   byte order), spelled `##c`: it decodes to `c` with no space before it,
+//!   so constrained output (JSON, a regex, tool calls) can spell any ASCII
+//!   text, keys and digits included, on a vocabulary of words. Nothing
+//!   encodes to a glue token (the pre-tokenizer splits `#`); only
+//!   generation produces them.
 //! - then `vocab_size - FIXED_TOKENS` unique lowercase words, in generation
 //!   order.
 //!
@@ -44,8 +50,13 @@ pub const SPECIAL_TOKENS: [&str; 3] = ["<unk>", "<s>", "</s>"];
 /// Punctuation tokens, ids 3.. in this order. Each attaches to the word
 /// before it when decoding.
 pub const PUNCTUATION: [&str; 6] = [".", ",", "!", "?", ";", ":"];
+/// Id of the first glue token (`##` + the space); glue `c` has id
+/// `FIRST_GLUE + (c - b' ')`.
+pub const FIRST_GLUE: u32 = (SPECIAL_TOKENS.len() + PUNCTUATION.len()) as u32;
+/// The glue tokens: one per printable ASCII byte.
+pub const GLUE_TOKENS: usize = (b'~' - b' ' + 1) as usize;
 /// Ids before the first word.
-pub const FIXED_TOKENS: usize = SPECIAL_TOKENS.len() + PUNCTUATION.len();
+pub const FIXED_TOKENS: usize = SPECIAL_TOKENS.len() + PUNCTUATION.len() + GLUE_TOKENS;
 /// Smallest accepted `vocab_size` (the fixed tokens and one word).
 pub const MIN_VOCAB_SIZE: usize = FIXED_TOKENS + 1;
 /// Largest accepted `vocab_size`. Far below the number of distinct words the
@@ -141,9 +152,11 @@ fn pick<'a>(rng: &mut ChaCha8Rng, table: &[&'a str]) -> &'a str {
 /// The `tokenizer.json` document for the given words.
 fn tokenizer_json(words: &[String]) -> Value {
     let mut vocab = Map::with_capacity(FIXED_TOKENS + words.len());
+    let glue = (b' '..=b'~').map(|c| format!("##{}", char::from(c)));
     let fixed = SPECIAL_TOKENS.iter().chain(PUNCTUATION.iter());
     for (id, token) in fixed
         .map(|t| t.to_string())
+        .chain(glue)
         .chain(words.iter().cloned())
         .enumerate()
     {

@@ -134,7 +134,7 @@ fn the_match_that_completes_first_wins() {
 
 #[test]
 fn empty_stop_strings_are_rejected() {
-    let tok = Arc::new(word_level_tokenizer(100, 1).unwrap());
+    let tok = Arc::new(word_level_tokenizer(200, 1).unwrap());
     let err = TextStream::<()>::new(tok, vec!["ok".into(), String::new()]).unwrap_err();
     assert!(matches!(err, TokenizerError::EmptyStopString { index: 1 }));
     assert!(err.to_string().contains("stop[1]"));
