@@ -70,6 +70,10 @@ pub struct Engine {
     info: EngineInfo,
 }
 
+/// Each sequence's outcome of a pass that ran (a grammar failure fails
+/// only its own sequence).
+type PassResults = Vec<(SlotId, Result<SeqProgress, EngineError>)>;
+
 /// What the forward phase produced.
 struct PassOutput {
     /// Hidden states of the layout's hidden rows.
@@ -221,7 +225,7 @@ impl Engine {
         &mut self,
         planned: &mut [Planned],
         stats: &mut StepStats,
-    ) -> Result<Vec<(SlotId, Result<SeqProgress, EngineError>)>, EngineError> {
+    ) -> Result<PassResults, EngineError> {
         planned.iter_mut().for_each(Planned::seal);
         let layout = RowLayout::new(&planned.iter().map(Planned::rows).collect::<Vec<_>>());
         stats.batch_tokens = layout.batch.tokens.len();
@@ -358,7 +362,7 @@ impl Engine {
     fn report(
         &mut self,
         planned: &[Planned],
-        result: Result<Vec<(SlotId, Result<SeqProgress, EngineError>)>, EngineError>,
+        result: Result<PassResults, EngineError>,
         out: &mut Vec<SeqOutcome>,
     ) {
         match result {

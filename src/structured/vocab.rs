@@ -168,4 +168,36 @@ mod tests {
         let ids: Vec<u32> = (3..2000).step_by(37).collect();
         assert_bytes_match_decode(&tok, 20, &ids);
     }
+
+    /// SmolLM2's byte-level BPE, from `tokenizer.json` and from the GGUF:
+    /// every token's bytes, joined, are the decoded text (multi-byte
+    /// characters split across tokens included), and the special tokens
+    /// carry the marker.
+    #[test]
+    fn byte_level_bytes_match_smollm2_decode() {
+        let Some(dir) = crate::testing::shared("models/smollm2-135m-instruct") else {
+            return;
+        };
+        let from_dir = Tokenizer::from_dir(&dir).unwrap();
+        let file =
+            crate::gguf::GgufFile::open(&dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
+        let from_gguf = Tokenizer::from_gguf(&file).unwrap();
+        for tok in [&from_dir, &from_gguf] {
+            let bytes = token_bytes(tok);
+            assert_eq!(bytes[2], b"\xFF<|im_end|>".to_vec());
+            for text in [
+                "Hello, world! {\"a\": [1, 2.5e-3]}\n\tindent",
+                "Ünïcödé — 日本語 😀 mixed",
+            ] {
+                let ids = tok.encode_plain(text).unwrap();
+                let joined: Vec<u8> = ids
+                    .iter()
+                    .flat_map(|&t| bytes[t as usize].clone())
+                    .collect();
+                assert_eq!(String::from_utf8(joined).unwrap(), text);
+            }
+            let ids: Vec<u32> = (17..49152).step_by(97).collect();
+            assert_bytes_match_decode(tok, 100, &ids);
+        }
+    }
 }
