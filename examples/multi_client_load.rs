@@ -319,6 +319,7 @@ fn prompt_jobs(
             let messages = [ChatMessage {
                 role: "user".into(),
                 content: question.clone(),
+                ..ChatMessage::default()
             }];
             let rendered = template
                 .render(&messages, true)

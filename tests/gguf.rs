@@ -267,6 +267,7 @@ fn smollm2_gguf_chat_template_renders_the_reference_prompt_ids() {
                 .map(|(role, content)| ChatMessage {
                     role: role.clone(),
                     content: content.clone(),
+                    ..ChatMessage::default()
                 })
                 .collect();
             let rendered = template.render(&messages, true).expect("render");

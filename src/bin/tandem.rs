@@ -393,6 +393,7 @@ async fn generate(args: GenerateArgs) -> Result<(), BoxError> {
         let message = tandem::server::chat_template::ChatMessage {
             role: "user".into(),
             content: args.prompt,
+            ..Default::default()
         };
         loaded
             .template

@@ -84,6 +84,11 @@ impl CommonParams {
             None => false,
         };
         let mtp = parse_tandem_extension(f)?;
+        // OpenAI's end-user id: accepted and recorded in the route's
+        // request span (its `user` field), nothing else.
+        if let Some(user) = f.get::<String>("user")? {
+            tracing::Span::current().record("user", user.as_str());
+        }
         Ok(Self {
             max_tokens,
             sampling,
@@ -161,10 +166,10 @@ fn parse_sampling(f: &Fields) -> Result<SamplingOptions, ApiError> {
 }
 
 /// `tools`: a list of `{"type": "function", "function": {"name": …}}`.
-/// Type-checked in full (a wrong shape is a 400 naming the entry); a
-/// well-typed, non-empty list is then refused as not supported yet. An
-/// empty list is accepted. `tool_choice`, when given, must be a string or
-/// an object, and anything but `"none"`/`"auto"` needs tools.
+/// Type-checked in full (a wrong shape is a 400 naming the entry; the
+/// calling itself is `tools.rs`). `tool_choice`, when given, must be
+/// `none`, `auto`, `required` or an object, and anything but
+/// `"none"`/`"auto"` needs tools.
 pub fn check_tools(f: &Fields) -> Result<(), ApiError> {
     let tools = match f.raw("tools") {
         None => &Vec::new(),
@@ -217,6 +222,12 @@ pub fn check_tools(f: &Fields) -> Result<(), ApiError> {
         None => {}
         Some(Value::String(c)) if c == "none" || c == "auto" => {}
         Some(Value::String(c)) if c == "required" && !tools.is_empty() => {}
+        Some(Value::String(c)) if c != "required" => {
+            return Err(ApiError::invalid_field(
+                "tool_choice",
+                format!("expected `none`, `auto`, `required` or an object, got `{c}`"),
+            ))
+        }
         Some(Value::Object(_)) if !tools.is_empty() => {}
         Some(c @ (Value::String(_) | Value::Object(_))) => {
             return Err(ApiError::invalid_field(
@@ -233,12 +244,6 @@ pub fn check_tools(f: &Fields) -> Result<(), ApiError> {
                 ),
             ))
         }
-    }
-    if !tools.is_empty() {
-        return Err(ApiError::unsupported(
-            "tools",
-            "tool calling is not supported yet",
-        ));
     }
     Ok(())
 }
@@ -376,6 +381,8 @@ mod tests {
             "tandem.draft_max"
         );
         assert_eq!(param_of(r#"{"model":3}"#), "model");
+        assert_eq!(param_of(r#"{"user":3}"#), "user");
+        assert!(parse(r#"{"user":"u-1","unknown_field":[1]}"#).is_ok());
         assert_eq!(param_of(r#"{"logit_bias":{"5":101}}"#), "logit_bias.5");
         assert_eq!(
             parse(r#"{"logit_bias":{"5":-100}}"#)
@@ -388,7 +395,7 @@ mod tests {
     }
 
     #[test]
-    fn tools_are_type_checked_then_refused() {
+    fn tools_are_type_checked() {
         let tools = |json: &str| {
             let e = check_tools(&parse_object(json.as_bytes()).unwrap()).unwrap_err();
             (e.code, e.param.unwrap_or_default())
@@ -420,7 +427,7 @@ mod tests {
         assert_eq!(tools(r#"{"tool_choice":"required"}"#).1, "tool_choice");
         assert_eq!(tools(r#"{"tool_choice":5}"#).1, "tool_choice");
         let ok = r#"{"tools":[{"type":"function","function":{"name":"f","parameters":{}}}]}"#;
-        assert_eq!(tools(ok), ("unsupported_value", "tools".into()));
+        assert!(check_tools(&parse_object(ok.as_bytes()).unwrap()).is_ok());
         assert!(
             check_tools(&parse_object(br#"{"tools":[],"tool_choice":"none"}"#).unwrap()).is_ok()
         );

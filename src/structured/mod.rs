@@ -266,7 +266,7 @@ mod tests {
                 pattern: "ab".into(),
             })
             .unwrap();
-        let glue = |ch: u8| crate::tokenizer::word_vocab::FIRST_GLUE + u32::from(ch - b' ');
+        let glue = |ch: u8| crate::tokenizer::word_vocab::glue_id(ch).unwrap();
         let m = g.mask(tok.eos_ids()).unwrap();
         assert!(m.allows(glue(b'a')) && !m.allows(glue(b'b')) && !m.allows(2));
         g.accept(glue(b'a')).unwrap();

@@ -341,3 +341,48 @@ async fn grammar_smollm2_answers_in_schema() {
         .collect();
     assert_eq!(joined, text);
 }
+
+/// The official `openai` client (`tests/openai_structured.py`): `parse()`
+/// with a Pydantic model, a tool-call round trip, streamed tool-call
+/// deltas, 400s; on the embedded model and on SmolLM2.
+#[test]
+fn grammar_official_openai_client_structured_output() {
+    let probe = std::process::Command::new("python3")
+        .args(["-c", "import openai, pydantic"])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        tandem::testing::skip(
+            "TANDEM_REQUIRE_OPENAI_CLIENT",
+            "grammar_official_openai_client_structured_output: `import openai, pydantic` failed (pip install openai)",
+        );
+        return;
+    }
+    let mut runs = vec![("embedded", Vec::new())];
+    if let Some(dir) = tandem::testing::shared("models/smollm2-135m-instruct") {
+        let gguf = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+        runs.push((
+            "smollm2",
+            vec!["--model".to_string(), gguf.display().to_string()],
+        ));
+    }
+    for (kind, args) in runs {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let server = BinaryServer::spawn(&args);
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_structured.py");
+        let out = std::process::Command::new("python3")
+            .arg(script)
+            .arg(server.url("/v1"))
+            .arg(kind)
+            .output()
+            .expect("run python3");
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(
+            out.status.success(),
+            "openai_structured.py ({kind}) failed:\n{stdout}\n{stderr}"
+        );
+        assert!(stdout.contains("checks passed"), "{stdout}");
+    }
+}
