@@ -560,4 +560,36 @@ mod tests {
             "<tool_response>\nsunny\n</tool_response>"
         );
     }
+
+    /// A Hermes-style template (one that renders `tools`) sees the tools
+    /// and the messages' calls itself.
+    #[test]
+    fn a_tool_aware_template_renders_the_tools() {
+        use crate::server::ChatTemplate;
+        let src = "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}\
+            {% for m in messages %}[{{ m.role }}]{{ m.content }}{% if m.tool_calls %}{% for c in m.tool_calls %}<call {{ c.function.name }}>{% endfor %}{% endif %}{% endfor %}";
+        let t = ChatTemplate::new(Some(src), String::new(), String::new()).unwrap();
+        assert!(t.knows_tools());
+        let r = request(&format!("{{{TOOLS}}}")).unwrap().unwrap();
+        let messages = vec![
+            ChatMessage::text("user", "hi".into()),
+            ChatMessage {
+                role: "assistant".into(),
+                tool_calls: Some(json!([{"function": {"name": "get_weather", "arguments": "{}"}}])),
+                ..ChatMessage::default()
+            },
+        ];
+        let p = t.render_with_tools(&messages, false, Some(&r.raw)).unwrap();
+        assert_eq!(
+            p,
+            "<tools>get_weather;</tools>[user]hi[assistant]<call get_weather>"
+        );
+        let plain = ChatTemplate::new(
+            Some("{% for m in messages %}{{ m.content }}{% endfor %}"),
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
+        assert!(!plain.knows_tools());
+    }
 }

@@ -386,3 +386,170 @@ fn grammar_official_openai_client_structured_output() {
         assert!(stdout.contains("checks passed"), "{stdout}");
     }
 }
+
+fn weather_tool() -> Value {
+    json!({"type": "function", "function": {
+        "name": "get_weather", "description": "Weather of a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        }, "required": ["city", "days"], "additionalProperties": false},
+    }})
+}
+
+fn time_tool() -> Value {
+    json!({"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {
+            "zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": false},
+    }})
+}
+
+/// Each call's arguments validate against its function's schema.
+fn assert_calls_valid(calls: &[Value], tools: &[Value]) {
+    for call in calls {
+        let name = call["function"]["name"].as_str().unwrap();
+        let tool = tools
+            .iter()
+            .find(|t| t["function"]["name"] == name)
+            .unwrap_or_else(|| panic!("unknown function {name}"));
+        let args = call["function"]["arguments"].as_str().unwrap();
+        validates(&tool["function"]["parameters"], args)
+            .unwrap_or_else(|e| panic!("{name}: {e}: {args}"));
+        assert!(call["id"].as_str().unwrap().starts_with("call_"), "{call}");
+        assert_eq!(call["type"], "function");
+    }
+}
+
+/// The embedded model (a template without tools: the generic format):
+/// `required`, named and streamed calls are valid for their schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grammar_tool_calls_follow_the_function_schemas() {
+    let s = TestServer::ready();
+    let c = client();
+    let url = s.url("/v1/chat/completions");
+    let tools = vec![weather_tool(), time_tool()];
+    for (seed, choice, parallel) in [
+        (1, json!("required"), true),
+        (2, json!("required"), false),
+        (
+            3,
+            json!({"type": "function", "function": {"name": "get_time"}}),
+            true,
+        ),
+    ] {
+        let body = json!({
+            "messages": [{"role": "user", "content": "weather and time?"}],
+            "tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel,
+            "max_tokens": 300, "temperature": 1.0, "seed": seed,
+        });
+        let (status, v) = post_json(&c, &url, &body).await;
+        assert_eq!(status, 200, "{v}");
+        let choice_out = &v["choices"][0];
+        assert_eq!(choice_out["finish_reason"], "tool_calls", "{v}");
+        let calls = choice_out["message"]["tool_calls"].as_array().unwrap();
+        assert!(!calls.is_empty());
+        if !parallel {
+            assert_eq!(calls.len(), 1, "{v}");
+        }
+        if seed == 3 {
+            assert!(
+                calls.iter().all(|c| c["function"]["name"] == "get_time"),
+                "{v}"
+            );
+        }
+        assert_calls_valid(calls, &tools);
+        // Streamed: the same calls, as tool_calls deltas.
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let chunks = sse_chunks(&post_stream(&c, &url, &streamed).await);
+        let deltas: Vec<Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+            .flatten()
+            .cloned()
+            .collect();
+        assert_eq!(deltas.len(), calls.len(), "{chunks:?}");
+        for (d, call) in deltas.iter().zip(calls) {
+            assert_eq!(d["function"], call["function"]);
+        }
+        let last = chunks
+            .iter()
+            .rev()
+            .find(|c| !c["choices"][0]["finish_reason"].is_null());
+        assert_eq!(last.unwrap()["choices"][0]["finish_reason"], "tool_calls");
+    }
+    // A round trip: the call and its result go back in, `none` answers.
+    let body = json!({
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_9", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"oslo\", \"days\": 1}"}}]},
+            {"role": "tool", "tool_call_id": "call_9", "content": "rain"},
+        ],
+        "tools": tools, "tool_choice": "none", "max_tokens": 8, "temperature": 0,
+    });
+    let (status, v) = post_json(&c, &url, &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(v["choices"][0]["message"]["tool_calls"].is_null(), "{v}");
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    assert_eq!(v["system_fingerprint"], "tandem-0.1.0");
+    // Bad tool shapes name the field.
+    for (extra, param) in [
+        (
+            json!({"tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice.function.name",
+        ),
+        (
+            json!({"tool_choice": {"type": "function"}}),
+            "tool_choice.function.name",
+        ),
+        (json!({"parallel_tool_calls": 1}), "parallel_tool_calls"),
+        (
+            json!({"response_format": {"type": "json_object"}, "tool_choice": "required"}),
+            "tools",
+        ),
+    ] {
+        let mut body = json!({"messages": [{"role": "user", "content": "x"}], "tools": tools});
+        for (k, val) in extra.as_object().unwrap() {
+            body[k] = val.clone();
+        }
+        let (status, v) = post_json(&c, &url, &body).await;
+        assert_eq!(
+            (status, v["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{v}"
+        );
+    }
+    let bad_message = json!({"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]});
+    let (status, v) = post_json(&c, &url, &bad_message).await;
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("messages[0].tool_call_id"))
+    );
+}
+
+/// `echo` puts the prompt's text first, whole and streamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grammar_echo_prepends_the_prompt() {
+    let s = TestServer::ready();
+    let c = client();
+    let url = s.url("/v1/completions");
+    let plain = json!({"prompt": "the quick brown fox", "max_tokens": 5, "temperature": 0});
+    let (_, v) = post_json(&c, &url, &plain).await;
+    let completion = v["choices"][0]["text"].as_str().unwrap().to_string();
+    let mut echo = plain.clone();
+    echo["echo"] = json!(true);
+    let (status, v) = post_json(&c, &url, &echo).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        v["choices"][0]["text"],
+        format!("the quick brown fox{completion}")
+    );
+    echo["stream"] = json!(true);
+    let chunks = sse_chunks(&post_stream(&c, &url, &echo).await);
+    let text: String = chunks
+        .iter()
+        .map(|c| c["choices"][0]["text"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(text, format!("the quick brown fox{completion}"));
+}
