@@ -64,8 +64,9 @@ pub struct GenerateRequest {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct OutputConstraints {
-    /// Every generated token follows this grammar; a sequence under a
-    /// grammar does not draft (speculation is turned off for it).
+    /// Every generated token follows this grammar (drafts included: a draft
+    /// the grammar forbids ends the draft run, and verification applies
+    /// the grammar's mask at every position).
     pub grammar: Option<Constraint>,
     /// `(token id, bias)` added to the raw logits before sampling.
     pub logit_bias: Vec<(u32, f32)>,

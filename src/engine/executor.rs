@@ -206,7 +206,9 @@ impl Engine {
             return;
         }
         let t = Instant::now();
-        if let Err(error) = drafting::run_rounds(&self.model, &mut self.seqs, planned) {
+        let drafted = drafting::run_rounds(&self.model, &mut self.seqs, planned);
+        masks::truncate_drafts(&mut self.seqs, planned);
+        if let Err(error) = drafted {
             // Drafting is an optimisation: on failure decode plainly, and
             // stop drafting for these sequences (the head's state for them
             // can no longer be trusted).
@@ -249,7 +251,8 @@ impl Engine {
             }
             let verdict = match &pass.logits {
                 Some(logits) if !p.drafts.tokens.is_empty() => {
-                    Some(update::verify(&mut self.seqs, p, rows, logits)?)
+                    let masks = step_masks.by_slot.get(&p.slot).map(Vec::as_slice);
+                    Some(update::verify(&mut self.seqs, p, rows, logits, masks)?)
                 }
                 _ => None,
             };

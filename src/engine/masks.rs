@@ -1,6 +1,9 @@
 //! The mask phase: the grammar masks of the step's constrained sampling
 //! rows, computed on a worker thread while the forward pass runs (as vLLM
 //! and SGLang overlap them), split across sequences on a few scoped threads.
+//! A drafting sequence gets one mask per verified position (before its
+//! first draft, after each draft), for verification; [`truncate_drafts`]
+//! first ends each draft run at the first draft its grammar forbids.
 //!
 //! # Ownership
 //! Each constrained sequence's [`Grammar`] is *lent* to the worker for the
@@ -29,13 +32,16 @@ use crate::structured::Grammar;
 /// take cores from the forward pass running beside them.
 const MAX_MASK_THREADS: usize = 4;
 
-/// Grammars lent for one pass, in plan order.
-pub(crate) type Lent = Vec<(SlotId, Grammar)>;
+/// Grammars lent for one pass, in plan order, with the drafts each one's
+/// masks run along.
+pub(crate) type Lent = Vec<(SlotId, Grammar, Vec<u32>)>;
 
 /// The masks of one step.
 #[derive(Debug, Default)]
 pub(crate) struct StepMasks {
-    pub by_slot: HashMap<SlotId, TokenMask>,
+    /// Per constrained sequence, the mask of each position it samples or
+    /// verifies (one for a plain decode, drafts + 1 when drafting).
+    pub by_slot: HashMap<SlotId, Vec<TokenMask>>,
     /// Sequences whose grammar failed, with the reason.
     pub failed: HashMap<SlotId, String>,
     /// The worker's wall time.
@@ -49,7 +55,23 @@ impl StepMasks {
         if self.by_slot.is_empty() {
             return Vec::new();
         }
-        slots.iter().map(|s| self.by_slot.get(s)).collect()
+        slots
+            .iter()
+            .map(|s| self.by_slot.get(s).and_then(|m| m.first()))
+            .collect()
+    }
+}
+
+/// Ends each constrained sequence's draft run before the first draft its
+/// grammar forbids (the rest could never be accepted).
+pub(crate) fn truncate_drafts(seqs: &mut Sequences, planned: &mut [Planned]) {
+    for p in planned.iter_mut().filter(|p| !p.drafts.tokens.is_empty()) {
+        let Some(grammar) = seqs.get_mut(p.slot).ok().and_then(|s| s.grammar.as_mut()) else {
+            continue;
+        };
+        let valid = grammar.valid_prefix(&p.drafts.tokens);
+        p.drafts.tokens.truncate(valid);
+        p.drafts.probs.truncate(valid);
     }
 }
 
@@ -57,17 +79,17 @@ impl StepMasks {
 pub(crate) fn lend(seqs: &mut Sequences, planned: &[Planned]) -> Lent {
     planned
         .iter()
-        .filter(|p| p.samples && p.drafts.tokens.is_empty())
+        .filter(|p| p.samples)
         .filter_map(|p| {
             let grammar = seqs.get_mut(p.slot).ok()?.grammar.take()?;
-            Some((p.slot, grammar))
+            Some((p.slot, grammar, p.drafts.tokens.clone()))
         })
         .collect()
 }
 
 /// Returns lent grammars to their sequences.
 pub(crate) fn give_back(seqs: &mut Sequences, lent: Lent) {
-    for (slot, grammar) in lent {
+    for (slot, grammar, _) in lent {
         if let Ok(seq) = seqs.get_mut(slot) {
             seq.grammar = Some(grammar);
         }
@@ -80,7 +102,7 @@ pub(crate) fn compute(lent: &mut Lent, eos_ids: &[u32]) -> StepMasks {
     let start = Instant::now();
     let threads = lent.len().clamp(1, MAX_MASK_THREADS);
     let chunk = lent.len().div_ceil(threads).max(1);
-    let results: Vec<(SlotId, Result<TokenMask, String>)> = if threads == 1 {
+    let results: Vec<(SlotId, Result<Vec<TokenMask>, String>)> = if threads == 1 {
         lent.iter_mut().map(|job| mask_one(job, eos_ids)).collect()
     } else {
         std::thread::scope(|s| {
@@ -107,8 +129,8 @@ pub(crate) fn compute(lent: &mut Lent, eos_ids: &[u32]) -> StepMasks {
     let mut out = StepMasks::default();
     for (slot, result) in results {
         match result {
-            Ok(mask) => {
-                out.by_slot.insert(slot, mask);
+            Ok(masks) => {
+                out.by_slot.insert(slot, masks);
             }
             Err(reason) => {
                 out.failed.insert(slot, reason);
@@ -119,7 +141,11 @@ pub(crate) fn compute(lent: &mut Lent, eos_ids: &[u32]) -> StepMasks {
     out
 }
 
-fn mask_one(job: &mut (SlotId, Grammar), eos_ids: &[u32]) -> (SlotId, Result<TokenMask, String>) {
-    let (slot, grammar) = job;
-    (*slot, grammar.mask(eos_ids).map_err(|e| e.to_string()))
+fn mask_one(
+    job: &mut (SlotId, Grammar, Vec<u32>),
+    eos_ids: &[u32],
+) -> (SlotId, Result<Vec<TokenMask>, String>) {
+    let (slot, grammar, drafts) = job;
+    let masks = grammar.masks_along(drafts, eos_ids);
+    (*slot, masks.map_err(|e| e.to_string()))
 }

@@ -227,13 +227,7 @@ impl Sequences {
         if !constraints.logit_bias.is_empty() {
             self.sampler.set_logit_bias(slot, constraints.logit_bias)?;
         }
-        // NOTE: a sequence under a grammar decodes without drafts (the
-        // edge turns its speculation off; this guards library callers).
-        let spec = match constraints.grammar {
-            Some(_) => Some(SpecOptions::off()),
-            None => a.spec,
-        };
-        if let Some(drafting) = Drafting::resolve(spec, self.default_spec, &a.sampling) {
+        if let Some(drafting) = Drafting::resolve(a.spec, self.default_spec, &a.sampling) {
             let head = self.head.as_mut().expect("a default spec implies a head");
             if cached > 0 && head.needs_hidden() {
                 return Err(EngineError::InvalidWork {

@@ -109,8 +109,7 @@ pub(crate) fn validate_seq(
 impl ValidSeq {
     /// Adds output constraints, whose token ids are checked here against
     /// the vocabulary (a grammar was compiled against the tokenizer's, so
-    /// it needs no check). A constrained sequence does not draft: the
-    /// speculation is turned off, so the scheduler budgets no drafts for it.
+    /// it needs no check).
     pub(crate) fn with_constraints(
         mut self,
         constraints: SeqConstraints,
@@ -134,9 +133,6 @@ impl ValidSeq {
             .find(|&&t| t as usize >= info.vocab_size)
         {
             return Err(out_of_vocab("stop", t));
-        }
-        if constraints.grammar.is_some() {
-            self.speculation = Some(SpecOptions::off());
         }
         self.constraints = constraints;
         Ok(self)

@@ -226,6 +226,27 @@ impl Grammar {
         self.matcher.validate_tokens(tokens).unwrap_or(0)
     }
 
+    /// The masks at each position of a draft run: before `drafts[0]`, after
+    /// it, …, after the last (`drafts.len() + 1` masks), on a copy of the
+    /// state (this one changes nothing). The drafts must be a valid prefix.
+    pub fn masks_along(
+        &mut self,
+        drafts: &[u32],
+        eos_ids: &[u32],
+    ) -> Result<Vec<TokenMask>, GrammarError> {
+        let mut out = Vec::with_capacity(drafts.len() + 1);
+        out.push(self.mask(eos_ids)?);
+        if drafts.is_empty() {
+            return Ok(out);
+        }
+        let mut ahead = self.clone();
+        for &d in drafts {
+            ahead.accept(d)?;
+            out.push(ahead.mask(eos_ids)?);
+        }
+        Ok(out)
+    }
+
     /// The grammar is complete and accepts nothing more.
     pub fn is_finished(&self) -> bool {
         self.matcher.is_stopped()
