@@ -120,7 +120,13 @@ pub fn parse_tools(f: &Fields) -> Result<Option<ToolRequest>, ApiError> {
             }
             ToolChoice::Named(name.to_string())
         }
-        Some(_) => unreachable!("check_tools refused other shapes"),
+        // check_tools refuses every other shape; stay a 400 regardless.
+        Some(other) => {
+            return Err(ApiError::invalid_field(
+                "tool_choice",
+                format!("unexpected {}", super::body::describe(other)),
+            ))
+        }
     };
     Ok(Some(ToolRequest {
         tools,
