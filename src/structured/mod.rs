@@ -180,6 +180,20 @@ fn compact(mut schema: Value) -> Value {
 #[error("grammar: {0}")]
 pub struct GrammarError(pub String);
 
+impl GrammarError {
+    /// llguidance's reason without the parser-state dump it appends.
+    fn from_llg(e: impl std::fmt::Display) -> Self {
+        let text = e.to_string();
+        let reason = text.lines().next().unwrap_or_default();
+        Self(match reason {
+            "NoExtensionBias" | "NoExtension" => {
+                format!("no token of the vocabulary can continue the grammar ({reason})")
+            }
+            _ => reason.to_string(),
+        })
+    }
+}
+
 /// One sequence's grammar state (llguidance's `Matcher`). Owned by the
 /// engine thread once admitted.
 #[derive(Clone)]
@@ -203,7 +217,7 @@ impl Grammar {
         let vob = self
             .matcher
             .compute_mask_or_eos()
-            .map_err(|e| GrammarError(e.to_string()))?;
+            .map_err(GrammarError::from_llg)?;
         let mut mask = TokenMask::from_words(vob.as_slice().to_vec());
         if mask.allows(self.eos) {
             for &e in eos_ids {
@@ -217,7 +231,7 @@ impl Grammar {
     pub fn accept(&mut self, token: u32) -> Result<(), GrammarError> {
         self.matcher
             .consume_token(token)
-            .map_err(|e| GrammarError(e.to_string()))
+            .map_err(GrammarError::from_llg)
     }
 
     /// How many of `tokens`, from the start, the grammar accepts in order

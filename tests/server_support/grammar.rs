@@ -553,3 +553,27 @@ async fn grammar_echo_prepends_the_prompt() {
         .collect();
     assert_eq!(text, format!("the quick brown fox{completion}"));
 }
+
+/// A grammar the vocabulary cannot follow (the embedded words have no
+/// `é`) fails its own request only; the request beside it is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grammar_a_failing_grammar_fails_only_its_request() {
+    let s = TestServer::ready();
+    let c = client();
+    let url = s.url("/v1/completions");
+    let good = json!({"prompt": "hello", "max_tokens": 12, "temperature": 0});
+    let (_, alone) = post_json(&c, &url, &good).await;
+    let bad = json!({"prompt": "hello", "max_tokens": 12, "temperature": 0,
+        "tandem": {"grammar": {"type": "regex", "pattern": "é+"}}});
+    let ((bad_status, bad_v), (good_status, good_v)) =
+        tokio::join!(post_json(&c, &url, &bad), post_json(&c, &url, &good));
+    assert_eq!(bad_status, 500, "{bad_v}");
+    let message = bad_v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("no token of the vocabulary can continue the grammar"),
+        "{message}"
+    );
+    assert!(!message.contains("<state>"), "{message}");
+    assert_eq!(good_status, 200, "{good_v}");
+    assert_eq!(good_v["choices"][0]["text"], alone["choices"][0]["text"]);
+}
