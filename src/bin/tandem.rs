@@ -360,7 +360,7 @@ async fn serve(args: ServeArgs) -> Result<(), BoxError> {
         }
     };
     let handle = TandemHandle::start(loaded.engine, loaded.tokenizer, sched)?;
-    state.set_ready(handle, loaded.template);
+    state.set_ready_named(handle, loaded.template, loaded.root);
     println!("ready");
     let _ = std::io::stdout().flush();
     tracing::info!(model = %loaded.model_name, "ready");

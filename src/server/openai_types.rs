@@ -327,6 +327,9 @@ pub struct ModelCard {
     pub owned_by: &'static str,
     /// Context length in tokens (a vLLM extension many clients read).
     pub max_model_len: usize,
+    /// The model's own name (GGUF `general.name`, a folder's config
+    /// `_name_or_path`), or the id when the files name none; vLLM's field.
+    pub root: String,
 }
 
 /// `GET /v1/models`.

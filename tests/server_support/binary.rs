@@ -198,6 +198,8 @@ async fn the_binary_serves_a_model_folder_with_reference_output() {
         .await
         .unwrap();
     assert_eq!(models["data"][0]["id"], "stories260k");
+    // No `_name_or_path` in its config: `root` is the id.
+    assert_eq!(models["data"][0]["root"], "stories260k");
     let n = case["generated_ids"].as_array().unwrap().len();
     for stream in [false, true] {
         let body =
