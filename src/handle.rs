@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 
 use crate::api::{Event, Finished, GenerateRequest, TandemError, TokenInfo};
 use crate::engine::{EngineInfo, StepExecutor};
-use crate::request::{EventSink, Generate};
+use crate::request::{EventSink, Generate, GenerateChoices};
 use crate::scheduler::{
     Cancel, CancelReason, RequestId, Scheduler, SchedulerConfig, SchedulerStats, Shutdown,
     ShutdownMode, Stats,
@@ -125,6 +125,69 @@ impl TandemHandle {
         })
     }
 
+    /// Submits one request for `n` choices ([`GenerateChoices`]: the prompt
+    /// is prefilled once, choice `i` samples with the request's seed plus
+    /// `i`); their events arrive interleaved on the returned stream, each
+    /// with its choice's index. `n` must be in `1..=max_seqs`.
+    pub async fn generate_choices(
+        &self,
+        request: GenerateRequest,
+        n: usize,
+    ) -> Result<ChoiceStream, TandemError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let ids = self
+            .scheduler
+            .send(GenerateChoices {
+                request,
+                n,
+                events: EventSink::Channel(tx),
+            })
+            .await
+            .map_err(|_| TandemError::Unavailable)??;
+        Ok(ChoiceStream {
+            open: vec![true; ids.len()],
+            ids,
+            rx,
+            scheduler: self.scheduler.clone(),
+        })
+    }
+
+    /// Runs a request's `n` choices to the end and collects each one's
+    /// text, in choice order; a choice that failed is its error, the
+    /// others are still complete.
+    pub async fn complete_choices(
+        &self,
+        request: GenerateRequest,
+        n: usize,
+    ) -> Result<Vec<Result<Completion, TandemError>>, TandemError> {
+        let mut stream = self.generate_choices(request, n).await?;
+        let mut parts: Vec<(String, Vec<TokenInfo>)> = vec![Default::default(); n];
+        let mut done: Vec<Option<Result<Completion, TandemError>>> = vec![None; n];
+        while let Some((i, event)) = stream.next_event().await {
+            match event {
+                Event::Tokens {
+                    text, mut tokens, ..
+                } => {
+                    parts[i].0.push_str(&text);
+                    parts[i].1.append(&mut tokens);
+                }
+                Event::Finished(finished) => {
+                    let (text, tokens) = std::mem::take(&mut parts[i]);
+                    done[i] = Some(Ok(Completion {
+                        text,
+                        tokens,
+                        finished,
+                    }));
+                }
+                Event::Error { error, .. } => done[i] = Some(Err(error)),
+            }
+        }
+        Ok(done
+            .into_iter()
+            .map(|d| d.unwrap_or(Err(TandemError::Unavailable)))
+            .collect())
+    }
+
     /// Runs a request to the end and collects its text.
     pub async fn complete(&self, request: GenerateRequest) -> Result<Completion, TandemError> {
         let mut stream = self.generate(request).await?;
@@ -227,6 +290,103 @@ impl Drop for EventStream {
         if !self.done {
             self.scheduler.do_send(Cancel {
                 id: self.id,
+                reason: CancelReason::Client,
+            });
+        }
+    }
+}
+
+/// The events of one request's choices ([`TandemHandle::generate_choices`]),
+/// interleaved as they come, each tagged with its choice's index. Per
+/// choice, events keep their order ([`Event`]'s contract). Dropping it
+/// before every choice's terminal event cancels the choices still running.
+pub struct ChoiceStream {
+    /// Choice `i`'s request id is `ids[i]`.
+    ids: Vec<RequestId>,
+    rx: mpsc::UnboundedReceiver<Event>,
+    scheduler: Addr<Scheduler>,
+    /// Choices whose terminal event has not arrived.
+    open: Vec<bool>,
+}
+
+impl ChoiceStream {
+    /// The choices' request ids, in choice order.
+    pub fn ids(&self) -> &[RequestId] {
+        &self.ids
+    }
+
+    /// How many choices.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// The next event and its choice; `None` once every choice ended.
+    pub async fn next_event(&mut self) -> Option<(usize, Event)> {
+        std::future::poll_fn(|cx| Pin::new(&mut *self).poll_next(cx)).await
+    }
+
+    /// Tags an event with its choice and notes a terminal one.
+    fn tag(&mut self, event: Event) -> Option<(usize, Event)> {
+        let i = self.ids.iter().position(|&id| id == event.id())?;
+        if event.is_terminal() {
+            self.open[i] = false;
+        }
+        Some((i, event))
+    }
+}
+
+impl Stream for ChoiceStream {
+    type Item = (usize, Event);
+
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+    ) -> Poll<Option<(usize, Event)>> {
+        loop {
+            if !self.open.contains(&true) {
+                return Poll::Ready(None);
+            }
+            match self.rx.poll_recv(cx) {
+                Poll::Ready(Some(event)) => {
+                    if let Some(tagged) = self.tag(event) {
+                        return Poll::Ready(Some(tagged));
+                    }
+                }
+                Poll::Ready(None) => {
+                    self.open.iter_mut().for_each(|o| *o = false);
+                    return Poll::Ready(None);
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
+impl From<EventStream> for ChoiceStream {
+    /// One request as a stream of one choice (index 0).
+    fn from(mut single: EventStream) -> Self {
+        let (_, closed) = mpsc::unbounded_channel();
+        let open = vec![!single.done];
+        // The events now belong to the choice stream, which cancels on drop.
+        single.done = true;
+        Self {
+            ids: vec![single.id],
+            rx: std::mem::replace(&mut single.rx, closed),
+            scheduler: single.scheduler.clone(),
+            open,
+        }
+    }
+}
+
+impl Drop for ChoiceStream {
+    fn drop(&mut self) {
+        for (&id, _) in self.ids.iter().zip(&self.open).filter(|(_, &open)| open) {
+            self.scheduler.do_send(Cancel {
+                id,
                 reason: CancelReason::Client,
             });
         }

@@ -18,7 +18,7 @@ use crate::api::{
     Event, Finished, GenerateRequest, OutputConstraints, Prompt, TandemError, TokenInfo, TopLogprob,
 };
 use crate::engine::{EngineInfo, SeqConstraints};
-use crate::sampler::LogitBias;
+use crate::sampler::{LogitBias, SamplingOptions};
 use crate::scheduler::validate::{validate_seq, ValidSeq};
 use crate::scheduler::{Cancel, CancelReason, FinishReason, RequestId, Scheduler, SeqEvent};
 use crate::tokenizer::{StreamStep, TextStream, Tokenizer};
@@ -239,27 +239,70 @@ pub struct Generate {
 impl Handler<Generate> for Scheduler {
     type Result = ResponseActFuture<Self, Result<RequestId, TandemError>>;
 
+    /// One choice: a [`GenerateChoices`] with `n` = 1.
+    fn handle(&mut self, msg: Generate, ctx: &mut Context<Self>) -> Self::Result {
+        let Generate { request, events } = msg;
+        let choices = GenerateChoices {
+            request,
+            n: 1,
+            events,
+        };
+        Box::pin(
+            Handler::<GenerateChoices>::handle(self, choices, ctx)
+                .map(|ids, _, _| ids.map(|ids| ids[0])),
+        )
+    }
+}
+
+/// Submit one text request for `n` choices: `n` sequences that share the
+/// prompt (it is tokenized and checked once, and prefilled once: the later
+/// choices start from the first one's computed prompt blocks) and sample
+/// independently. Choice `i` samples with seed `seed + i` (wrapping) when
+/// the request has a seed, so each choice equals a single request with
+/// that seed; without one, every choice draws its own seed. All of a
+/// request's events go to `events`, each carrying its choice's id; the
+/// reply lists the ids in choice order. `n` must be in `1..=max_seqs`.
+#[derive(Message)]
+#[rtype(result = "Result<Vec<RequestId>, TandemError>")]
+pub struct GenerateChoices {
+    pub request: GenerateRequest,
+    /// How many choices.
+    pub n: usize,
+    pub events: EventSink,
+}
+
+impl Handler<GenerateChoices> for Scheduler {
+    type Result = ResponseActFuture<Self, Result<Vec<RequestId>, TandemError>>;
+
     /// Hands the text work to a worker thread and waits for it without
     /// holding the mailbox: the scheduler keeps routing tokens and planning
-    /// steps meanwhile. Only the checked request comes back to this actor.
-    fn handle(&mut self, msg: Generate, _ctx: &mut Context<Self>) -> Self::Result {
-        let Some(tokenizer) = self.tokenizer().cloned() else {
-            self.count_rejected();
-            return Box::pin(actix::fut::ready(Err(TandemError::InvalidRequest {
-                field: "prompt",
-                reason:
-                    "this scheduler was started without a tokenizer; submit token ids with `Submit`"
-                        .into(),
-            })));
+    /// steps meanwhile. Only the checked choices come back to this actor.
+    fn handle(&mut self, msg: GenerateChoices, _ctx: &mut Context<Self>) -> Self::Result {
+        let refuse = |scheduler: &mut Self, error| {
+            scheduler.count_rejected();
+            Box::pin(actix::fut::ready(Err(error))) as Self::Result
         };
-        let Generate { request, events } = msg;
+        let Some(tokenizer) = self.tokenizer().cloned() else {
+            let reason =
+                "this scheduler was started without a tokenizer; submit token ids with `Submit`";
+            let error = TandemError::InvalidRequest {
+                field: "prompt",
+                reason: reason.into(),
+            };
+            return refuse(self, error);
+        };
+        let GenerateChoices { request, n, events } = msg;
+        if let Err(error) = check_choice_count(n, self.max_seqs()) {
+            return refuse(self, error);
+        }
         let info = self.engine_info().clone();
         let workers = self.text_workers().clone();
         let worker_tokenizer = tokenizer.clone();
         let checking = async move {
             // The semaphore is never closed, so the permit always comes.
             let _permit = workers.acquire_owned().await.ok();
-            tokio::task::spawn_blocking(move || check_text(request, &worker_tokenizer, &info)).await
+            tokio::task::spawn_blocking(move || check_choices(request, n, &worker_tokenizer, &info))
+                .await
         };
         Box::pin(
             checking
@@ -276,19 +319,39 @@ impl Handler<Generate> for Scheduler {
     }
 }
 
+/// `n` choices must fit the scheduler's slots at once (so that they can
+/// share the prompt's blocks).
+fn check_choice_count(n: usize, max_seqs: usize) -> Result<(), TandemError> {
+    if n == 0 || n > max_seqs {
+        return Err(TandemError::InvalidRequest {
+            field: "n",
+            reason: format!("must be in [1, {max_seqs}] (`max_seqs`: the sequence slots), got {n}"),
+        });
+    }
+    Ok(())
+}
+
 impl Scheduler {
-    /// Back on the mailbox with a checked text request: starts its request
-    /// actor and queues it; a refusal is counted like one at `Submit`.
+    /// Back on the mailbox with a request's checked choices: starts a
+    /// request actor per choice and queues them as one group; a refusal is
+    /// counted like one at `Submit`.
     fn queue_text(
         &mut self,
-        checked: Result<CheckedText, TandemError>,
+        checked: Result<Vec<CheckedText>, TandemError>,
         events: EventSink,
         tokenizer: Arc<Tokenizer>,
         ctx: &mut Context<Self>,
-    ) -> Result<RequestId, TandemError> {
+    ) -> Result<Vec<RequestId>, TandemError> {
         let checked = checked.inspect_err(|_| self.count_rejected())?;
-        let actor = RequestActor::new(checked.stream, events, ctx.address(), tokenizer).start();
-        Ok(self.submit_valid(checked.seq, actor.recipient(), ctx)?)
+        let choices = checked
+            .into_iter()
+            .map(|c| {
+                let actor =
+                    RequestActor::new(c.stream, events.clone(), ctx.address(), tokenizer.clone());
+                (c.seq, actor.start().recipient())
+            })
+            .collect();
+        Ok(self.submit_valid_group(choices, ctx)?)
     }
 }
 
@@ -303,13 +366,16 @@ pub(crate) struct CheckedText {
 /// Tokenizes a text request and checks it against the engine's limits: the
 /// text layer's own fields (`max_tokens` resolved against the context,
 /// non-empty stop strings), then [`validate_seq`] for everything the
-/// scheduler and the engine rely on. Blocking (tokenizer work); run it off
-/// the scheduler's mailbox.
-pub(crate) fn check_text(
+/// scheduler and the engine rely on, once per choice. The prompt is
+/// tokenized once; choice `i` gets the request's seed plus `i` (see
+/// [`GenerateChoices`]) and its own detokenizer and stop-string matcher.
+/// Blocking (tokenizer work); run it off the scheduler's mailbox.
+pub(crate) fn check_choices(
     request: GenerateRequest,
+    n: usize,
     tokenizer: &Arc<Tokenizer>,
     info: &EngineInfo,
-) -> Result<CheckedText, TandemError> {
+) -> Result<Vec<CheckedText>, TandemError> {
     let GenerateRequest {
         prompt,
         max_tokens,
@@ -350,16 +416,33 @@ pub(crate) fn check_text(
     }
     let prompt: Arc<[u32]> = Arc::from(prompt);
     let constraints = compile_constraints(constraints, tokenizer)?;
-    let seq = validate_seq(prompt.clone(), sampling, max_new_tokens, mtp, info)?
-        .with_constraints(constraints, info)?;
-    let stream = TextStream::with_context(tokenizer.clone(), stop, &prompt)?;
-    Ok(CheckedText { seq, stream })
+    (0..n)
+        .map(|i| {
+            let sampling = choice_sampling(&sampling, i);
+            // Each choice gets its own copy of the compiled grammar's state.
+            let seq = validate_seq(prompt.clone(), sampling, max_new_tokens, mtp, info)?
+                .with_constraints(constraints.clone(), info)?;
+            let stream = TextStream::with_context(tokenizer.clone(), stop.clone(), &prompt)?;
+            Ok(CheckedText { seq, stream })
+        })
+        .collect()
+}
+
+/// The sampling options of choice `index`: the request's, with the seed
+/// moved on by the index (wrapping), so choice 0 is the request itself.
+// `clone`, not a copy: the options need not stay `Copy` (per-request lists).
+#[allow(clippy::clone_on_copy)]
+pub fn choice_sampling(sampling: &SamplingOptions, index: usize) -> SamplingOptions {
+    SamplingOptions {
+        seed: sampling.seed.map(|s| s.wrapping_add(index as u64)),
+        ..sampling.clone()
+    }
 }
 
 /// Compiles the request's grammar against the tokenizer's vocabulary (the
 /// token trie is built on the first constrained request) and packs the
 /// bias and stop ids; their ids are checked by `with_constraints`.
-/// Blocking: part of [`check_text`].
+/// Blocking: part of [`check_choices`].
 fn compile_constraints(
     c: OutputConstraints,
     tokenizer: &Tokenizer,

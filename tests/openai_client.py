@@ -6,7 +6,7 @@ which starts `tandem serve --embedded test` and passes its address:
     python3 tests/openai_client.py http://127.0.0.1:PORT/v1 API_KEY
 
 Checks streaming and non-streaming chat and completions: the text (greedy,
-so streamed == whole), finish_reason and usage. Exits non-zero with the
+so streamed == whole), finish_reason and usage; `n` = 2. Exits non-zero with the
 reason on the first failed check; prints "openai client: N checks passed".
 """
 
@@ -117,6 +117,33 @@ def main(base_url, api_key):
     check("".join(parts) == ctext, f"streamed completion {''.join(parts)!r} != {ctext!r}")
     check(finish == "length", f"streamed finish_reason: {finish}")
     check(usage is not None and usage.completion_tokens == 10, f"streamed usage: {usage}")
+
+    # n = 2: two indexed choices, each one's own finish; streamed, the
+    # chunks of both interleave and join to the same texts.
+    two = client.completions.create(
+        model=model, prompt="the quick brown fox", max_tokens=6, temperature=1.0, seed=3, n=2
+    )
+    check([c.index for c in two.choices] == [0, 1], f"n=2 indices: {two.choices}")
+    check(all(c.finish_reason == "length" for c in two.choices), "n=2 finish_reason")
+    check(two.usage.completion_tokens == 12, f"n=2 usage: {two.usage}")
+    stream = client.completions.create(
+        model=model, prompt="the quick brown fox", max_tokens=6, temperature=1.0, seed=3, n=2,
+        stream=True,
+    )
+    texts, finishes = ["", ""], [None, None]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    check(texts == [c.text for c in two.choices], f"n=2 streamed {texts}")
+    check(finishes == ["length", "length"], f"n=2 streamed finishes {finishes}")
+    chats = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, temperature=0, n=2
+    )
+    check(
+        [c.message.content for c in chats.choices] == [chats.choices[0].message.content] * 2,
+        "greedy chat n=2 gives the same answer twice",
+    )
 
     # Stop strings end the text with finish_reason "stop".
     words = ctext.split(" ")

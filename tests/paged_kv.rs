@@ -211,3 +211,125 @@ async fn a_request_that_can_never_fit_is_refused_at_the_edge() {
     assert_eq!(ok.tokens.len(), 24);
     h.shutdown(ShutdownMode::Drain).await.unwrap();
 }
+
+/// `n` = 4 choices of a 50-token prompt (three full blocks and two tokens).
+async fn four_choices(prefix_caching: bool, sampling: SamplingOptions) -> (Vec<Vec<u32>>, u64) {
+    let h = start(config(4, prefix_caching), 4096);
+    let req = request(tokens(5, 50), 12, sampling);
+    let before = h.stats().await.unwrap();
+    let choices = h.complete_choices(req, 4).await.unwrap();
+    let after = h.stats().await.unwrap();
+    let got: Vec<Vec<u32>> = choices.iter().map(|c| ids(c.as_ref().unwrap())).collect();
+    for c in &choices {
+        let usage = c.as_ref().unwrap().finished.usage;
+        assert_eq!((usage.prompt_tokens, usage.completion_tokens), (50, 12));
+    }
+    assert_eq!(after.kv_blocks_used, 0, "every choice's blocks are back");
+    h.shutdown(ShutdownMode::Drain).await.unwrap();
+    let computed = after.prompt_tokens_processed - before.prompt_tokens_processed;
+    (got, computed)
+}
+
+#[actix::test]
+async fn n_four_choices_prefill_once_and_equal_single_requests_with_derived_seeds() {
+    for (name, sampling) in [("greedy", SamplingOptions::greedy()), ("seeded", seeded(7))] {
+        // Choice i is the single request with seed + i.
+        let singles: Vec<GenerateRequest> = (0..4)
+            .map(|i| {
+                let seed = sampling.seed.map(|s| s + i);
+                request(tokens(5, 50), 12, SamplingOptions { seed, ..sampling })
+            })
+            .collect();
+        let want = references(&singles).await;
+        for prefix_caching in [true, false] {
+            let (got, computed) = four_choices(prefix_caching, sampling).await;
+            assert_eq!(got, want, "{name}, prefix cache {prefix_caching}");
+            // One prompt, then three tails of two tokens after 48 shared.
+            assert_eq!(computed, 50 + 3 * 2, "{name}, cache {prefix_caching}");
+        }
+        if name == "seeded" {
+            assert!(want.windows(2).any(|w| w[0] != w[1]), "seeds differ");
+        }
+    }
+    // Without a seed the choices still draw independently.
+    let (got, _) = four_choices(
+        true,
+        SamplingOptions {
+            seed: None,
+            ..seeded(0)
+        },
+    )
+    .await;
+    assert!(got.windows(2).any(|w| w[0] != w[1]), "{got:?}");
+}
+
+#[actix::test]
+async fn n_dropping_the_choice_stream_cancels_every_choice_and_frees_blocks() {
+    let h = start(config(4, false), 4096);
+    let mut stream = h
+        .generate_choices(request(tokens(6, 40), 200, seeded(1)), 3)
+        .await
+        .unwrap();
+    let mut seen = std::collections::HashSet::new();
+    while seen.len() < 3 {
+        let (i, event) = stream.next_event().await.unwrap();
+        assert!(!event.is_terminal(), "choice {i} ended early: {event:?}");
+        seen.insert(i);
+    }
+    drop(stream);
+    let t0 = std::time::Instant::now();
+    let s = loop {
+        let s = h.stats().await.unwrap();
+        if s.requests_cancelled == 3 && s.kv_blocks_used == 0 || t0.elapsed().as_secs() > 10 {
+            break s;
+        }
+        actix::clock::sleep(std::time::Duration::from_millis(5)).await;
+    };
+    assert_eq!((s.requests_cancelled, s.kv_blocks_used), (3, 0));
+    assert_eq!(s.running, 0);
+    // More choices than slots is a clear error naming `n`.
+    let err = h
+        .complete_choices(request(tokens(6, 10), 4, seeded(1)), 5)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            tandem::api::TandemError::InvalidRequest { field: "n", .. }
+        ),
+        "{err}"
+    );
+    h.shutdown(ShutdownMode::Drain).await.unwrap();
+}
+
+#[actix::test]
+async fn n_choices_preempted_in_a_small_pool_keep_their_tokens() {
+    let sampling = seeded(21);
+    let singles: Vec<GenerateRequest> = (0..4)
+        .map(|i| {
+            let seed = sampling.seed.map(|s| s + i);
+            request(tokens(8, 34), 40, SamplingOptions { seed, ..sampling })
+        })
+        .collect();
+    let want = references(&singles).await;
+    for prefix_caching in [false, true] {
+        // Eight blocks: each choice grows to five (two of them shared).
+        let h = start(config(4, prefix_caching), 8 * BLOCK);
+        let req = request(tokens(8, 34), 40, sampling);
+        let got: Vec<Vec<u32>> = h
+            .complete_choices(req, 4)
+            .await
+            .unwrap()
+            .iter()
+            .map(|c| ids(c.as_ref().unwrap()))
+            .collect();
+        let s = h.stats().await.unwrap();
+        assert!(
+            s.preemptions > 0,
+            "the pool is too small (cache {prefix_caching})"
+        );
+        assert_eq!(got, want, "cache {prefix_caching}");
+        assert_eq!(s.kv_blocks_used, 0);
+        h.shutdown(ShutdownMode::Drain).await.unwrap();
+    }
+}

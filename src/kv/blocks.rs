@@ -341,6 +341,34 @@ impl SeqBlocks {
         }
     }
 
+    /// A table starting with another sequence's first `blocks`, which hold
+    /// the K/V of `tokens`' leading full blocks (the `n` choices of one
+    /// request share their prompt this way, with or without the prefix
+    /// cache). Each block is retained once more for the new table. With
+    /// caching on, the blocks' chained hashes are recomputed, so this
+    /// table's later blocks chain from the right parent.
+    pub fn share_prefix(pool: &mut BlockPool, blocks: &[BlockId], tokens: &[u32]) -> Self {
+        let bs = pool.block_size();
+        assert!(
+            tokens.len() >= blocks.len() * bs,
+            "shared blocks past the tokens: this is a bug"
+        );
+        let mut last_hash = None;
+        if pool.caching() {
+            for chunk in tokens.chunks_exact(bs).take(blocks.len()) {
+                last_hash = Some(pool.hash_block(last_hash, chunk));
+            }
+        }
+        for &b in blocks {
+            pool.retain(b);
+        }
+        Self {
+            table: blocks.to_vec(),
+            hashed: blocks.len(),
+            last_hash,
+        }
+    }
+
     /// Positions the table can hold.
     pub fn room(&self, block_size: usize) -> usize {
         self.table.len() * block_size

@@ -230,3 +230,38 @@ proptest! {
         prop_assert_eq!(pool.used(), 0);
     }
 }
+
+#[test]
+fn a_shared_prefix_is_owned_twice_and_chains_like_the_original() {
+    for caching in [true, false] {
+        let mut pool = BlockPool::new(16, BS, caching, 1);
+        let prompt = tokens(10, 0);
+        let mut a = SeqBlocks::default();
+        assert!(a.grow_to(&mut pool, prompt.len()));
+        a.register_full(&mut pool, prompt.len(), |p| prompt[p]);
+        let mut b = SeqBlocks::share_prefix(&mut pool, &a.table[..2], &prompt);
+        assert_eq!(b.table, a.table[..2]);
+        assert_eq!(pool.refs(a.table[0]), 2, "caching {caching}");
+        // The sibling's own next block chains from the shared prefix, as the
+        // original's third block would.
+        let mut own = prompt[..8].to_vec();
+        own.extend([50, 51, 52, 53]);
+        assert!(b.grow_to(&mut pool, 12));
+        b.register_full(&mut pool, 12, |p| own[p]);
+        assert_eq!(b.last_hash.is_some(), caching);
+        if caching {
+            let (hit, _) = pool.claim_prefix(&own, usize::MAX);
+            assert_eq!(
+                hit, b.table,
+                "the sibling's block is found after the shared two"
+            );
+            for &blk in &hit {
+                pool.release(blk);
+            }
+        }
+        a.free(&mut pool);
+        b.free(&mut pool);
+        assert_eq!(pool.used(), 0, "caching {caching}");
+        pool.check();
+    }
+}

@@ -5,7 +5,7 @@
 //! plans go to the engine thread over its channel, and the engine's outcome
 //! callback `do_send`s a [`StepDone`] back into this actor's mailbox. Nor
 //! does it touch text: a `Generate` is tokenized and checked on a blocking
-//! worker (`request::check_text`), and only the checked request comes back
+//! worker (`request::check_choices`), and only the checked request comes back
 //! to the mailbox. While a plan is in flight, every millisecond this actor
 //! spends is time the next plan waits.
 //!
@@ -348,25 +348,55 @@ impl Scheduler {
     }
 
     /// Queues a request checked at the edge; `events` is where its
-    /// [`SeqEvent`]s go. Shared by `Submit` and the text layer's `Generate`.
+    /// [`SeqEvent`]s go. Used by `Submit`.
     pub(crate) fn submit_valid(
         &mut self,
         seq: ValidSeq,
         events: Recipient<SeqEvent>,
         ctx: &mut Context<Self>,
     ) -> Result<RequestId, SchedulerError> {
-        let now = Instant::now();
-        if self.state.queue_full() {
-            // Dead entries must not hold queue space against live clients.
-            let routes = &self.routes;
-            self.state
-                .drop_dead_queued(|id| Self::is_live(routes, id), now, &mut self.outbox);
-            self.route_events();
-        }
-        let id = self.state.submit(seq, now)?;
+        self.make_queue_room();
+        let id = self.state.submit(seq, Instant::now())?;
         self.routes.insert(id, events);
         self.kick(ctx);
         Ok(id)
+    }
+
+    /// Queues the choices of one request (each with where its events go)
+    /// together, all or none; the later ones share the first one's prompt
+    /// blocks. Used by the text layer's `Generate` and `GenerateChoices`.
+    pub(crate) fn submit_valid_group(
+        &mut self,
+        choices: Vec<(ValidSeq, Recipient<SeqEvent>)>,
+        ctx: &mut Context<Self>,
+    ) -> Result<Vec<RequestId>, SchedulerError> {
+        self.make_queue_room();
+        let (seqs, recipients): (Vec<_>, Vec<_>) = choices.into_iter().unzip();
+        let ids = self.state.submit_group(seqs, Instant::now())?;
+        for (&id, events) in ids.iter().zip(recipients) {
+            self.routes.insert(id, events);
+        }
+        self.kick(ctx);
+        Ok(ids)
+    }
+
+    /// When the queue is full, drops queued requests whose requester is
+    /// gone: dead entries must not hold queue space against live clients.
+    fn make_queue_room(&mut self) {
+        if self.state.queue_full() {
+            let routes = &self.routes;
+            self.state.drop_dead_queued(
+                |id| Self::is_live(routes, id),
+                Instant::now(),
+                &mut self.outbox,
+            );
+            self.route_events();
+        }
+    }
+
+    /// Sequence slots: the most choices one request may have.
+    pub(crate) fn max_seqs(&self) -> usize {
+        self.state.max_seqs()
     }
 
     /// Counts a request that failed the text layer's checks (they run off

@@ -19,7 +19,9 @@
 //!    minus its cached prefix (plus a watermark of free blocks, so a fresh
 //!    admission does not preempt at once), and the step budget can hold its
 //!    decode (with every draft of a pinned sequence). The head is never
-//!    overtaken.
+//!    overtaken. The later choices of an `n` > 1 request wait at the head
+//!    until the first choice has computed the prompt's full blocks, then
+//!    share them (reference counts, no copy) and compute only the tail.
 //! 3. **Decode**: one token for every sequence whose prompt is done, plus
 //!    the full draft allowance of pinned (seeded sampled) sequences, whose
 //!    output must not depend on what shares the step.
@@ -49,7 +51,7 @@ use std::time::{Duration, Instant};
 use crate::engine::{
     Admission, Drafting, KvGrant, Resume, SeqWork, SlotId, SpecOptions, StepPlan, TableUpdate,
 };
-use crate::kv::{blocks_for, SeqBlocks};
+use crate::kv::{blocks_for, BlockId, SeqBlocks};
 
 use super::queue::{QueuedSeq, WaitingQueue};
 use super::slots::{RunningSeq, SlotTable};
@@ -290,17 +292,16 @@ fn admit(
         if !fits_step || !slots.can_admit() {
             break;
         }
-        // The prompt's blocks, minus its cached prefix (at least one token
-        // is computed, for the first logits).
+        // The prompt's blocks, minus its cached (or shared) prefix.
         let bs = slots.block_size();
-        let prompt = &head.seq.prompt;
-        let max_hit = (prompt.len() - 1) / bs;
         let lookup = !(drafting.is_some() && limits.draft_needs_hidden);
-        let (hits, idle) = match lookup {
-            true => slots.pool().peek_prefix(prompt, max_hit),
-            false => (0, 0),
+        let prefix = find_prefix(slots, head, lookup);
+        let (hits, idle) = match &prefix {
+            Prefix::Wait => break, // the head is never overtaken
+            Prefix::Cached { hits, idle, .. } => (*hits, *idle),
+            Prefix::Shared(blocks) => (blocks.len(), 0),
         };
-        let need = blocks_for(prompt.len(), bs) - hits + idle;
+        let need = blocks_for(head.seq.prompt.len(), bs) - hits + idle;
         if need + watermark(slots) > slots.pool().available() {
             break;
         }
@@ -308,12 +309,15 @@ fn admit(
         step_reserved += step_tokens;
         let queue_wait = now.saturating_duration_since(q.submitted_at);
         let pool = slots.pool_mut();
-        let (prefix, last) = match lookup {
-            true => pool.claim_prefix(&q.seq.prompt, max_hit),
-            false => (Vec::new(), None),
+        let mut blocks = match prefix {
+            Prefix::Cached { max_hit, .. } if lookup => {
+                let (prefix, last) = pool.claim_prefix(&q.seq.prompt, max_hit);
+                SeqBlocks::with_prefix(prefix, last)
+            }
+            Prefix::Shared(shared) => SeqBlocks::share_prefix(pool, &shared, &q.seq.prompt),
+            _ => SeqBlocks::default(),
         };
-        let cached = prefix.len() * bs;
-        let mut blocks = SeqBlocks::with_prefix(prefix, last);
+        let cached = blocks.table.len() * bs;
         let grown = blocks.grow_to(pool, q.seq.prompt.len());
         debug_assert!(grown, "checked against available() above");
         let table = blocks.table.clone();
@@ -359,6 +363,61 @@ fn admit(
             slot,
             queue_wait,
         });
+    }
+}
+
+/// Where a queued request's first blocks come from. At least one prompt
+/// token is always computed (for the first logits), so at most the full
+/// blocks before the prompt's last token are reused.
+enum Prefix {
+    /// Its longest cached prefix: `hits` blocks (of at most `max_hit`),
+    /// `idle` of them owned by nobody. Zero hits with caching off or for a
+    /// drafting sequence that needs every hidden state (`lookup` false).
+    Cached {
+        hits: usize,
+        idle: usize,
+        max_hit: usize,
+    },
+    /// The computed prompt blocks of the first choice of its request.
+    Shared(Vec<BlockId>),
+    /// The first choice of its request is still computing them.
+    Wait,
+}
+
+/// The prefix `head` starts from. A later choice of a request waits until
+/// the first choice (running) has computed the prompt's full blocks, then
+/// shares them: the prompt is prefilled once for the whole request, with or
+/// without the prefix cache. If the first choice is no longer running (it
+/// ended, e.g. at `max_tokens` 1, before the others were admitted), the
+/// choice is on its own: the prefix cache, when on, still holds those
+/// blocks; without it the prompt is computed again.
+fn find_prefix(slots: &SlotTable, head: &QueuedSeq, lookup: bool) -> Prefix {
+    let bs = slots.block_size();
+    let prompt = &head.seq.prompt;
+    let max_hit = (prompt.len() - 1) / bs;
+    let leader = head
+        .shares_prompt_with
+        .and_then(|id| slots.find(id))
+        .and_then(|slot| slots.get(slot));
+    match leader {
+        Some(first) if lookup && max_hit > 0 && first.prompt == *prompt => {
+            if first.preempted || first.computed < max_hit * bs {
+                Prefix::Wait
+            } else {
+                Prefix::Shared(first.blocks.table[..max_hit].to_vec())
+            }
+        }
+        _ => {
+            let (hits, idle) = match lookup {
+                true => slots.pool().peek_prefix(prompt, max_hit),
+                false => (0, 0),
+            };
+            Prefix::Cached {
+                hits,
+                idle,
+                max_hit,
+            }
+        }
     }
 }
 
@@ -563,6 +622,66 @@ mod tests {
             step <= 4,
             "160 prompt tokens at 64 per step took {step} steps"
         );
+    }
+
+    #[test]
+    fn later_choices_wait_for_the_first_and_share_its_prompt_blocks() {
+        for caching in [false, true] {
+            let pool = crate::kv::BlockPool::new(100, t_block(), caching, 0);
+            let mut t = SlotTable::with_pool(8, pool);
+            let mut q = WaitingQueue::new(16);
+            // 70 tokens: four full blocks and 6; chunks of 32 take 3 steps.
+            let first = queued(1, 70, 5);
+            for id in 1..=3 {
+                let mut choice = queued(id, 70, 5);
+                choice.seq = first.seq.clone();
+                choice.shares_prompt_with = (id > 1).then_some(RequestId(1));
+                q.push(choice).unwrap();
+            }
+            q.push(queued(9, 3, 5)).unwrap(); // queued behind the group
+            let p0 = plan(&mut q, &mut t, 0);
+            assert_eq!(p0.admitted.len(), 1, "the others wait for the prompt");
+            apply(&mut t, &p0);
+            let p1 = plan(&mut q, &mut t, 1);
+            assert!(p1.admitted.is_empty(), "32 of 64 shareable tokens done");
+            apply(&mut t, &p1);
+            let p2 = plan(&mut q, &mut t, 2);
+            let ids: Vec<u64> = p2.admitted.iter().map(|a| a.id.0).collect();
+            assert_eq!(ids, vec![2, 3, 9], "caching {caching}");
+            let leader = t.get(p0.admitted[0].slot).unwrap().blocks.table.clone();
+            for a in &p2.admitted[..2] {
+                let seq = t.get(a.slot).unwrap();
+                assert_eq!(seq.blocks.table[..4], leader[..4], "caching {caching}");
+                assert_eq!((seq.computed, seq.cached_tokens), (64, 64));
+                assert_eq!(t.pool().refs(leader[0]), 3);
+                let prefill = p2.plan.work.iter().find(|w| w.slot() == a.slot);
+                assert_eq!(
+                    prefill,
+                    Some(&SeqWork::Prefill {
+                        slot: a.slot,
+                        start: 64,
+                        len: 6
+                    }),
+                    "only the tail is computed"
+                );
+            }
+            // The first choice ending early leaves the shared blocks valid.
+            t.free_now(p0.admitted[0].slot);
+            assert_eq!(t.pool().refs(leader[0]), 2);
+            t.pool().check();
+        }
+    }
+
+    #[test]
+    fn a_later_choice_whose_first_is_gone_starts_on_its_own() {
+        let mut t = SlotTable::new(4, 10_000);
+        let mut q = WaitingQueue::new(16);
+        let mut choice = queued(2, 40, 5);
+        choice.shares_prompt_with = Some(RequestId(1)); // never admitted
+        q.push(choice).unwrap();
+        let p = plan(&mut q, &mut t, 0);
+        assert_eq!(p.admitted.len(), 1);
+        assert_eq!(t.get(p.admitted[0].slot).unwrap().computed, 0);
     }
 
     #[test]

@@ -20,6 +20,9 @@ pub(crate) struct QueuedSeq {
     pub submitted_at: Instant,
     /// Per-request tracing span, carried into the slot table on admission.
     pub span: tracing::Span,
+    /// Another choice of the same request (its first), whose prompt blocks
+    /// this one shares once they are computed (see `plan`).
+    pub shares_prompt_with: Option<RequestId>,
 }
 
 /// Bounded FIFO of [`QueuedSeq`].
@@ -118,6 +121,7 @@ pub(crate) mod tests {
             seq: valid(prompt_len, max_new),
             submitted_at: Instant::now(),
             span: tracing::Span::none(),
+            shares_prompt_with: None,
         }
     }
 

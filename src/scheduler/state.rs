@@ -140,24 +140,83 @@ impl SchedulerState {
             return Err(error.clone());
         }
         let id = RequestId(self.next_id);
+        let queued = self.queued_seq(seq, None, now);
+        self.queue.push_with_room(queued, self.slots.free_count())?;
+        self.next_id += 1;
+        Ok(id)
+    }
+
+    /// Queues the choices of one request together, all or none: the first
+    /// like any request, each other one marked to share the first's prompt
+    /// blocks (the planner holds them until those are computed). The caller
+    /// keeps the group within the slot count.
+    pub fn submit_group(
+        &mut self,
+        seqs: Vec<ValidSeq>,
+        now: Instant,
+    ) -> Result<Vec<RequestId>, SchedulerError> {
+        let n = seqs.len() as u64;
+        let result = self.try_submit_group(seqs, now);
+        match &result {
+            Ok(_) => self.counters.submitted += n,
+            Err(_) => self.counters.rejected += n,
+        }
+        result
+    }
+
+    fn try_submit_group(
+        &mut self,
+        seqs: Vec<ValidSeq>,
+        now: Instant,
+    ) -> Result<Vec<RequestId>, SchedulerError> {
+        if let Some(error) = &self.closed {
+            return Err(error.clone());
+        }
+        let free = self.slots.free_count();
+        if self.queue.len() + seqs.len() > self.queue.limit() + free {
+            return Err(SchedulerError::Overloaded {
+                queued: self.queue.len(),
+                limit: self.queue.limit(),
+            });
+        }
+        let leader = RequestId(self.next_id);
+        let mut ids = Vec::with_capacity(seqs.len());
+        for (i, seq) in seqs.into_iter().enumerate() {
+            let shares = (i > 0).then_some(leader);
+            let queued = self.queued_seq(seq, shares, now);
+            self.queue.push_with_room(queued, free)?;
+            ids.push(RequestId(self.next_id));
+            self.next_id += 1;
+        }
+        Ok(ids)
+    }
+
+    /// The queue entry for `seq` under the next id.
+    fn queued_seq(
+        &self,
+        seq: ValidSeq,
+        shares_prompt_with: Option<RequestId>,
+        now: Instant,
+    ) -> QueuedSeq {
+        let id = RequestId(self.next_id);
         let span = tracing::debug_span!(
             "request",
             %id,
             prompt_len = seq.prompt.len(),
             max_new_tokens = seq.max_new_tokens
         );
-        let free = self.slots.free_count();
-        self.queue.push_with_room(
-            QueuedSeq {
-                id,
-                seq,
-                submitted_at: now,
-                span,
-            },
-            free,
-        )?;
-        self.next_id += 1;
-        Ok(id)
+        QueuedSeq {
+            id,
+            seq,
+            submitted_at: now,
+            span,
+            shares_prompt_with,
+        }
+    }
+
+    /// Slots in the table: the most choices one request may ask for.
+    pub fn max_seqs(&self) -> usize {
+        self.slots.capacity()
     }
 
     /// Whether the waiting queue is at its limit (counting the free slots

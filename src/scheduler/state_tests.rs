@@ -545,3 +545,26 @@ mod block_accounting {
         }
     }
 }
+
+#[test]
+fn a_group_is_queued_whole_or_not_at_all() {
+    let mut s = state(2); // room: 8 queued + 2 free slots
+    for _ in 0..7 {
+        submit(&mut s, 3, 2);
+    }
+    let group = |n: usize| (0..n).map(|_| checked(20, 2)).collect::<Vec<_>>();
+    let refused = s.submit_group(group(4), Instant::now());
+    assert!(matches!(refused, Err(SchedulerError::Overloaded { .. })));
+    assert_eq!(s.stats().queued, 7, "nothing of a refused group is queued");
+    let ids = s.submit_group(group(3), Instant::now()).unwrap();
+    assert_eq!(ids, vec![RequestId(7), RequestId(8), RequestId(9)]);
+    let stats = s.stats();
+    assert_eq!(
+        (
+            stats.queued,
+            stats.requests_submitted,
+            stats.requests_rejected
+        ),
+        (10, 10, 4)
+    );
+}

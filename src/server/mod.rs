@@ -13,7 +13,9 @@
 //!   counters of HTTP responses. Only the owner of the server's life cycle
 //!   (the binary, or a test) changes the phase: [`AppState::set_ready`] once
 //!   the model is loaded, [`shutdown_gracefully`] on a signal.
-//! - Each generation request owns its [`EventStream`](crate::handle::EventStream).
+//! - Each generation request owns its [`EventStream`](crate::handle::EventStream)
+//!   (a [`ChoiceStream`](crate::handle::ChoiceStream) for `n` > 1, whose drop
+//!   cancels every choice).
 //!   A streaming response owns it inside its body, a whole (non-streaming)
 //!   one inside the handler that waits for it; a client that disconnects,
 //!   with a FIN or an RST, drops the connection and with it the stream, and
@@ -59,6 +61,8 @@
 //! - [`errors`]: [`ApiError`] and the one error → status mapping.
 //! - [`body`]: size-limited body reading and per-field typed access.
 //! - [`params`]: the fields both generation routes share.
+//! - [`choices`]: `n` and `best_of`: several choices of one prompt, their
+//!   whole answers, the `best_of` pick and the summed usage.
 //! - [`mtp`]: the `--mtp` / `--draft-max` flags (`off`, `early-exit:L`,
 //!   `head:DIR`) and a request's `tandem` extension (`mtp: on | off`,
 //!   `draft_max`).
@@ -77,6 +81,7 @@
 
 pub mod body;
 pub mod chat_template;
+pub mod choices;
 pub mod conn;
 pub mod errors;
 pub mod load;

@@ -15,6 +15,7 @@
 use serde_json::Value;
 
 use super::body::{describe, Fields};
+use super::choices::ChoiceParams;
 use super::errors::ApiError;
 use super::mtp::{check_draft_max, MtpMode};
 use super::structured::parse_constraints;
@@ -45,6 +46,8 @@ pub struct CommonParams {
     /// `response_format`, `tandem.grammar`, `logit_bias`, stop token ids
     /// (`structured.rs`).
     pub constraints: OutputConstraints,
+    /// `n` and `best_of`.
+    pub choices: ChoiceParams,
 }
 
 impl CommonParams {
@@ -56,14 +59,6 @@ impl CommonParams {
                 return Err(ApiError::invalid_field(
                     "model",
                     format!("expected a string, got {}", describe(model)),
-                ));
-            }
-        }
-        if let Some(n) = f.int_in("n", i64::MIN, i64::MAX)? {
-            if n != 1 {
-                return Err(ApiError::unsupported(
-                    "n",
-                    format!("only one choice per request (n = 1) is supported, got {n}"),
                 ));
             }
         }
@@ -89,6 +84,7 @@ impl CommonParams {
         if let Some(user) = f.get::<String>("user")? {
             tracing::Span::current().record("user", user.as_str());
         }
+        let choices = ChoiceParams::parse(f, stream)?;
         Ok(Self {
             max_tokens,
             sampling,
@@ -97,6 +93,7 @@ impl CommonParams {
             include_usage,
             mtp,
             constraints,
+            choices,
         })
     }
 
@@ -110,7 +107,7 @@ impl CommonParams {
         GenerateRequest {
             prompt,
             max_tokens: self.max_tokens.or(default_max_tokens),
-            sampling: self.sampling,
+            sampling: self.choices.sampling(self.sampling),
             stop: self.stop,
             mtp: self.mtp,
             constraints: self.constraints,
@@ -359,7 +356,7 @@ mod tests {
     #[test]
     fn bad_fields_are_named() {
         assert_eq!(param_of(r#"{"temperature":3}"#), "temperature");
-        assert_eq!(param_of(r#"{"n":2}"#), "n");
+        assert_eq!(param_of(r#"{"n":0}"#), "n");
         assert_eq!(param_of(r#"{"max_tokens":0}"#), "max_tokens");
         assert_eq!(param_of(r#"{"stop":[true]}"#), "stop[0]");
         assert_eq!(param_of(r#"{"stop":["a",""]}"#), "stop[1]");

@@ -8,7 +8,8 @@
 //! (default true), and tool calling (`tools`, `tool_choice`,
 //! `parallel_tool_calls`, tool messages: `tools.rs`). `response_format` is
 //! shared with completions (`structured.rs`). Without a limit, generation
-//! runs until EOS or the context is full.
+//! runs until EOS or the context is full. `n`, and `best_of` as vLLM's
+//! extension, go through [`choices`] (not with tool calls yet: a 400).
 
 use std::sync::Arc;
 
@@ -18,6 +19,7 @@ use tracing::Instrument;
 
 use super::body::{describe, json_kind, parse_object, read_body, respond, Fields};
 use super::chat_template::ChatMessage;
+use super::choices::{self, ChoiceParams};
 use super::errors::ApiError;
 use super::openai_types::{
     finish_reason, unix_now, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs,
@@ -28,7 +30,7 @@ use super::sse::{ChunkFormatter, SseStream};
 use super::state::{AppState, Ready};
 use super::tools::{self, CallStream, ToolRequest};
 use super::{count, ROUTE_CHAT};
-use crate::api::{Event, Finished, Prompt, TokenInfo};
+use crate::api::{Event, Finished, GenerateRequest, Prompt, TokenInfo};
 use crate::sampler::MAX_TOP_LOGPROBS;
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
@@ -74,8 +76,28 @@ async fn handle(
         &tools,
         &mut common,
     )?;
-    let (stream, include_usage) = (common.stream, common.include_usage);
+    let (stream, include_usage, choices) = (common.stream, common.include_usage, common.choices);
+    let parses_calls = tools.as_ref().is_some_and(ToolRequest::parses_calls);
+    if parses_calls && !choices.is_single() {
+        return Err(ApiError::unsupported(
+            "n",
+            "several choices with tool calls are not supported yet (n and best_of must be 1)",
+        ));
+    }
     let request = common.into_request(Prompt::Text(prompt), None);
+    if !choices.is_single() {
+        let created = unix_now();
+        let format = |id: &str, index| ChatFormat {
+            id: id.to_string(),
+            created,
+            ready: ready.clone(),
+            logprobs,
+            include_usage,
+            index,
+            calls: None,
+        };
+        return several_choices(&ready, request, choices, stream, format, &f).await;
+    }
     let mut events = ready
         .handle
         .generate(request)
@@ -87,10 +109,8 @@ async fn handle(
         ready: ready.clone(),
         logprobs,
         include_usage,
-        calls: tools
-            .as_ref()
-            .filter(|t| t.parses_calls())
-            .map(|_| CallStream::new(format!("call_{}", events.id().0))),
+        index: 0,
+        calls: parses_calls.then(|| CallStream::new(format!("call_{}", events.id().0))),
     };
     if stream {
         return Ok(SseStream::new(events, format).into_response());
@@ -139,6 +159,47 @@ async fn handle(
         }
     }
     Err(ApiError::internal("the request ended without a result"))
+}
+
+/// Answers a request of several choices (`n` or `best_of` > 1): a stream
+/// with one formatter per choice, or one whole response.
+async fn several_choices(
+    ready: &Arc<Ready>,
+    request: GenerateRequest,
+    choices: ChoiceParams,
+    stream: bool,
+    format: impl Fn(&str, usize) -> ChatFormat,
+    f: &Fields,
+) -> Result<HttpResponse, ApiError> {
+    let events = ready
+        .handle
+        .generate_choices(request, choices.best_of)
+        .await
+        .map_err(|e| {
+            choices.name_field(limit_field_as_sent(
+                ApiError::from_tandem(&e, "messages"),
+                f,
+            ))
+        })?;
+    let id = format!("chatcmpl-{}", events.ids()[0].0);
+    if stream {
+        let formats = (0..events.len()).map(|i| format(&id, i)).collect();
+        return Ok(SseStream::choices(events, formats).into_response());
+    }
+    let collected = choices::collect(events, choices)
+        .await
+        .map_err(|e| ApiError::from_tandem(&e, "messages"))?;
+    let first = format(&id, 0);
+    let response = ChatResponse {
+        id,
+        object: "chat.completion",
+        created: first.created,
+        model: ready.model_name.clone(),
+        system_fingerprint: SYSTEM_FINGERPRINT,
+        choices: choices::chat_choices(&collected, first.logprobs, ready.handle.tokenizer()),
+        usage: collected.usage,
+    };
+    Ok(HttpResponse::Ok().json(response))
 }
 
 /// A chat body, checked (the prompt is rendered from `messages` later).
@@ -319,6 +380,8 @@ struct ChatFormat {
     ready: Arc<Ready>,
     logprobs: bool,
     include_usage: bool,
+    /// The choice this formatter streams.
+    index: usize,
     /// Splits the streamed text into content and tool calls, when the
     /// request has tools to call.
     calls: Option<CallStream>,
@@ -339,12 +402,13 @@ impl ChatFormat {
     }
 
     fn choice(
+        &self,
         delta: ChatDelta,
         logprobs: Option<ChatLogprobs>,
         finish: Option<&'static str>,
     ) -> ChatChunkChoice {
         ChatChunkChoice {
-            index: 0,
+            index: self.index,
             delta,
             logprobs,
             finish_reason: finish,
@@ -359,7 +423,7 @@ impl ChunkFormatter for ChatFormat {
             content: Some(String::new()),
             tool_calls: None,
         };
-        vec![self.chunk(vec![Self::choice(delta, None, None)], None)]
+        vec![self.chunk(vec![self.choice(delta, None, None)], None)]
     }
 
     fn tokens(&mut self, text: String, tokens: Vec<TokenInfo>) -> Option<String> {
@@ -383,7 +447,7 @@ impl ChunkFormatter for ChatFormat {
             content: (!content.is_empty() || calls.is_empty()).then_some(content),
             tool_calls: (!calls.is_empty()).then_some(calls),
         };
-        Some(self.chunk(vec![Self::choice(delta, logprobs, None)], None))
+        Some(self.chunk(vec![self.choice(delta, logprobs, None)], None))
     }
 
     fn finished(&mut self, finished: &Finished) -> Vec<String> {
@@ -398,17 +462,19 @@ impl ChunkFormatter for ChatFormat {
                     content: Some(held),
                     ..ChatDelta::default()
                 };
-                out.push(self.chunk(vec![Self::choice(delta, None, None)], None));
+                out.push(self.chunk(vec![self.choice(delta, None, None)], None));
             }
         }
         out.push(self.chunk(
-            vec![Self::choice(ChatDelta::default(), None, Some(reason))],
+            vec![self.choice(ChatDelta::default(), None, Some(reason))],
             None,
         ));
-        if self.include_usage {
-            out.push(self.chunk(Vec::new(), Some(finished.usage.into())));
-        }
         out
+    }
+
+    fn usage(&mut self, usage: UsageJson) -> Option<String> {
+        self.include_usage
+            .then(|| self.chunk(Vec::new(), Some(usage)))
     }
 }
 

@@ -4,15 +4,18 @@
 //! list of token ids; a one-element list of either is accepted too),
 //! `logprobs` (an integer: report the sampled token's log-probability and
 //! that many alternatives, at most 20), `echo` (the prompt's text before
-//! the completion; logprobs cover the completion only), `suffix` (only
-//! empty), `best_of` (only 1). `max_tokens` defaults to 16, as in OpenAI's
-//! API.
+//! the completion; logprobs cover the completion only; one choice only),
+//! `suffix` (only empty). `n` and `best_of` ([`choices`]) go through their
+//! own path. `max_tokens` defaults to 16, as in OpenAI's API.
+
+use std::sync::Arc;
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::Value;
 use tracing::Instrument;
 
 use super::body::{describe, parse_object, read_body, respond, Fields};
+use super::choices::{self, ChoiceParams};
 use super::errors::ApiError;
 use super::openai_types::{
     finish_reason, unix_now, CompletionChoice, CompletionLogprobs, CompletionResponse, UsageJson,
@@ -22,7 +25,7 @@ use super::params::CommonParams;
 use super::sse::{ChunkFormatter, SseStream};
 use super::state::{AppState, Ready};
 use super::{count, ROUTE_COMPLETIONS};
-use crate::api::{Event, Finished, Prompt, TokenInfo};
+use crate::api::{Event, Finished, GenerateRequest, Prompt, TokenInfo};
 use crate::sampler::MAX_TOP_LOGPROBS;
 
 /// OpenAI's default `max_tokens` for completions.
@@ -65,7 +68,28 @@ async fn handle(
         stream,
         include_usage,
         echo,
+        choices,
     } = parse(&f)?;
+    if !choices.is_single() {
+        if echo {
+            return Err(ApiError::unsupported(
+                "echo",
+                "echo with several choices is not supported yet (n and best_of must be 1)",
+            ));
+        }
+        let created = unix_now();
+        let format = |id: &str, index| CompletionFormat {
+            id: id.to_string(),
+            created,
+            ready: ready.clone(),
+            logprobs: logprobs.is_some(),
+            include_usage,
+            offset: 0,
+            index,
+            echo: None,
+        };
+        return several_choices(&ready, request, choices, stream, format).await;
+    }
     let echoed = match (&request.prompt, echo) {
         (_, false) => String::new(),
         (Prompt::Text(text), true) => text.clone(),
@@ -87,6 +111,7 @@ async fn handle(
         logprobs: logprobs.is_some(),
         include_usage,
         offset: 0,
+        index: 0,
         echo: Some(echoed.clone()).filter(|e| !e.is_empty()),
     };
     if stream {
@@ -119,6 +144,37 @@ async fn handle(
     Err(ApiError::internal("the request ended without a result"))
 }
 
+/// Answers a request of several choices (`n` or `best_of` > 1): a stream
+/// with one formatter per choice, or one whole response.
+async fn several_choices(
+    ready: &Arc<Ready>,
+    request: GenerateRequest,
+    choices: ChoiceParams,
+    stream: bool,
+    format: impl Fn(&str, usize) -> CompletionFormat,
+) -> Result<HttpResponse, ApiError> {
+    let events = ready
+        .handle
+        .generate_choices(request, choices.best_of)
+        .await
+        .map_err(|e| choices.name_field(ApiError::from_tandem(&e, "prompt")))?;
+    let id = format!("cmpl-{}", events.ids()[0].0);
+    if stream {
+        let formats = (0..events.len()).map(|i| format(&id, i)).collect();
+        return Ok(SseStream::choices(events, formats).into_response());
+    }
+    let collected = choices::collect(events, choices)
+        .await
+        .map_err(|e| ApiError::from_tandem(&e, "prompt"))?;
+    let first = format(&id, 0);
+    let tokenizer = ready.handle.tokenizer();
+    let body = first.response(
+        choices::completion_choices(&collected, first.logprobs, tokenizer),
+        Some(Some(collected.usage)),
+    );
+    Ok(HttpResponse::Ok().json(body))
+}
+
 /// A completions body, checked.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Parsed {
@@ -130,6 +186,8 @@ pub struct Parsed {
     pub include_usage: bool,
     /// `echo`: the prompt's text comes first.
     pub echo: bool,
+    /// `n` and `best_of`.
+    pub choices: ChoiceParams,
 }
 
 /// Reads and checks every field of a completions body (no I/O: the fuzz
@@ -143,7 +201,7 @@ pub fn parse(f: &Fields) -> Result<Parsed, ApiError> {
         common.sampling.logprobs = true;
         common.sampling.top_logprobs = n as usize;
     }
-    let (stream, include_usage) = (common.stream, common.include_usage);
+    let (stream, include_usage, choices) = (common.stream, common.include_usage, common.choices);
     let echo = f.get::<bool>("echo")?.unwrap_or(false);
     Ok(Parsed {
         request: common.into_request(prompt, Some(DEFAULT_MAX_TOKENS)),
@@ -151,6 +209,7 @@ pub fn parse(f: &Fields) -> Result<Parsed, ApiError> {
         stream,
         include_usage,
         echo,
+        choices,
     })
 }
 
@@ -203,14 +262,6 @@ fn check_unsupported(f: &Fields) -> Result<(), ApiError> {
             "insertion (suffix) is not supported",
         ));
     }
-    if let Some(b) = f.int_in("best_of", i64::MIN, i64::MAX)? {
-        if b != 1 {
-            return Err(ApiError::unsupported(
-                "best_of",
-                format!("only best_of = 1 is supported, got {b}"),
-            ));
-        }
-    }
     Ok(())
 }
 
@@ -218,11 +269,13 @@ fn check_unsupported(f: &Fields) -> Result<(), ApiError> {
 struct CompletionFormat {
     id: String,
     created: u64,
-    ready: std::sync::Arc<Ready>,
+    ready: Arc<Ready>,
     logprobs: bool,
     include_usage: bool,
     /// Characters streamed so far (the next chunk's `text_offset` base).
     offset: usize,
+    /// The choice this formatter streams.
+    index: usize,
     /// The prompt's text, sent first (`echo`).
     echo: Option<String>,
 }
@@ -277,7 +330,7 @@ impl ChunkFormatter for CompletionFormat {
         });
         self.offset += chars;
         let choice = CompletionChoice {
-            index: 0,
+            index: self.index,
             text,
             logprobs,
             finish_reason: None,
@@ -287,16 +340,17 @@ impl ChunkFormatter for CompletionFormat {
 
     fn finished(&mut self, finished: &Finished) -> Vec<String> {
         let last = CompletionChoice {
-            index: 0,
+            index: self.index,
             text: String::new(),
             logprobs: None,
             finish_reason: Some(finish_reason(finished.reason)),
         };
-        let mut out = vec![self.chunk(vec![last], None)];
-        if self.include_usage {
-            out.push(self.chunk(Vec::new(), Some(finished.usage.into())));
-        }
-        out
+        vec![self.chunk(vec![last], None)]
+    }
+
+    fn usage(&mut self, usage: UsageJson) -> Option<String> {
+        self.include_usage
+            .then(|| self.chunk(Vec::new(), Some(usage)))
     }
 }
 

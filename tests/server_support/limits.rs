@@ -66,7 +66,7 @@ async fn bad_inputs_get_their_status_and_name_the_field() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": "x", "n": 2}),
+            json!({"prompt": "x", "n": 0}),
             400,
             Some("n"),
         ),

@@ -195,7 +195,7 @@ unsafe fn weighted_sum<T: WElem>(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
+        Isa::Avx512 | Isa::Avx512Vnni => {
             // Common head shapes keep every accumulator in registers and
             // read each value row once; the rest go 16 dimensions a pass.
             let a = x86::Args { p, v, out, hd };

@@ -11,6 +11,9 @@
 //! work units are blocks of 16 weight rows; inside a unit, 4 weight rows are
 //! held against up to 5 (AVX-512) input rows in registers, the activation
 //! rows being re-read from cache. That one loop nest serves 1 row and 128.
+//! f16 weights convert as they load; when a call has more activation rows
+//! than one tile takes, each unit is widened to f32 once instead, and the
+//! f32 loop nest sweeps it (the conversion was the large-batch cost).
 //!
 //! # Numerics
 //! Each output is a dot product accumulated lane-wise over k (16, 8 or 8
@@ -25,6 +28,11 @@ use super::Isa;
 
 /// A weight element the kernels read (widened to f32 exactly).
 pub(crate) trait WElem: Copy + Send + Sync + 'static {
+    /// Whether loads convert (f16): then a call with more activation rows
+    /// than one tile holds widens each unit of weights once instead of at
+    /// every tile.
+    const CONVERTS: bool;
+
     fn to_f32(self) -> f32;
 
     /// 16 elements at `p` as f32 (AVX-512 tier only).
@@ -44,6 +52,8 @@ pub(crate) trait WElem: Copy + Send + Sync + 'static {
 }
 
 impl WElem for f32 {
+    const CONVERTS: bool = false;
+
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -75,6 +85,8 @@ impl WElem for f32 {
 }
 
 impl WElem for f16 {
+    const CONVERTS: bool = true;
+
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
@@ -213,20 +225,89 @@ pub(crate) fn matmul_t<W: WElem>(
     let grain = (units / (threads * 8))
         .min(MAX_GRAB_BYTES / unit_bytes)
         .max(1);
-    let chunk_rows = (X_CHUNK_BYTES / (4 * k)).max(8);
+    let widen = W::CONVERTS && rows > tile_rows(isa);
     for_each_range(units, grain, threads, |range| {
         for u in range {
             let wr = u * UNIT..((u + 1) * UNIT).min(n);
-            let mut r0 = 0;
-            while r0 < rows {
-                let r1 = (r0 + chunk_rows).min(rows);
-                // SAFETY: the ranges are inside the asserted shapes and each
-                // unit's columns belong to this worker alone.
-                unsafe { dispatch(isa, &job, wr.clone(), r0..r1) };
-                r0 = r1;
+            // SAFETY: the ranges are inside the asserted shapes and each
+            // unit's columns belong to this worker alone.
+            unsafe {
+                if widen {
+                    WIDE.with_borrow_mut(|wide| {
+                        let job = widen_unit(isa, &job, wr.clone(), wide);
+                        sweep(isa, &job, wr, rows);
+                    });
+                } else {
+                    sweep(isa, &job, wr, rows);
+                }
             }
         }
     });
+}
+
+thread_local! {
+    /// A worker's unit of converting weights widened to f32 (workers are
+    /// persistent threads, so it is allocated once per shape).
+    static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Activation rows one tile of `isa` multiplies against each weight load.
+fn tile_rows(isa: Isa) -> usize {
+    match isa {
+        Isa::Avx512 | Isa::Avx512Vnni => 5,
+        Isa::Avx2 => 3,
+        Isa::Portable => 1,
+    }
+}
+
+/// Weight rows `wr` against every activation row, in L2-sized chunks.
+#[inline(always)]
+unsafe fn sweep<W: WElem>(isa: Isa, job: &Job<W>, wr: std::ops::Range<usize>, rows: usize) {
+    let chunk_rows = (X_CHUNK_BYTES / (4 * job.k)).max(8);
+    let mut r0 = 0;
+    while r0 < rows {
+        let r1 = (r0 + chunk_rows).min(rows);
+        dispatch(isa, job, wr.clone(), r0..r1);
+        r0 = r1;
+    }
+}
+
+/// Widens weight rows `wr` of `job` into `wide` and returns `job` reading
+/// them from there. Widening is exact and the kernels load f32 and
+/// converted elements into the same lanes, so the results are the
+/// converting kernel's, bit for bit.
+///
+/// # Safety
+/// `wr` must be inside the job's weights.
+unsafe fn widen_unit<W: WElem>(
+    isa: Isa,
+    job: &Job<W>,
+    wr: std::ops::Range<usize>,
+    wide: &mut Vec<f32>,
+) -> Job<f32> {
+    let k = job.k;
+    wide.resize(wr.len() * k, 0.0);
+    for (i, j) in wr.clone().enumerate() {
+        let src = std::slice::from_raw_parts(job.w.add(j * job.ldw), k);
+        let dst = &mut wide[i * k..(i + 1) * k];
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni => x86::widen_avx2(src, dst),
+            _ => dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32()),
+        }
+    }
+    Job {
+        x: job.x,
+        ldx: job.ldx,
+        k,
+        // Row `wr.start` of the weights is row 0 of `wide`; only rows in
+        // `wr` are ever addressed (see `group_rows`).
+        w: wide.as_ptr().wrapping_sub(wr.start * k),
+        ldw: k,
+        out: job.out,
+        ldo: job.ldo,
+        accumulate: job.accumulate,
+    }
 }
 
 /// Single-threaded strided variant for attention scores:
@@ -269,7 +350,7 @@ unsafe fn dispatch<W: WElem>(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => x86::block_avx512(job, wr, xr),
+        Isa::Avx512 | Isa::Avx512Vnni => x86::block_avx512(job, wr, xr),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => x86::block_avx2(job, wr, xr),
         _ => portable_block(job, wr, xr),
@@ -282,7 +363,9 @@ unsafe fn dispatch<W: WElem>(
 #[inline(always)]
 unsafe fn group_rows<W>(job: &Job<W>, j0: usize, end: usize) -> ([*const W; 4], usize) {
     let nw = (end - j0).min(4);
-    let rows = std::array::from_fn(|t| job.w.add((j0 + t.min(nw - 1)) * job.ldw));
+    // `wrapping_add`: a widened unit's base pointer lies before its buffer
+    // (`widen_unit`); the rows themselves are always inside.
+    let rows = std::array::from_fn(|t| job.w.wrapping_add((j0 + t.min(nw - 1)) * job.ldw));
     (rows, nw)
 }
 
@@ -521,6 +604,18 @@ mod x86 {
                 r += step;
             }
             j0 += 4;
+        }
+    }
+
+    /// `dst[i] = src[i]` widened to f32, 8 at a time.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn widen_avx2<W: WElem>(src: &[W], dst: &mut [f32]) {
+        let full = src.len() / 8 * 8;
+        for i in (0..full).step_by(8) {
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), W::load8(src.as_ptr().add(i)));
+        }
+        for (d, s) in dst[full..].iter_mut().zip(&src[full..]) {
+            *d = s.to_f32();
         }
     }
 

@@ -50,7 +50,9 @@ pub(crate) fn silu_mul(isa: Isa, gate: &[f32], up: &[f32], out: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the tier was detected on this CPU.
-        Isa::Avx512 => unsafe { x86::silu_mul_avx512(&gate[..n], &up[..n], &mut out[..n]) },
+        Isa::Avx512 | Isa::Avx512Vnni => unsafe {
+            x86::silu_mul_avx512(&gate[..n], &up[..n], &mut out[..n])
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the tier was detected on this CPU.
         Isa::Avx2 => unsafe { x86::silu_mul_avx2(&gate[..n], &up[..n], &mut out[..n]) },
@@ -67,7 +69,7 @@ pub(crate) fn max(isa: Isa, s: &[f32]) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the tier was detected on this CPU.
-        Isa::Avx512 => unsafe { x86::max_avx512(s) },
+        Isa::Avx512 | Isa::Avx512Vnni => unsafe { x86::max_avx512(s) },
         _ => {
             // Eight running maxima: vectorises without fast-math.
             let mut m = [f32::NEG_INFINITY; 8];
@@ -91,7 +93,7 @@ pub(crate) fn exp_shifted_sum(isa: Isa, s: &mut [f32], max: f32) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the tier was detected on this CPU.
-        Isa::Avx512 => unsafe { x86::exp_shifted_sum_avx512(s, max) },
+        Isa::Avx512 | Isa::Avx512Vnni => unsafe { x86::exp_shifted_sum_avx512(s, max) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the tier was detected on this CPU.
         Isa::Avx2 => unsafe { x86::exp_shifted_sum_avx2(s, max) },

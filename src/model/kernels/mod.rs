@@ -6,9 +6,10 @@
 //! # Invariants
 //! - Every kernel exists for three instruction-set tiers ([`Isa`]): AVX-512,
 //!   AVX2 + FMA + F16C, and portable Rust (which the compiler vectorises for
-//!   whatever the target has). (The quantised linear has no AVX-512 code of
-//!   its own yet: that tier runs its AVX2 code.) The tier is detected at run time, once, and
-//!   can only be lowered (`TANDEM_CPU_ISA=avx2|portable`), never raised past
+//!   whatever the target has). AVX-512 with VNNI is a fourth tier for the
+//!   quantised linear (`vpdpwssd`); every other kernel runs its AVX-512
+//!   code there. The tier is detected at run time, once, and can only be
+//!   lowered (`TANDEM_CPU_ISA=avx512|avx2|portable`), never raised past
 //!   what the CPU reports, so a binary built for generic x86-64 still runs
 //!   the widest kernels the machine has.
 //! - Results never depend on how rows are batched or on the thread count:
@@ -41,6 +42,9 @@ pub enum Isa {
     Avx2,
     /// x86-64 with AVX-512 F/BW/VL plus FMA and F16C (16 f32 lanes).
     Avx512,
+    /// [`Isa::Avx512`] plus AVX-512 VNNI (the quantised linear's
+    /// multiply-accumulate; the same as `Avx512` everywhere else).
+    Avx512Vnni,
 }
 
 impl Isa {
@@ -53,6 +57,7 @@ impl Isa {
             let wanted = match std::env::var("TANDEM_CPU_ISA").ok().as_deref() {
                 Some("portable") => Isa::Portable,
                 Some("avx2") => Isa::Avx2,
+                Some("avx512") => Isa::Avx512,
                 _ => best,
             };
             wanted.min(best)
@@ -63,7 +68,7 @@ impl Isa {
     #[cfg(test)]
     pub fn supported() -> Vec<Isa> {
         let best = Self::best_supported();
-        [Isa::Portable, Isa::Avx2, Isa::Avx512]
+        [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni]
             .into_iter()
             .filter(|&i| i <= best)
             .collect()
@@ -79,6 +84,9 @@ impl Isa {
                 && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vl");
+            if avx512 && is_x86_feature_detected!("avx512vnni") {
+                return Isa::Avx512Vnni;
+            }
             if avx512 {
                 return Isa::Avx512;
             }

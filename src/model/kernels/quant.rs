@@ -10,10 +10,12 @@
 //! sub-block scales folded in) and multiplies it against every activation
 //! row, `MR` at a time: the decoded row stays in L1 while the activation
 //! rows stream past, so a weight is read from memory once per call however
-//! many rows there are, and decoded once. (The SIMD tier decodes Q4_0,
-//! Q4_1 and Q8_0 blocks in registers instead, once per `MR` rows: cheaper
-//! than the scratch row's store and reload.) Per 16 elements a tier multiplies
-//! 16-bit pairs into 32-bit sums (`vpmaddwd`), converts once per group
+//! many rows there are, and decoded once. (The SIMD tiers decode Q4_0,
+//! Q4_1, Q5_0, Q5_1 and Q8_0 blocks in registers instead, once per `MR`
+//! rows, and Q4_K and Q6_K ones when a call has at most `MR` rows: cheaper
+//! than the scratch row's store and reload. Both ways give the same bits.) Per 16 elements (32 on
+//! AVX-512) a tier multiplies 16-bit pairs into 32-bit sums (`vpmaddwd`,
+//! or VNNI's `vpdpwssd`), converts once per group
 //! (at most 128 elements), scaled by `d_w · d_x`, and a format with a min
 //! adds `Σ_b min_b · d_x Σ q_x` per 32 elements.
 //!
@@ -23,6 +25,8 @@
 //! change a result (the invariant of `kernels`).
 
 use super::pool::{for_each_range, SharedMut};
+#[cfg(target_arch = "x86_64")]
+use super::qformat::k4_scales;
 use super::qformat::{DecodedRow, QFormat, QuantisedRows};
 use super::Isa;
 use std::cell::RefCell;
@@ -99,7 +103,7 @@ pub(crate) fn qmatmul_t(
         match isa {
             // SAFETY: the tier was detected on this CPU.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 => unsafe {
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni => unsafe {
                 x86::quantise_avx2(acts, x, rows, k, w.format.group())
             },
             _ => acts.quantise(x, rows, k, w.format.group()),
@@ -130,7 +134,11 @@ pub(crate) fn qmatmul_t(
 unsafe fn dispatch(isa: Isa, job: &Job<'_>, w: &mut DecodedRow, j: usize) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => match job.w.format.group() {
+        Isa::Avx512Vnni => avx512::row_avx512_vnni(job, w, j),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => avx512::row_avx512(job, w, j),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => match job.w.format.group() {
             32 => x86::row_avx2::<32, 32>(job, w, j),
             _ => x86::row_avx2::<256, 128>(job, w, j),
         },
@@ -201,11 +209,14 @@ unsafe fn row_portable(job: &Job<'_>, w: &DecodedRow, j: usize) {
 }
 
 #[cfg(target_arch = "x86_64")]
+#[path = "quant_avx512.rs"]
+mod avx512;
+
+#[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{min_term, store, DecodedRow, Job, QFormat, QuantisedRows, MR};
-    use crate::model::kernels::qformat::k4_scales;
+    use super::{k4_scales, min_term, store, DecodedRow, Job, QFormat, QuantisedRows, MR};
 
     #[inline(always)]
     unsafe fn hsum(v: __m256) -> f32 {
@@ -300,11 +311,36 @@ mod x86 {
         _mm256_storeu_si256(p.add(16) as *mut __m256i, hi);
     }
 
-    /// Decodes row `j` into `w`, as [`DecodedRow::decode`] does: the
-    /// K-quants in SIMD, the Q5 formats through the reference decoder (the
-    /// formats [`tile_direct`] reads never come here).
+    /// The levels `q − 32` of half `h` (128 elements) of the Q6_K block at
+    /// `b`, as four vectors of 32 `i8`s in element order: `ql: [u8; 128]`
+    /// (low 4 bits), `qh: [u8; 64]` (high 2 bits), as ggml lays them out.
     #[inline(always)]
-    unsafe fn decode(job: &Job<'_>, w: &mut DecodedRow, j: usize) {
+    pub(super) unsafe fn q6k_levels(b: *const u8, h: usize) -> [__m256i; 4] {
+        let (m4, m2) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
+        let ql0 = _mm256_loadu_si256(b.add(64 * h) as *const __m256i);
+        let ql1 = _mm256_loadu_si256(b.add(64 * h + 32) as *const __m256i);
+        let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
+        let high = |bits: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(bits, m2));
+        let levels = [
+            _mm256_or_si256(_mm256_and_si256(ql0, m4), high(qh)),
+            _mm256_or_si256(_mm256_and_si256(ql1, m4), high(_mm256_srli_epi16::<2>(qh))),
+            _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
+                high(_mm256_srli_epi16::<4>(qh)),
+            ),
+            _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
+                high(_mm256_srli_epi16::<6>(qh)),
+            ),
+        ];
+        levels.map(|v| _mm256_sub_epi8(v, _mm256_set1_epi8(32)))
+    }
+
+    /// Decodes row `j` into `w`, as [`DecodedRow::decode`] does: the
+    /// K-quants in SIMD, Q5_K through the reference decoder (the formats
+    /// [`tile_direct`] reads never come here).
+    #[inline(always)]
+    pub(super) unsafe fn decode(job: &Job<'_>, w: &mut DecodedRow, j: usize) {
         let (format, k) = (job.w.format, job.w.k);
         let bytes = job.w.row(j);
         w.prepare(format, k);
@@ -331,35 +367,12 @@ mod x86 {
                 }
             }
             QFormat::Q6K => {
-                let m2 = _mm256_set1_epi8(3);
-                let c32 = _mm256_set1_epi8(32);
                 for g in 0..groups {
                     let b = p.add(g * bb);
                     let sc = |e: usize| *b.add(192 + e / 16) as i8 as i16;
                     for h in 0..2 {
-                        let ql0 = _mm256_loadu_si256(b.add(64 * h) as *const __m256i);
-                        let ql1 = _mm256_loadu_si256(b.add(64 * h + 32) as *const __m256i);
-                        let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
-                        let high =
-                            |bits: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(bits, m2));
-                        let levels = [
-                            _mm256_or_si256(_mm256_and_si256(ql0, m4), high(qh)),
-                            _mm256_or_si256(
-                                _mm256_and_si256(ql1, m4),
-                                high(_mm256_srli_epi16::<2>(qh)),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
-                                high(_mm256_srli_epi16::<4>(qh)),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
-                                high(_mm256_srli_epi16::<6>(qh)),
-                            ),
-                        ];
-                        for (c, v) in levels.into_iter().enumerate() {
+                        for (c, v) in q6k_levels(b, h).into_iter().enumerate() {
                             let e = 128 * h + 32 * c;
-                            let v = _mm256_sub_epi8(v, c32);
                             store_scaled(q.add(256 * g + e), v, true, sc(e), sc(e + 16));
                         }
                     }
@@ -372,10 +385,72 @@ mod x86 {
 
     /// Formats whose blocks a tile decodes in registers as it goes (one
     /// 32-element block at a time, no scratch row): the `F` of
-    /// [`tile_direct`].
-    const Q4_0: u8 = 0;
-    const Q4_1: u8 = 1;
-    const Q8_0: u8 = 2;
+    /// [`tile_direct`] and of the AVX-512 tier's twin.
+    pub(super) const Q4_0: u8 = 0;
+    pub(super) const Q4_1: u8 = 1;
+    pub(super) const Q8_0: u8 = 2;
+    pub(super) const Q5_0: u8 = 3;
+    pub(super) const Q5_1: u8 = 4;
+
+    /// Bytes `e` of the result are `0xFF` where bit `e` of `bits` is set
+    /// (ggml's `bytes_from_bits_32`).
+    #[inline(always)]
+    unsafe fn bytes_from_bits(bits: i32) -> __m256i {
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits),
+            _mm256_set_epi64x(
+                0x0303030303030303,
+                0x0202020202020202,
+                0x0101010101010101,
+                0,
+            ),
+        );
+        let others = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+        _mm256_cmpeq_epi8(others, _mm256_set1_epi64x(-1))
+    }
+
+    /// The 32 levels of the block at `b` of direct format `F` as `i8`s in
+    /// element order, centred where the format has a zero point (the
+    /// decoded form of `qformat`). 4-bit formats keep element `j` in the
+    /// low nibble of byte `j` and element `j + 16` in the high one; the
+    /// 5-bit ones take bit `e` of `qh` as element `e`'s fifth bit.
+    #[inline(always)]
+    pub(super) unsafe fn block_levels<const F: u8>(b: *const u8) -> __m256i {
+        if F == Q8_0 {
+            return _mm256_loadu_si256(b.add(2) as *const __m256i);
+        }
+        let qs = match F {
+            Q4_0 => 2,
+            Q4_1 => 4,
+            Q5_0 => 6,
+            _ => 8,
+        };
+        let v = _mm_loadu_si128(b.add(qs) as *const __m128i);
+        let both = _mm256_set_m128i(_mm_srli_epi16::<4>(v), v);
+        let mut q = _mm256_and_si256(both, _mm256_set1_epi8(0xF));
+        if F == Q5_0 || F == Q5_1 {
+            let qh = std::ptr::read_unaligned(b.add(qs - 4) as *const i32);
+            let fifth = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10));
+            q = _mm256_or_si256(q, fifth);
+        }
+        match F {
+            Q4_0 => _mm256_sub_epi8(q, _mm256_set1_epi8(8)),
+            Q5_0 => _mm256_sub_epi8(q, _mm256_set1_epi8(16)),
+            _ => q,
+        }
+    }
+
+    /// Block `b`'s scale and min (0 without one) of direct format `F`.
+    #[inline(always)]
+    pub(super) unsafe fn block_scales<const F: u8>(b: *const u8) -> (f32, f32) {
+        if F == Q4_1 || F == Q5_1 {
+            // d and m side by side: one conversion for both.
+            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(b as *const i32)));
+            (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)))
+        } else {
+            (f16_at(b), 0.0)
+        }
+    }
 
     /// `R` activation rows from `r0` against weight row `j` of a 32-element
     /// block format, decoded straight from its bytes: the sums of [`tile`]
@@ -392,36 +467,12 @@ mod x86 {
         let xq: [*const i16; R] = std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k));
         let xd: [*const f32; R] = std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * groups));
         let xs: [*const f32; R] = std::array::from_fn(|i| a.sum.as_ptr().add((r0 + i) * groups));
-        let m4 = _mm_set1_epi8(0xF);
         let mut acc = [_mm256_setzero_ps(); R];
         let mut mins = [0f32; R];
         for g in 0..groups {
             let b = p.add(g * bb);
-            let (lo, hi) = match F {
-                Q8_0 => (
-                    _mm256_cvtepi8_epi16(_mm_loadu_si128(b.add(2) as *const __m128i)),
-                    _mm256_cvtepi8_epi16(_mm_loadu_si128(b.add(18) as *const __m128i)),
-                ),
-                _ => {
-                    let v = _mm_loadu_si128(b.add(if F == Q4_1 { 4 } else { 2 }) as *const __m128i);
-                    let (mut l, mut h) = (
-                        _mm_and_si128(v, m4),
-                        _mm_and_si128(_mm_srli_epi16::<4>(v), m4),
-                    );
-                    if F == Q4_0 {
-                        l = _mm_sub_epi8(l, _mm_set1_epi8(8));
-                        h = _mm_sub_epi8(h, _mm_set1_epi8(8));
-                    }
-                    (_mm256_cvtepi8_epi16(l), _mm256_cvtepi8_epi16(h))
-                }
-            };
-            let (d, min) = if F == Q4_1 {
-                // d and m side by side: one conversion for both.
-                let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(b as *const i32)));
-                (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)))
-            } else {
-                (f16_at(b), 0.0)
-            };
+            let (lo, hi) = widen(block_levels::<F>(b), true);
+            let (d, min) = block_scales::<F>(b);
             let dw = _mm256_set1_ps(d);
             for i in 0..R {
                 let x = xq[i].add(32 * g);
@@ -430,13 +481,121 @@ mod x86 {
                 let t = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
                 let scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(&*xd[i].add(g)));
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[i]);
-                if F == Q4_1 {
+                if F == Q4_1 || F == Q5_1 {
                     mins[i] = min.mul_add(*xs[i].add(g), mins[i]);
                 }
             }
         }
         for i in 0..R {
             store(job, r0 + i, j, hsum(acc[i]) + mins[i]);
+        }
+    }
+
+    /// `R` activation rows from `r0` against Q4_K weight row `j`, decoded
+    /// in registers: [`tile`]'s products over the decoded row, lane for
+    /// lane and converted at the same points, so bit-identical to it
+    /// (see the AVX-512 twin). The row's mins land in `w.min`.
+    #[inline(always)]
+    unsafe fn tile_q4k<const R: usize>(job: &Job<'_>, w: &mut DecodedRow, j: usize, r0: usize) {
+        let k = job.w.k;
+        let groups = k / 256;
+        let a = job.acts;
+        let p = job.w.row(j).as_ptr();
+        let bb = job.w.format.block_bytes();
+        let xq: [*const i16; R] = std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k));
+        let xd: [*const f32; R] = std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * groups));
+        let m4 = _mm256_set1_epi8(0xF);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for g in 0..groups {
+            let b = std::slice::from_raw_parts(p.add(g * bb), bb);
+            let min: &mut [f32; 8] = (&mut w.min[8 * g..8 * g + 8]).try_into().unwrap();
+            let (d, sc) = k4_scales(b, min);
+            let dw = _mm256_set1_ps(d);
+            let scale: [__m256; R] =
+                std::array::from_fn(|i| _mm256_mul_ps(dw, _mm256_broadcast_ss(&*xd[i].add(g))));
+            let mut isum = [_mm256_setzero_si256(); R];
+            for c in 0..4 {
+                let v = _mm256_loadu_si256(b.as_ptr().add(16 + 32 * c) as *const __m256i);
+                let scaled = |q: __m256i, s: i16| {
+                    let (q0, q1) = widen(q, false);
+                    let s = _mm256_set1_epi16(s);
+                    (_mm256_mullo_epi16(q0, s), _mm256_mullo_epi16(q1, s))
+                };
+                let (l0, l1) = scaled(_mm256_and_si256(v, m4), sc[2 * c]);
+                let (h0, h1) = scaled(
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4),
+                    sc[2 * c + 1],
+                );
+                let e = 256 * g + 64 * c;
+                for (t, x) in isum.iter_mut().zip(&xq) {
+                    let m = |wv: __m256i, at: usize| {
+                        _mm256_madd_epi16(wv, _mm256_loadu_si256(x.add(at) as *const __m256i))
+                    };
+                    let s01 = _mm256_add_epi32(m(l0, e), m(l1, e + 16));
+                    let s23 = _mm256_add_epi32(m(h0, e + 32), m(h1, e + 48));
+                    *t = _mm256_add_epi32(*t, _mm256_add_epi32(s01, s23));
+                }
+                // Converted every 128 elements, as `tile::<_, 256, 128>`.
+                if c % 2 == 1 {
+                    for i in 0..R {
+                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), scale[i], acc[i]);
+                        isum[i] = _mm256_setzero_si256();
+                    }
+                }
+            }
+        }
+        for (i, c) in acc.iter().enumerate() {
+            let r = r0 + i;
+            let v = hsum(*c) + min_term(&w.min, &a.sum[r * k / 32..(r + 1) * k / 32]);
+            store(job, r, j, v);
+        }
+    }
+
+    /// `R` activation rows from `r0` against Q6_K weight row `j`, decoded
+    /// in registers; bit-identical to [`tile`] over the decoded row (as
+    /// [`tile_q4k`]).
+    #[inline(always)]
+    unsafe fn tile_q6k<const R: usize>(job: &Job<'_>, j: usize, r0: usize) {
+        let k = job.w.k;
+        let groups = k / 256;
+        let a = job.acts;
+        let p = job.w.row(j).as_ptr();
+        let bb = job.w.format.block_bytes();
+        let xq: [*const i16; R] = std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k));
+        let xd: [*const f32; R] = std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * groups));
+        let mut acc = [_mm256_setzero_ps(); R];
+        for g in 0..groups {
+            let b = p.add(g * bb);
+            let sc = |e: usize| _mm256_set1_epi16(*b.add(192 + e / 16) as i8 as i16);
+            let dw = _mm256_set1_ps(f16_at(b.add(208)));
+            let scale: [__m256; R] =
+                std::array::from_fn(|i| _mm256_mul_ps(dw, _mm256_broadcast_ss(&*xd[i].add(g))));
+            // One half is one 128-element conversion chunk of `tile`.
+            for h in 0..2 {
+                let mut isum = [_mm256_setzero_si256(); R];
+                for (c, v) in q6k_levels(b, h).into_iter().enumerate() {
+                    let e = 128 * h + 32 * c;
+                    let (lo, hi) = widen(v, true);
+                    let (lo, hi) = (
+                        _mm256_mullo_epi16(lo, sc(e)),
+                        _mm256_mullo_epi16(hi, sc(e + 16)),
+                    );
+                    let at = 256 * g + e;
+                    for (t, x) in isum.iter_mut().zip(&xq) {
+                        let x0 = _mm256_loadu_si256(x.add(at) as *const __m256i);
+                        let x1 = _mm256_loadu_si256(x.add(at + 16) as *const __m256i);
+                        let s =
+                            _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
+                        *t = _mm256_add_epi32(*t, s);
+                    }
+                }
+                for i in 0..R {
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), scale[i], acc[i]);
+                }
+            }
+        }
+        for (i, c) in acc.iter().enumerate() {
+            store(job, r0 + i, j, hsum(*c));
         }
     }
 
@@ -465,6 +624,27 @@ mod x86 {
             QFormat::Q4_0 => return rows_direct::<Q4_0>(job, j),
             QFormat::Q4_1 => return rows_direct::<Q4_1>(job, j),
             QFormat::Q8_0 => return rows_direct::<Q8_0>(job, j),
+            QFormat::Q5_0 => return rows_direct::<Q5_0>(job, j),
+            QFormat::Q5_1 => return rows_direct::<Q5_1>(job, j),
+            // Up to one tile of rows, decoding in registers beats decoding
+            // once into the scratch row; past it, decoding once wins.
+            QFormat::Q4K if job.rows <= MR => {
+                w.prepare(QFormat::Q4K, job.w.k);
+                return match job.rows {
+                    4 => tile_q4k::<4>(job, w, j, 0),
+                    3 => tile_q4k::<3>(job, w, j, 0),
+                    2 => tile_q4k::<2>(job, w, j, 0),
+                    _ => tile_q4k::<1>(job, w, j, 0),
+                };
+            }
+            QFormat::Q6K if job.rows <= MR => {
+                return match job.rows {
+                    4 => tile_q6k::<4>(job, j, 0),
+                    3 => tile_q6k::<3>(job, j, 0),
+                    2 => tile_q6k::<2>(job, j, 0),
+                    _ => tile_q6k::<1>(job, j, 0),
+                };
+            }
             _ => {}
         }
         decode(job, w, j);
