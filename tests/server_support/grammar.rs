@@ -577,3 +577,33 @@ async fn grammar_a_failing_grammar_fails_only_its_request() {
     assert_eq!(good_status, 200, "{good_v}");
     assert_eq!(good_v["choices"][0]["text"], alone["choices"][0]["text"]);
 }
+
+/// `n` choices under one `response_format`: each choice follows the schema
+/// on its own grammar state; tool calls are single-choice for now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grammar_several_choices_each_follow_the_schema() {
+    let s = TestServer::ready();
+    let c = client();
+    let schema = json!({"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 99},
+        "b": {"enum": ["x", "y"]},
+    }, "required": ["a", "b"], "additionalProperties": false});
+    let body = json!({"prompt": "json", "max_tokens": 60, "temperature": 1.0, "seed": 4, "n": 3,
+        "response_format": json_schema_format(&schema)});
+    let (status, v) = post_json(&c, &s.url("/v1/completions"), &body).await;
+    assert_eq!(status, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for choice in choices {
+        assert_eq!(choice["finish_reason"], "stop", "{choice}");
+        validates(&schema, choice["text"].as_str().unwrap()).unwrap();
+    }
+    let tools = json!([weather_tool()]);
+    let body = json!({"messages": [{"role": "user", "content": "x"}], "tools": tools, "n": 2});
+    let (status, v) = post_json(&c, &s.url("/v1/chat/completions"), &body).await;
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("n")),
+        "{v}"
+    );
+}
