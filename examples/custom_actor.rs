@@ -55,6 +55,7 @@ impl BestOfN {
                 },
                 stop: vec![],
                 mtp: None,
+                constraints: Default::default(),
             };
             let msg = Generate {
                 request,

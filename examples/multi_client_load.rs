@@ -319,6 +319,7 @@ fn prompt_jobs(
             let messages = [ChatMessage {
                 role: "user".into(),
                 content: question.clone(),
+                ..ChatMessage::default()
             }];
             let rendered = template
                 .render(&messages, true)
@@ -535,6 +536,7 @@ async fn run_clients(
                 sampling: job.sampling,
                 stop: vec![],
                 mtp: None,
+                constraints: Default::default(),
             };
             let Ok(mut stream) = handle.generate(request).await else {
                 return report;
@@ -649,6 +651,7 @@ fn engine_baseline(engine: &mut Engine, jobs: &[Job], budget: usize) -> f64 {
             max_new_tokens: j.max_tokens,
             kv: KvGrant::Reserve(j.prompt.len() + j.max_tokens),
             spec: None,
+            constraints: Default::default(),
         });
     }
     let mut prefilled = vec![0usize; jobs.len()];
@@ -747,6 +750,7 @@ mod chat {
                 sampling: SamplingOptions::greedy(),
                 stop: vec![],
                 mtp: None,
+                constraints: Default::default(),
             };
             let t0 = Instant::now();
             let mut turn = Turn {

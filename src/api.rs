@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::engine::SpecOptions;
 use crate::sampler::SamplingOptions;
 use crate::scheduler::{FinishReason, RequestId, SchedulerError, Timings, Usage};
+use crate::structured::Constraint;
 use crate::tokenizer::TokenizerError;
 
 /// The prompt: text to tokenize, or token ids used as given.
@@ -51,6 +52,27 @@ pub struct GenerateRequest {
     /// Speculative (MTP) decoding options; `None` uses the engine's default.
     #[serde(default)]
     pub mtp: Option<SpecOptions>,
+    /// Grammar, logit bias and stop token ids (none by default).
+    #[serde(default)]
+    pub constraints: OutputConstraints,
+}
+
+/// What the output must follow beyond the sampling options. Checked (and
+/// the grammar compiled) with the rest of the request, before it takes a
+/// slot: a grammar that does not compile is an
+/// [`TandemError::InvalidRequest`] naming the constraint's field.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct OutputConstraints {
+    /// Every generated token follows this grammar (drafts included: a draft
+    /// the grammar forbids ends the draft run, and verification applies
+    /// the grammar's mask at every position).
+    pub grammar: Option<Constraint>,
+    /// `(token id, bias)` added to the raw logits before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Generation stops after any of these token ids (kept in the output,
+    /// like an EOS).
+    pub stop_token_ids: Vec<u32>,
 }
 
 impl GenerateRequest {
@@ -62,6 +84,7 @@ impl GenerateRequest {
             sampling: SamplingOptions::default(),
             stop: Vec::new(),
             mtp: None,
+            constraints: OutputConstraints::default(),
         }
     }
 
@@ -77,6 +100,11 @@ impl GenerateRequest {
 
     pub fn with_mtp(mut self, mtp: SpecOptions) -> Self {
         self.mtp = Some(mtp);
+        self
+    }
+
+    pub fn with_constraints(mut self, constraints: OutputConstraints) -> Self {
+        self.constraints = constraints;
         self
     }
 }

@@ -37,6 +37,8 @@
 //! - [`model`], [`kv`], [`sampler`]: the tensor code (candle).
 //! - [`gguf`]: GGUF model files: reader, config, weights (dequantised).
 //! - [`tokenizer`]: HF tokenizers, incremental detokenizer, stop matching.
+//! - [`structured`]: constrained decoding (llguidance grammars: JSON
+//!   schemas, Lark, regexes) and the token trie it needs.
 //! - [`tiny`]: the embedded default model.
 //! - `server` (cargo feature `server`, on by default): the OpenAI-compatible
 //!   HTTP API (actix-web, minijinja chat templates) of the `tandem` binary.
@@ -60,6 +62,7 @@ pub mod sampler;
 pub mod scheduler;
 #[cfg(feature = "server")]
 pub mod server;
+pub mod structured;
 #[doc(hidden)]
 pub mod testing;
 pub mod tiny;

@@ -14,9 +14,11 @@ use std::sync::Arc;
 use actix::prelude::*;
 use tokio::sync::mpsc;
 
-use crate::api::{Event, Finished, GenerateRequest, Prompt, TandemError, TokenInfo, TopLogprob};
-use crate::engine::EngineInfo;
-use crate::sampler::SamplingOptions;
+use crate::api::{
+    Event, Finished, GenerateRequest, OutputConstraints, Prompt, TandemError, TokenInfo, TopLogprob,
+};
+use crate::engine::{EngineInfo, SeqConstraints};
+use crate::sampler::{LogitBias, SamplingOptions};
 use crate::scheduler::validate::{validate_seq, ValidSeq};
 use crate::scheduler::{Cancel, CancelReason, FinishReason, RequestId, Scheduler, SeqEvent};
 use crate::tokenizer::{StreamStep, TextStream, Tokenizer};
@@ -380,6 +382,7 @@ pub(crate) fn check_choices(
         sampling,
         stop,
         mtp,
+        constraints,
     } = request;
     let prompt: Vec<u32> = match prompt {
         Prompt::Text(text) => tokenizer.encode(&text)?,
@@ -412,10 +415,13 @@ pub(crate) fn check_choices(
         });
     }
     let prompt: Arc<[u32]> = Arc::from(prompt);
+    let constraints = compile_constraints(constraints, tokenizer)?;
     (0..n)
         .map(|i| {
             let sampling = choice_sampling(&sampling, i);
-            let seq = validate_seq(prompt.clone(), sampling, max_new_tokens, mtp, info)?;
+            // Each choice gets its own copy of the compiled grammar's state.
+            let seq = validate_seq(prompt.clone(), sampling, max_new_tokens, mtp, info)?
+                .with_constraints(constraints.clone(), info)?;
             let stream = TextStream::with_context(tokenizer.clone(), stop.clone(), &prompt)?;
             Ok(CheckedText { seq, stream })
         })
@@ -431,4 +437,34 @@ pub fn choice_sampling(sampling: &SamplingOptions, index: usize) -> SamplingOpti
         seed: sampling.seed.map(|s| s.wrapping_add(index as u64)),
         ..sampling.clone()
     }
+}
+
+/// Compiles the request's grammar against the tokenizer's vocabulary (the
+/// token trie is built on the first constrained request) and packs the
+/// bias and stop ids; their ids are checked by `with_constraints`.
+/// Blocking: part of [`check_choices`].
+fn compile_constraints(
+    c: OutputConstraints,
+    tokenizer: &Tokenizer,
+) -> Result<SeqConstraints, TandemError> {
+    let grammar = match &c.grammar {
+        None => None,
+        Some(constraint) => {
+            let field = constraint.origin.field();
+            let invalid = |reason: String| TandemError::InvalidRequest { field, reason };
+            let compiler = tokenizer.grammar_compiler().map_err(invalid)?;
+            Some(compiler.compile(&constraint.spec).map_err(invalid)?)
+        }
+    };
+    if let Some(&(token, bias)) = c.logit_bias.iter().find(|(_, b)| !b.is_finite()) {
+        return Err(TandemError::InvalidRequest {
+            field: "logit_bias",
+            reason: format!("the bias of token {token} must be finite, got {bias}"),
+        });
+    }
+    Ok(SeqConstraints {
+        grammar,
+        logit_bias: LogitBias::new(c.logit_bias),
+        stop_ids: c.stop_token_ids,
+    })
 }

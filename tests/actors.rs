@@ -65,6 +65,7 @@ fn request(i: usize, sampling: SamplingOptions) -> GenerateRequest {
         sampling,
         stop: vec![],
         mtp: None,
+        constraints: Default::default(),
     }
 }
 
@@ -194,6 +195,7 @@ async fn stop_strings_spanning_tokens_stop_exactly_and_never_leak() {
         sampling: SamplingOptions::greedy(),
         stop: vec![],
         mtp: None,
+        constraints: Default::default(),
     };
     let free = handle.complete(base.clone()).await.unwrap();
     assert!(free.text.len() > 30, "need some text: {:?}", free.text);
@@ -252,6 +254,7 @@ async fn dropping_the_stream_cancels_and_frees_the_slot() {
             sampling: SamplingOptions::greedy(),
             stop: vec![],
             mtp: None,
+            constraints: Default::default(),
         })
         .await
         .unwrap();

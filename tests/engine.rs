@@ -152,6 +152,7 @@ fn one_bad_sequence_does_not_fail_the_others() {
         max_new_tokens: 4,
         kv: KvGrant::Reserve(7),
         spec: None,
+        constraints: Default::default(),
     };
     let too_big = Admission {
         slot: 2,

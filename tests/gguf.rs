@@ -267,6 +267,7 @@ fn smollm2_gguf_chat_template_renders_the_reference_prompt_ids() {
                 .map(|(role, content)| ChatMessage {
                     role: role.clone(),
                     content: content.clone(),
+                    ..ChatMessage::default()
                 })
                 .collect();
             let rendered = template.render(&messages, true).expect("render");
@@ -555,6 +556,10 @@ async fn the_binary_serves_the_gguf_with_reference_replies() {
         .await
         .unwrap();
     assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1");
+    // `root`: the model's own name, from the GGUF metadata.
+    let file = tandem::gguf::GgufFile::open(&path).unwrap();
+    let general_name = file.opt_str("general.name").unwrap().unwrap().to_string();
+    assert_eq!(models["data"][0]["root"], general_name.as_str());
     // The second pass runs with the prefix cache warm: every prompt of a
     // full block or more starts after its cached blocks, same replies.
     for pass in 0..2 {

@@ -39,6 +39,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingOptions) -> Ge
         sampling,
         stop: vec![],
         mtp: None,
+        constraints: Default::default(),
     }
 }
 

@@ -5,7 +5,9 @@
 //! This file: generation (completions, chat, logprobs, stop strings, seeds,
 //! 32 concurrent clients, templates). `limits`: errors, auth, 429/503,
 //! disconnects, metrics, shutdown. `hardening`: what a hostile test found
-//! (issue #20). `choices`: `n` and `best_of`. `soak`: a bounded soak with cancellations, malformed
+//! (issue #20). `choices`: `n` and `best_of`. `grammar`: structured
+//! output, tool calls, logit bias, stop ids (issue #19). `soak`: a bounded
+//! soak with cancellations, malformed
 //! requests and overload. `binary`: the real `tandem` binary, the
 //! official `openai` Python client and a real checkpoint.
 
@@ -15,6 +17,8 @@ mod server_support;
 mod binary;
 #[path = "server_support/choices.rs"]
 mod choices;
+#[path = "server_support/grammar.rs"]
+mod grammar;
 #[path = "server_support/hardening.rs"]
 mod hardening;
 #[path = "server_support/limits.rs"]

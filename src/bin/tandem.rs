@@ -360,7 +360,7 @@ async fn serve(args: ServeArgs) -> Result<(), BoxError> {
         }
     };
     let handle = TandemHandle::start(loaded.engine, loaded.tokenizer, sched)?;
-    state.set_ready(handle, loaded.template);
+    state.set_ready_named(handle, loaded.template, loaded.root);
     println!("ready");
     let _ = std::io::stdout().flush();
     tracing::info!(model = %loaded.model_name, "ready");
@@ -393,6 +393,7 @@ async fn generate(args: GenerateArgs) -> Result<(), BoxError> {
         let message = tandem::server::chat_template::ChatMessage {
             role: "user".into(),
             content: args.prompt,
+            ..Default::default()
         };
         loaded
             .template

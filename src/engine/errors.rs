@@ -26,6 +26,9 @@ pub enum EngineError {
     Sampler(#[from] crate::sampler::SamplerError),
     #[error("model: {0}")]
     Model(String),
+    /// The sequence's grammar could not go on (fails that sequence only).
+    #[error("slot {slot}: {reason}")]
+    Grammar { slot: SlotId, reason: String },
 }
 
 pub(crate) fn model_err(e: ModelError) -> EngineError {

@@ -7,8 +7,10 @@
 //! 3. **plan**: check each work item and reserve its KV ([`work::plan_one`]);
 //! 4. **draft**: batched draft rounds ([`drafting::run_rounds`]);
 //! 5. **forward**: one ragged pass over the [`RowLayout`] and the unembedding
-//!    of the rows that need logits;
-//! 6. **sample**: one sampler call over every plain sampling row;
+//!    of the rows that need logits, while a worker thread computes the
+//!    grammar masks of the constrained rows ([`masks`]);
+//! 6. **sample**: one sampler call over every plain sampling row, with
+//!    those masks;
 //! 7. **verify** each drafting sequence's drafts ([`update::verify`]);
 //! 8. **update** ([`update::update`]): KV and sampler commits, hidden
 //!    states for the draft head, the end-of-sequence rule, and the release
@@ -24,6 +26,7 @@ use candle_core::Tensor;
 
 use super::draft_heads::DraftHead;
 use super::errors::{kv_err, model_err, tensor_err};
+use super::masks::{self, StepMasks};
 use super::protocol::*;
 use super::rows::RowLayout;
 use super::sequences::Sequences;
@@ -66,6 +69,10 @@ pub struct Engine {
     seqs: Sequences,
     info: EngineInfo,
 }
+
+/// Each sequence's outcome of a pass that ran (a grammar failure fails
+/// only its own sequence).
+type PassResults = Vec<(SlotId, Result<SeqProgress, EngineError>)>;
 
 /// What the forward phase produced.
 struct PassOutput {
@@ -199,7 +206,9 @@ impl Engine {
             return;
         }
         let t = Instant::now();
-        if let Err(error) = drafting::run_rounds(&self.model, &mut self.seqs, planned) {
+        let drafted = drafting::run_rounds(&self.model, &mut self.seqs, planned);
+        masks::truncate_drafts(&mut self.seqs, planned);
+        if let Err(error) = drafted {
             // Drafting is an optimisation: on failure decode plainly, and
             // stop drafting for these sequences (the head's state for them
             // can no longer be trusted).
@@ -212,25 +221,38 @@ impl Engine {
         stats.draft = t.elapsed();
     }
 
-    /// Phases 5–8 for every planned sequence.
+    /// Phases 5–8 for every planned sequence. The outer error fails the
+    /// whole pass; an inner one (a grammar's) only its sequence.
     fn run_pass(
         &mut self,
         planned: &mut [Planned],
         stats: &mut StepStats,
-    ) -> Result<Vec<(SlotId, SeqProgress)>, EngineError> {
+    ) -> Result<PassResults, EngineError> {
         planned.iter_mut().for_each(Planned::seal);
         let layout = RowLayout::new(&planned.iter().map(Planned::rows).collect::<Vec<_>>());
         stats.batch_tokens = layout.batch.tokens.len();
         let t0 = Instant::now();
-        let pass = self.forward(planned, &layout)?;
+        let (pass, mut step_masks) = self.forward_with_masks(planned, &layout, stats);
+        let pass = pass?;
         stats.forward = t0.elapsed();
         let t1 = Instant::now();
-        let sampled = self.sample(planned, &layout, pass.logits.as_ref(), stats)?;
+        let sampled = self.sample(planned, &layout, pass.logits.as_ref(), &step_masks, stats)?;
         let mut out = Vec::with_capacity(planned.len());
         for (p, rows) in planned.iter().zip(&layout.seqs) {
+            if let Some(reason) = step_masks.failed.remove(&p.slot) {
+                out.push((
+                    p.slot,
+                    Err(EngineError::Grammar {
+                        slot: p.slot,
+                        reason,
+                    }),
+                ));
+                continue;
+            }
             let verdict = match &pass.logits {
                 Some(logits) if !p.drafts.tokens.is_empty() => {
-                    Some(update::verify(&mut self.seqs, p, rows, logits)?)
+                    let masks = step_masks.by_slot.get(&p.slot).map(Vec::as_slice);
+                    Some(update::verify(&mut self.seqs, p, rows, logits, masks)?)
                 }
                 _ => None,
             };
@@ -239,11 +261,49 @@ impl Engine {
                 verdict,
                 sampled: sampled.as_ref(),
             };
-            let progress = update::update(&mut self.seqs, &self.info, p, rows, step, stats)?;
+            let progress = match update::update(&mut self.seqs, &self.info, p, rows, step, stats) {
+                Err(e @ EngineError::Grammar { .. }) => Err(e),
+                other => Ok(other?),
+            };
             out.push((p.slot, progress));
         }
         stats.sample = t1.elapsed();
         Ok(out)
+    }
+
+    /// The forward phase, with the grammar masks computed beside it on a
+    /// worker thread when any sampling row is constrained. The lent
+    /// grammars are back in the registry when this returns, whatever the
+    /// pass's outcome.
+    fn forward_with_masks(
+        &mut self,
+        planned: &[Planned],
+        layout: &RowLayout,
+        stats: &mut StepStats,
+    ) -> (Result<PassOutput, EngineError>, StepMasks) {
+        let mut lent = masks::lend(&mut self.seqs, planned);
+        if lent.is_empty() {
+            return (self.forward(planned, layout), StepMasks::default());
+        }
+        let eos_ids = self.info.eos_ids.clone();
+        let (pass, lent, step_masks, waited) = std::thread::scope(|s| {
+            let worker = s.spawn(move || {
+                let m = masks::compute(&mut lent, &eos_ids);
+                (lent, m)
+            });
+            let pass = self.forward(planned, layout);
+            let t = Instant::now();
+            let (lent, m) = match worker.join() {
+                Ok(done) => done,
+                Err(payload) => std::panic::resume_unwind(payload),
+            };
+            (pass, lent, m, t.elapsed())
+        });
+        masks::give_back(&mut self.seqs, lent);
+        stats.masks = step_masks.by_slot.len() + step_masks.failed.len();
+        stats.mask = step_masks.took;
+        stats.mask_wait = waited;
+        (pass, step_masks)
     }
 
     fn forward(
@@ -275,6 +335,7 @@ impl Engine {
         planned: &[Planned],
         layout: &RowLayout,
         logits: Option<&Tensor>,
+        step_masks: &StepMasks,
         stats: &mut StepStats,
     ) -> Result<Option<SampleResult>, EngineError> {
         let Some(logits) = logits.filter(|_| !layout.sample.is_empty()) else {
@@ -291,7 +352,8 @@ impl Engine {
         } else {
             select_rows(logits, &layout.sample)?
         };
-        let result = self.seqs.sampler.sample(&slots, &rows)?;
+        let row_masks = step_masks.for_rows(&slots);
+        let result = self.seqs.sampler.sample_masked(&slots, &rows, &row_masks)?;
         match result.path {
             SamplePath::Uniform => stats.uniform_calls += 1,
             SamplePath::Serial => stats.serial_calls += 1,
@@ -303,18 +365,18 @@ impl Engine {
     fn report(
         &mut self,
         planned: &[Planned],
-        result: Result<Vec<(SlotId, SeqProgress)>, EngineError>,
+        result: Result<PassResults, EngineError>,
         out: &mut Vec<SeqOutcome>,
     ) {
         match result {
             Ok(results) => {
                 for (slot, progress) in results {
-                    if progress.finish.is_some() {
+                    if progress.as_ref().map_or(true, |p| p.finish.is_some()) {
                         self.seqs.release(slot);
                     }
                     out.push(SeqOutcome {
                         slot,
-                        result: Ok(progress),
+                        result: progress,
                     });
                 }
             }

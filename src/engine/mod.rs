@@ -10,6 +10,8 @@
 //! - `work`: the plan phase (work items checked against their KV room).
 //! - `rows`: the pure row layout (planned work → ragged batch + row map).
 //! - `drafting`: the batched draft rounds.
+//! - `masks`: the grammar masks of constrained rows, computed beside the
+//!   forward pass.
 //! - `update`: the verify and update phases of one sequence.
 //! - [`spec`]: speculation rules: who drafts, the one [`spec::DraftPolicy`]
 //!   deciding how many drafts, and verification.
@@ -20,6 +22,7 @@ pub mod draft_heads;
 mod drafting;
 mod errors;
 pub mod executor;
+mod masks;
 pub mod protocol;
 mod rows;
 mod sequences;

@@ -17,7 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::engine::EngineError;
-use crate::sampler::SamplingOptions;
+use crate::sampler::{LogitBias, SamplingOptions};
+use crate::structured::Grammar;
 
 pub use crate::slot::SlotId;
 
@@ -85,6 +86,29 @@ pub struct Admission {
     /// Speculative decoding for this sequence; `None` uses the engine's
     /// default (see [`crate::engine::SpecConfig`]).
     pub spec: Option<SpecOptions>,
+    /// Grammar, logit bias and stop ids (none by default).
+    pub constraints: SeqConstraints,
+}
+
+/// What constrains a sequence's tokens beyond its sampling options,
+/// checked and compiled at the edge. The engine takes ownership of the
+/// grammar state at admission.
+#[derive(Debug, Clone, Default)]
+pub struct SeqConstraints {
+    /// The grammar every sampled token must follow (a mask per step).
+    pub grammar: Option<Grammar>,
+    /// Added to the raw logits at every position.
+    pub logit_bias: LogitBias,
+    /// Token ids that end the sequence like an EOS (the `stop` extension
+    /// with token ids); the id is the last token.
+    pub stop_ids: Vec<u32>,
+}
+
+impl SeqConstraints {
+    /// Whether nothing constrains the sequence.
+    pub fn is_empty(&self) -> bool {
+        self.grammar.is_none() && self.logit_bias.is_empty() && self.stop_ids.is_empty()
+    }
 }
 
 /// Where an admitted sequence's KV lives.
@@ -290,7 +314,9 @@ impl GeneratedToken {
 /// Why the engine ended a sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeqFinish {
-    /// An end-of-sequence token was generated (it is the last token).
+    /// The sequence ended by its own rule: an end-of-sequence token or one
+    /// of its stop ids was generated (it is the last token), or its
+    /// grammar is complete.
     Eos,
     /// `max_new_tokens` were generated.
     Length,
@@ -316,6 +342,12 @@ pub struct StepStats {
     pub serial_calls: u32,
     /// Wall time spent drafting (speculative decoding).
     pub draft: Duration,
+    /// Grammar masks computed this step, the worker's wall time for them
+    /// (overlapped with the forward pass), and how long the step waited
+    /// for the worker after the pass (the masks' cost on the critical path).
+    pub masks: usize,
+    pub mask: Duration,
+    pub mask_wait: Duration,
     /// Draft tokens proposed / accepted this step, over all sequences.
     pub drafted: usize,
     pub accepted: usize,

@@ -35,6 +35,7 @@ use super::{
 };
 use crate::kv::KvCache;
 use crate::sampler::{Sampler, SamplingOptions};
+use crate::structured::Grammar;
 
 /// One sequence's progress, as the engine sees it.
 pub(crate) struct Sequence {
@@ -51,6 +52,13 @@ pub(crate) struct Sequence {
     /// Target hidden states `[m, hidden]` of the last `m` fed positions not
     /// yet consumed by the draft head (heads that need hidden only).
     pub pending_hidden: Option<Tensor>,
+    /// The grammar every sampled token follows: its state has accepted
+    /// exactly `generated` (EOS and stop ids aside). Lent to the mask
+    /// worker during the forward pass (`None` meanwhile, see
+    /// `engine::masks`).
+    pub grammar: Option<Grammar>,
+    /// Ids that end the sequence like an EOS.
+    pub stop_ids: Vec<u32>,
 }
 
 impl Sequence {
@@ -99,7 +107,7 @@ impl Sequence {
             self.last_token = Some(id);
             self.generated.push(id);
             kept.push(token);
-            if eos_ids.contains(&id) {
+            if eos_ids.contains(&id) || self.stop_ids.contains(&id) {
                 finish = Some(SeqFinish::Eos);
                 break;
             }
@@ -215,6 +223,10 @@ impl Sequences {
             }
         };
         self.sampler.add(slot, a.sampling, &a.prompt)?;
+        let constraints = a.constraints;
+        if !constraints.logit_bias.is_empty() {
+            self.sampler.set_logit_bias(slot, constraints.logit_bias)?;
+        }
         if let Some(drafting) = Drafting::resolve(a.spec, self.default_spec, &a.sampling) {
             let head = self.head.as_mut().expect("a default spec implies a head");
             if cached > 0 && head.needs_hidden() {
@@ -238,6 +250,8 @@ impl Sequences {
                 max_new_tokens: a.max_new_tokens,
                 sampling: a.sampling,
                 pending_hidden: None,
+                grammar: constraints.grammar,
+                stop_ids: constraints.stop_ids,
             },
         );
         Ok(())
@@ -371,6 +385,7 @@ mod tests {
             max_new_tokens: 4,
             kv: KvGrant::Reserve(7),
             spec: None,
+            constraints: Default::default(),
         }
     }
 
@@ -462,6 +477,8 @@ mod tests {
             max_new_tokens,
             sampling: SamplingOptions::greedy(),
             pending_hidden: None,
+            grammar: None,
+            stop_ids: vec![9],
         };
         // (max_new, already generated, new tokens, context) → (kept, finish)
         type Case = (usize, Vec<u32>, Vec<u32>, usize, usize, Option<SeqFinish>);
@@ -471,6 +488,7 @@ mod tests {
             (3, vec![4], vec![5, 6, 7], 100, 2, Some(SeqFinish::Length)),
             (10, vec![], vec![5, 6], 4, 2, Some(SeqFinish::ContextFull)),
             (10, vec![], vec![0], 3, 1, Some(SeqFinish::Eos)), // EOS wins over a full context
+            (10, vec![], vec![5, 9, 6], 100, 2, Some(SeqFinish::Eos)), // a stop id ends it too
         ];
         for (max_new, before, new, context, kept, finish) in table.iter().cloned() {
             let mut s = seq(max_new, before.clone());

@@ -32,7 +32,7 @@ use std::time::Duration;
 use candle_core::Tensor;
 
 use crate::engine::{DraftSchedule, SlotId, SpecOptions};
-use crate::sampler::{Sampler, SamplerError, SamplingOptions};
+use crate::sampler::{Sampler, SamplerError, SamplingOptions, TokenMask};
 
 /// Engine-wide speculation settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -338,10 +338,11 @@ pub(crate) fn verify(
     greedy: bool,
     logits: &Tensor,
     drafts: &Drafts,
+    masks: Option<&[TokenMask]>,
     accept_all: bool,
 ) -> Result<Verdict, SamplerError> {
     let k = drafts.tokens.len();
-    if greedy && sampler.is_plain_greedy(slot) {
+    if greedy && masks.is_none() && sampler.is_plain_greedy(slot) {
         // Only the ids are needed (on a GPU only they leave the device).
         let ids = sampler.argmax_rows(&vec![slot; k + 1], logits)?;
         if accept_all {
@@ -352,7 +353,26 @@ pub(crate) fn verify(
         }
         return Ok(verify_greedy(&drafts.tokens, &ids));
     }
-    let p = sampler.speculative_distributions(slot, logits, &drafts.tokens)?;
+    // Under a grammar, position i's distribution is the masked one sequential
+    // decoding would draw from, so greedy output equals MTP off.
+    let p = sampler.speculative_distributions_masked(
+        slot,
+        logits,
+        &drafts.tokens,
+        masks.unwrap_or_default(),
+    )?;
+    if greedy && masks.is_some() {
+        // One-hot rows: the greedy rule on their ids (plain greedy drafts
+        // carry no draft distribution to compare with).
+        let ids: Vec<u32> = p.iter().map(|row| argmax(row)).collect();
+        if accept_all {
+            return Ok(Verdict {
+                accepted: k,
+                next: ids[k],
+            });
+        }
+        return Ok(verify_greedy(&drafts.tokens, &ids));
+    }
     let rejection = if accept_all {
         Rejection::None
     } else {

@@ -10,8 +10,8 @@ use super::rows::SeqRows;
 use super::sequences::Sequences;
 use super::spec::{self, Verdict};
 use super::work::Planned;
-use super::{EngineError, EngineInfo, GeneratedToken, SeqProgress, StepStats};
-use crate::sampler::SampleResult;
+use super::{EngineError, EngineInfo, GeneratedToken, SeqFinish, SeqProgress, StepStats};
+use crate::sampler::{SampleResult, TokenMask};
 
 /// What the pass produced for the sequences of one step.
 pub(crate) struct StepResult<'a> {
@@ -23,12 +23,14 @@ pub(crate) struct StepResult<'a> {
     pub sampled: Option<&'a SampleResult>,
 }
 
-/// Judges `p`'s drafts against its logit rows. Commits nothing.
+/// Judges `p`'s drafts against its logit rows, under its grammar's masks
+/// (one per verified position) when it has a grammar. Commits nothing.
 pub(crate) fn verify(
     seqs: &mut Sequences,
     p: &Planned,
     rows: &SeqRows,
     logits: &Tensor,
+    masks: Option<&[TokenMask]>,
 ) -> Result<Verdict, EngineError> {
     let greedy = seqs
         .get(p.slot)
@@ -48,6 +50,7 @@ pub(crate) fn verify(
         greedy,
         &logits,
         &p.drafts,
+        masks,
         accept_all,
     )?)
 }
@@ -104,10 +107,45 @@ pub(crate) fn update(
             None => new,
         });
     }
-    let (tokens, finish) = seq.append(emitted, &info.eos_ids, info.context_len);
+    let (emitted, grammar_done) = follow_grammar(seq, emitted, &info.eos_ids, p.slot)?;
+    let (tokens, mut finish) = seq.append(emitted, &info.eos_ids, info.context_len);
+    if finish.is_none() && grammar_done {
+        finish = Some(SeqFinish::Eos);
+    }
     progress.tokens = tokens;
     progress.finish = finish;
     Ok(progress)
+}
+
+/// Feeds `emitted` to the sequence's grammar, in order, up to the token
+/// that completes it: what comes after (a bonus token past the end of an
+/// accepted run, the EOS the finished grammar allows) is dropped, so MTP
+/// on ends exactly where MTP off does. Returns the tokens kept and whether
+/// the grammar is complete (the sequence then ends, finish reason `stop`).
+fn follow_grammar(
+    seq: &mut super::sequences::Sequence,
+    mut emitted: Vec<GeneratedToken>,
+    eos_ids: &[u32],
+    slot: super::SlotId,
+) -> Result<(Vec<GeneratedToken>, bool), EngineError> {
+    let Some(grammar) = seq.grammar.as_mut() else {
+        return Ok((emitted, false));
+    };
+    for (i, t) in emitted.iter().enumerate() {
+        if eos_ids.contains(&t.id) || seq.stop_ids.contains(&t.id) {
+            // The end of the sequence ends the grammar too.
+            return Ok((emitted, false));
+        }
+        grammar.accept(t.id).map_err(|e| EngineError::Grammar {
+            slot,
+            reason: e.to_string(),
+        })?;
+        if grammar.is_finished() {
+            emitted.truncate(i + 1);
+            return Ok((emitted, true));
+        }
+    }
+    Ok((emitted, false))
 }
 
 /// Keeps the accepted drafts and the target's next token in the KV cache,

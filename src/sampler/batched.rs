@@ -7,6 +7,7 @@ use candle_core::Tensor;
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::adjust::{LogitBias, RowAdjust, TokenMask};
 use super::device::{self, DeviceHistory};
 use super::history::HistoryPool;
 use super::host;
@@ -31,9 +32,18 @@ pub(crate) struct SlotState {
     /// This sequence's own randomness: every draw for this slot, on either
     /// path and in `draw` / `uniform`, comes from here.
     pub rng: ChaCha8Rng,
+    /// Added to the raw logits of every row of this slot (empty: none).
+    pub bias: LogitBias,
 }
 
 impl SlotState {
+    /// Whether the next token is the first maximum of the raw logits:
+    /// greedy, no penalty, no bias (a grammar mask is per call; callers
+    /// that have one know it).
+    pub(crate) fn plain_greedy(&self) -> bool {
+        self.plan.is_greedy() && !self.plan.uses_history() && self.bias.is_empty()
+    }
+
     /// The tokens the penalty sees now (ring order).
     pub(crate) fn window<'p>(&self, pool: &'p HistoryPool, row: usize) -> &'p [u32] {
         if self.plan.uses_history() {
@@ -65,6 +75,8 @@ struct CallCtx<'a> {
     pool: &'a HistoryPool,
     /// The shared plan on the uniform path.
     shared: Option<&'a Plan>,
+    /// Per row, this step's grammar mask (empty: no row has one).
+    masks: &'a [Option<&'a TokenMask>],
     logprobs: bool,
     top_k: usize,
 }
@@ -180,6 +192,7 @@ impl Sampler {
             plan,
             len,
             rng: ChaCha8Rng::seed_from_u64(seed),
+            bias: LogitBias::default(),
         });
         self.recompute();
         Ok(())
@@ -204,6 +217,18 @@ impl Sampler {
         self.pool.remove_row(r, width);
         self.recompute();
         true
+    }
+
+    /// Sets `slot`'s logit bias (added to its raw logits at every row,
+    /// before penalties and truncation). Bias ids are checked against the
+    /// vocabulary at the next call that brings logits for the slot.
+    pub fn set_logit_bias(&mut self, slot: SlotId, bias: LogitBias) -> Result<(), SamplerError> {
+        let &r = self
+            .index
+            .get(&slot)
+            .ok_or(SamplerError::UnknownSlot(slot))?;
+        self.slots[r].bias = bias;
+        Ok(())
     }
 
     /// Caps the worker threads of the uniform path (default: the machine's
@@ -253,10 +278,9 @@ impl Sampler {
     /// Whether `slot` samples greedily with no penalty: its next token is
     /// the first maximum of its raw logits, whatever came before.
     pub fn is_plain_greedy(&self, slot: SlotId) -> bool {
-        self.index.get(&slot).is_some_and(|&r| {
-            let plan = &self.slots[r].plan;
-            plan.is_greedy() && !plan.uses_history()
-        })
+        self.index
+            .get(&slot)
+            .is_some_and(|&r| self.slots[r].plain_greedy())
     }
 
     /// The first maximum of every row of `logits` (`[rows, V]`): what
@@ -311,6 +335,7 @@ impl Sampler {
                         logits,
                         plan: &plan,
                         window: &[],
+                        adjust: RowAdjust::default(),
                     };
                     transform::sample_row(job, &mut rng, scratch)
                         .map_err(|f| fault(f, slots[row], row, vocab))
@@ -337,7 +362,26 @@ impl Sampler {
         slots: &[SlotId],
         logits: &Tensor,
     ) -> Result<SampleResult, SamplerError> {
-        self.sample_inner(slots, logits, None)
+        self.sample_inner(slots, logits, &[], None)
+    }
+
+    /// [`Sampler::sample`] with a grammar mask per row (`masks[i]` for row
+    /// `i`; `None` leaves the row unconstrained; an empty `masks` means no
+    /// row has one). A masked token is never drawn: the mask applies first
+    /// in the chain, on either path. The path rule does not look at masks
+    /// (they are per-row data, like a penalty window).
+    pub fn sample_masked(
+        &mut self,
+        slots: &[SlotId],
+        logits: &Tensor,
+        masks: &[Option<&TokenMask>],
+    ) -> Result<SampleResult, SamplerError> {
+        if !masks.is_empty() && masks.len() != slots.len() {
+            return Err(SamplerError::LogitsShape {
+                reason: format!("{} masks for {} rows", masks.len(), slots.len()),
+            });
+        }
+        self.sample_inner(slots, logits, masks, None)
     }
 
     /// [`Sampler::sample`] forced onto the serial path, so benchmarks and
@@ -348,20 +392,32 @@ impl Sampler {
         slots: &[SlotId],
         logits: &Tensor,
     ) -> Result<SampleResult, SamplerError> {
-        self.sample_inner(slots, logits, Some(SamplePath::Serial))
+        self.sample_inner(slots, logits, &[], Some(SamplePath::Serial))
+    }
+
+    /// [`Sampler::sample_masked`] forced onto the serial path (tests).
+    #[doc(hidden)]
+    pub fn sample_masked_serial_for_test(
+        &mut self,
+        slots: &[SlotId],
+        logits: &Tensor,
+        masks: &[Option<&TokenMask>],
+    ) -> Result<SampleResult, SamplerError> {
+        self.sample_inner(slots, logits, masks, Some(SamplePath::Serial))
     }
 
     fn sample_inner(
         &mut self,
         slots: &[SlotId],
         logits: &Tensor,
+        masks: &[Option<&TokenMask>],
         force: Option<SamplePath>,
     ) -> Result<SampleResult, SamplerError> {
         let mut idx = std::mem::take(&mut self.call_idx);
         let mut seen = std::mem::take(&mut self.call_seen);
         let result = self.resolve(slots, &mut idx, &mut seen).and_then(|()| {
             let path = force.unwrap_or_else(|| self.dispatch(&idx));
-            self.run(&idx, logits, path)
+            self.run(&idx, logits, masks, path)
         });
         self.call_idx = idx;
         self.call_seen = seen;
@@ -426,19 +482,19 @@ impl Sampler {
 
     /// Where this call's work runs, from where the logits live and what
     /// the named rows need; decided once, at the top of the call.
-    fn site(&self, idx: &[usize], logits: &Tensor) -> Site {
-        if logits.device().is_cuda() {
+    fn site(&self, idx: &[usize], logits: &Tensor, masks: &[Option<&TokenMask>]) -> Site {
+        let masked = |i: usize| masks.get(i).is_some_and(Option::is_some);
+        let adjusted = (0..idx.len()).any(|i| masked(i) || !self.slots[idx[i]].bias.is_empty());
+        // NOTE: the CUDA kernel knows neither masks nor biases yet; a call
+        // with any reads its logits to the host (correct, slower).
+        if logits.device().is_cuda() && !adjusted {
             return Site::CudaKernel;
         }
         if self.any_logprobs || !host::on_device(logits) {
             return Site::Host;
         }
-        let plain_greedy = |r: usize| {
-            let plan = &self.slots[r].plan;
-            plan.is_greedy() && !plan.uses_history()
-        };
         let others: Vec<u32> = (0..idx.len() as u32)
-            .filter(|&i| !plain_greedy(idx[i as usize]))
+            .filter(|&i| masked(i as usize) || !self.slots[idx[i as usize]].plain_greedy())
             .collect();
         if others.len() < idx.len() {
             Site::DeviceArgmax { others }
@@ -451,16 +507,19 @@ impl Sampler {
         &mut self,
         idx: &[usize],
         logits: &Tensor,
+        masks: &[Option<&TokenMask>],
         path: SamplePath,
     ) -> Result<SampleResult, SamplerError> {
         let (b, vocab) = host::check_shape(logits, idx.len())?;
         if b == 0 {
             return Ok(SampleResult::empty(path));
         }
-        match self.site(idx, logits) {
+        match self.site(idx, logits, masks) {
             Site::CudaKernel => self.run_on_device(idx, logits, vocab, path),
-            Site::DeviceArgmax { others } => self.run_split(idx, logits, vocab, &others, path),
-            Site::Host => self.run_host(idx, logits, vocab, path),
+            Site::DeviceArgmax { others } => {
+                self.run_split(idx, logits, vocab, &others, masks, path)
+            }
+            Site::Host => self.run_host(idx, logits, vocab, masks, path),
         }
     }
 
@@ -472,6 +531,7 @@ impl Sampler {
         logits: &Tensor,
         vocab: usize,
         others: &[u32],
+        masks: &[Option<&TokenMask>],
         path: SamplePath,
     ) -> Result<SampleResult, SamplerError> {
         let mut tokens = host::device_argmax(logits)?;
@@ -481,7 +541,12 @@ impl Sampler {
                 .and_then(|l| l.to_device(&candle_core::Device::Cpu))
                 .map_err(host::tensor_err)?;
             let sub_idx: Vec<usize> = others.iter().map(|&i| idx[i as usize]).collect();
-            let sampled = self.run_host(&sub_idx, &rows, vocab, path)?;
+            let sub_masks: Vec<Option<&TokenMask>> = if masks.is_empty() {
+                Vec::new()
+            } else {
+                others.iter().map(|&i| masks[i as usize]).collect()
+            };
+            let sampled = self.run_host(&sub_idx, &rows, vocab, &sub_masks, path)?;
             for (&i, t) in others.iter().zip(sampled.tokens) {
                 tokens[i as usize] = t;
             }
@@ -499,6 +564,7 @@ impl Sampler {
         idx: &[usize],
         logits: &Tensor,
         vocab: usize,
+        masks: &[Option<&TokenMask>],
         path: SamplePath,
     ) -> Result<SampleResult, SamplerError> {
         let b = idx.len();
@@ -526,6 +592,7 @@ impl Sampler {
                 slots: &self.slots,
                 pool: &self.pool,
                 shared: (path == SamplePath::Uniform).then(|| &self.slots[idx[0]].plan),
+                masks,
                 logprobs: self.any_logprobs,
                 top_k,
             };
@@ -724,6 +791,10 @@ fn run_rows(
             logits,
             plan,
             window,
+            adjust: RowAdjust {
+                bias: slot.bias.pairs(),
+                mask: ctx.masks.get(row).copied().flatten(),
+            },
         };
         out.token = transform::sample_row(job, &mut out.rng, scratch)
             .map_err(|f| fault(f, slot.id, row, ctx.vocab))?;

@@ -27,7 +27,9 @@
 //!   other rows' logits are copied to the host.
 //!
 //! # Transform chain (per row, Ollama semantics)
-//! penalties (repeat and presence once per distinct token of the window,
+//! logit bias (the slot's `logit_bias`, [`LogitBias`]) and grammar mask
+//! (this call's [`TokenMask`] for the row, disallowed tokens to `-inf`;
+//! `adjust.rs`) → penalties (repeat and presence once per distinct token of the window,
 //! frequency once per occurrence) → top-p with top-k folded into the same
 //! pass, or top-k alone (exactly K survive; ties go to lower ids) → min-p
 //! against the row maximum → greedy argmax (first maximum), or temperature
@@ -92,10 +94,16 @@
 //!   (top-k, top-p, top logprobs); `draw.rs`: the categorical walk;
 //!   `math.rs`: vectorised kernels (exp, max, sums; AVX2 when available,
 //!   bit-identical to the baseline build).
+//! - `adjust.rs`: [`TokenMask`] and [`LogitBias`], the first link of the
+//!   chain. Masks arrive per call ([`Sampler::sample_masked`]; the engine
+//!   computes them from each sequence's grammar), biases per slot
+//!   ([`Sampler::set_logit_bias`]). A call with any of them runs on the
+//!   host chain even for CUDA logits (the kernel knows neither yet).
 //! - `history.rs`: the pooled ring buffer.  `host.rs`: tensor → host.
 //! - `device.rs` + `cuda/sampling.cu`: the one-launch path for CUDA logits
 //!   and the device copy of the rings.
 
+mod adjust;
 mod batched;
 mod device;
 mod draw;
@@ -107,6 +115,7 @@ mod select;
 mod speculative;
 mod transform;
 
+pub use adjust::{LogitBias, TokenMask};
 pub use batched::Sampler;
 pub use options::{SamplingOptions, MAX_TOP_LOGPROBS};
 

@@ -16,6 +16,7 @@
 use candle_core::Tensor;
 use rand::Rng;
 
+use super::adjust::{RowAdjust, TokenMask};
 use super::batched::fault;
 use super::transform::{self, RowJob, RowScratch};
 use super::{draw, host, Sampler, SamplerError};
@@ -34,7 +35,21 @@ impl Sampler {
         logits: &Tensor,
         draft_prefix: &[u32],
     ) -> Result<Vec<Vec<f32>>, SamplerError> {
-        self.distributions_after(slot, logits, draft_prefix, 0)
+        self.distributions_after(slot, logits, draft_prefix, 0, &[])
+    }
+
+    /// [`speculative_distributions`](Self::speculative_distributions) with
+    /// row i under `masks[i]` (a grammar's mask after `draft_prefix[..i]`;
+    /// rows past the masks are unmasked): what `sample_masked` would draw
+    /// from at each position.
+    pub fn speculative_distributions_masked(
+        &self,
+        slot: SlotId,
+        logits: &Tensor,
+        draft_prefix: &[u32],
+        masks: &[TokenMask],
+    ) -> Result<Vec<Vec<f32>>, SamplerError> {
+        self.distributions_after(slot, logits, draft_prefix, 0, masks)
     }
 
     /// Like [`speculative_distributions`](Self::speculative_distributions)
@@ -47,7 +62,7 @@ impl Sampler {
         draft_prefix: &[u32],
         seen: usize,
     ) -> Result<Vec<Vec<f32>>, SamplerError> {
-        self.distributions_after(slot, logits, draft_prefix, seen)
+        self.distributions_after(slot, logits, draft_prefix, seen, &[])
     }
 
     fn distributions_after(
@@ -56,6 +71,7 @@ impl Sampler {
         logits: &Tensor,
         draft_prefix: &[u32],
         seen: usize,
+        masks: &[TokenMask],
     ) -> Result<Vec<Vec<f32>>, SamplerError> {
         let &r = self
             .index
@@ -101,6 +117,10 @@ impl Sampler {
                     logits: &data[i * vocab..(i + 1) * vocab],
                     plan: &state.plan,
                     window,
+                    adjust: RowAdjust {
+                        bias: state.bias.pairs(),
+                        mask: masks.get(i),
+                    },
                 };
                 let mut dist = vec![0.0f32; vocab];
                 transform::distribution_row(job, &mut scratch, &mut dist)

@@ -15,6 +15,7 @@
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
+use super::adjust::RowAdjust;
 use super::draw;
 use super::math;
 use super::select::{self, Cand};
@@ -109,6 +110,8 @@ pub(crate) struct RowJob<'a> {
     pub plan: &'a Plan,
     /// The tokens of the penalty window (any order; empty = no penalty).
     pub window: &'a [u32],
+    /// The slot's logit bias and this step's grammar mask, applied first.
+    pub adjust: RowAdjust<'a>,
 }
 
 /// Reusable buffers of one worker; sized on first use, never shrunk.
@@ -192,7 +195,8 @@ fn apply_penalty(
     })
 }
 
-/// Runs the chain up to the point of drawing.
+/// Runs the chain up to the point of drawing: bias and mask, penalties,
+/// truncation.
 fn process(job: RowJob<'_>, scratch: &mut RowScratch) -> Result<Outcome, RowFault> {
     let RowScratch {
         scores: buf,
@@ -207,10 +211,18 @@ fn process(job: RowJob<'_>, scratch: &mut RowScratch) -> Result<Outcome, RowFaul
     if bad {
         return Err(RowFault::NonFinite);
     }
-    let (scores, m): (&[f32], f32) = if plan.uses_history() && !job.window.is_empty() {
+    let penalised = plan.uses_history() && !job.window.is_empty();
+    let (scores, m): (&[f32], f32) = if penalised || !job.adjust.is_identity() {
         buf.clear();
         buf.extend_from_slice(job.logits);
-        let m = apply_penalty(buf, &plan.penalty, job.window, hist, raw_max)?;
+        let mut m = raw_max;
+        if !job.adjust.is_identity() {
+            job.adjust.apply(buf).map_err(RowFault::TokenOutOfVocab)?;
+            m = math::max(buf);
+        }
+        if penalised {
+            m = apply_penalty(buf, &plan.penalty, job.window, hist, m)?;
+        }
         (buf.as_slice(), m)
     } else {
         (job.logits, raw_max)
@@ -422,6 +434,7 @@ mod tests {
                 logits: &logits,
                 plan: &p,
                 window: &[],
+                adjust: RowAdjust::default(),
             };
             let mut scratch = RowScratch::default();
             let mut dist = vec![0.0; logits.len()];

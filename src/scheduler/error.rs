@@ -40,6 +40,10 @@ pub enum SchedulerError {
     /// A speculative-decoding option is out of range.
     #[error("invalid `mtp` options: {0}")]
     InvalidSpec(String),
+    /// A constraint (grammar, `logit_bias`, stop ids) is invalid; `field`
+    /// is the request field it came from.
+    #[error("invalid `{field}`: {reason}")]
+    InvalidConstraint { field: &'static str, reason: String },
     /// A sampling option is out of range.
     #[error("invalid `sampling`: {0}")]
     Sampling(#[from] SamplerError),
@@ -83,6 +87,7 @@ impl SchedulerError {
             SchedulerError::TokenOutOfVocab { .. } => "token_out_of_vocab",
             SchedulerError::Sampling(_) => "invalid_sampling",
             SchedulerError::InvalidSpec(_) => "invalid_mtp",
+            SchedulerError::InvalidConstraint { .. } => "invalid_constraint",
             SchedulerError::ExceedsKvCapacity { .. } => "exceeds_kv_capacity",
             SchedulerError::Overloaded { .. } => "overloaded",
             SchedulerError::ShuttingDown => "shutting_down",
@@ -104,6 +109,7 @@ impl SchedulerError {
                 | SchedulerError::TokenOutOfVocab { .. }
                 | SchedulerError::Sampling(_)
                 | SchedulerError::InvalidSpec(_)
+                | SchedulerError::InvalidConstraint { .. }
                 | SchedulerError::ExceedsKvCapacity { .. }
         )
     }

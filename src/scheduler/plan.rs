@@ -356,6 +356,7 @@ fn admit(
                 cached_tokens: cached,
             },
             spec: q.seq.speculation,
+            constraints: q.seq.constraints,
         });
         out.admitted.push(Admitted {
             id: q.id,

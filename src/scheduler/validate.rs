@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use crate::engine::{EngineInfo, SpecOptions};
+use crate::engine::{EngineInfo, SeqConstraints, SpecOptions};
 use crate::sampler::SamplingOptions;
 
 use super::SchedulerError;
@@ -35,6 +35,9 @@ pub(crate) struct ValidSeq {
     pub max_new_tokens: usize,
     /// Speculative decoding options; `None` uses the engine's default.
     pub speculation: Option<SpecOptions>,
+    /// Grammar, logit bias, stop ids: none unless
+    /// [`ValidSeq::with_constraints`] added them.
+    pub constraints: SeqConstraints,
     /// Private, so that no other module can build an unchecked `ValidSeq`.
     _checked: Checked,
 }
@@ -98,8 +101,42 @@ pub(crate) fn validate_seq(
         sampling,
         max_new_tokens,
         speculation: spec,
+        constraints: SeqConstraints::default(),
         _checked: Checked,
     })
+}
+
+impl ValidSeq {
+    /// Adds output constraints, whose token ids are checked here against
+    /// the vocabulary (a grammar was compiled against the tokenizer's, so
+    /// it needs no check).
+    pub(crate) fn with_constraints(
+        mut self,
+        constraints: SeqConstraints,
+        info: &EngineInfo,
+    ) -> Result<ValidSeq, SchedulerError> {
+        let out_of_vocab = |field: &'static str, token: u32| SchedulerError::InvalidConstraint {
+            field,
+            reason: format!(
+                "token id {token} is outside the vocabulary of {}",
+                info.vocab_size
+            ),
+        };
+        if let Some(t) = constraints.logit_bias.max_token() {
+            if t as usize >= info.vocab_size {
+                return Err(out_of_vocab("logit_bias", t));
+            }
+        }
+        if let Some(&t) = constraints
+            .stop_ids
+            .iter()
+            .find(|&&t| t as usize >= info.vocab_size)
+        {
+            return Err(out_of_vocab("stop", t));
+        }
+        self.constraints = constraints;
+        Ok(self)
+    }
 }
 
 #[cfg(test)]

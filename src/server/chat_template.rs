@@ -26,12 +26,30 @@ use crate::tokenizer::Tokenizer;
 const TEMPLATE_NAME: &str = "chat_template";
 
 /// One chat message, content flattened to text.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct ChatMessage {
     /// `system`, `developer`, `user`, `assistant` or `tool`.
     pub role: String,
     /// The message text.
     pub content: String,
+    /// An assistant message's `tool_calls`, as the client sent them (for
+    /// templates that render them; see `tools.rs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool message's `tool_call_id`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message with text only.
+    pub fn text(role: &str, content: String) -> Self {
+        Self {
+            role: role.to_string(),
+            content,
+            ..Self::default()
+        }
+    }
 }
 
 /// A template that does not compile.
@@ -43,6 +61,8 @@ pub struct TemplateError(#[from] Error);
 pub struct ChatTemplate {
     /// `None`: the plain fallback.
     env: Option<Environment<'static>>,
+    /// The template's source mentions `tools`: it renders them itself.
+    knows_tools: bool,
     bos_token: String,
     eos_token: String,
 }
@@ -63,6 +83,9 @@ struct Context<'a> {
     add_generation_prompt: bool,
     bos_token: &'a str,
     eos_token: &'a str,
+    /// Hugging Face's `tools` (absent when the request has none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<&'a serde_json::Value>,
 }
 
 impl ChatTemplate {
@@ -99,6 +122,7 @@ impl ChatTemplate {
         };
         Ok(Self {
             env,
+            knows_tools: source.is_some_and(|s| s.contains("tools")),
             bos_token,
             eos_token,
         })
@@ -109,12 +133,28 @@ impl ChatTemplate {
         self.env.is_some()
     }
 
+    /// Whether the template renders `tools` itself (Hermes, Qwen, Llama
+    /// 3.1 templates); otherwise tool calling uses the generic format.
+    pub fn knows_tools(&self) -> bool {
+        self.knows_tools
+    }
+
     /// The prompt for `messages`, ending with the assistant's cue when
     /// `add_generation_prompt` is set.
     pub fn render(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
+    ) -> Result<String, ApiError> {
+        self.render_with_tools(messages, add_generation_prompt, None)
+    }
+
+    /// [`render`](Self::render) with the request's `tools` in the context.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
     ) -> Result<String, ApiError> {
         let Some(env) = &self.env else {
             return Ok(plain(messages, add_generation_prompt));
@@ -124,6 +164,7 @@ impl ChatTemplate {
             add_generation_prompt,
             bos_token: &self.bos_token,
             eos_token: &self.eos_token,
+            tools,
         };
         env.get_template(TEMPLATE_NAME)
             .and_then(|t| t.render(&ctx))
@@ -231,6 +272,7 @@ mod tests {
             .map(|(r, c)| ChatMessage {
                 role: r.to_string(),
                 content: c.to_string(),
+                ..ChatMessage::default()
             })
             .collect()
     }

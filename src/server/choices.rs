@@ -237,7 +237,9 @@ pub fn chat_choices(
             index,
             message: ChatMessageOut {
                 role: "assistant",
-                content: out.text(),
+                content: Some(out.text()),
+                // Several choices do not parse tool calls (refused above).
+                tool_calls: None,
             },
             logprobs: logprobs.then_some(lp),
             finish_reason: Some(finish_reason(out.finished.reason)),

@@ -225,6 +225,7 @@ impl ApiError {
                 }
                 SchedulerError::Sampling(_) => bad("sampling"),
                 SchedulerError::InvalidSpec(_) => bad("tandem"),
+                SchedulerError::InvalidConstraint { field, .. } => bad(field),
                 SchedulerError::Overloaded { .. } => {
                     Self::new(StatusCode::TOO_MANY_REQUESTS, code, message)
                 }

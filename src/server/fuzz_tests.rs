@@ -38,6 +38,8 @@ const FIELDS: &[&str] = &[
     "best_of",
     "tools",
     "tool_choice",
+    "parallel_tool_calls",
+    "stop_token_ids",
     "response_format",
     "add_generation_prompt",
     "tandem",

@@ -143,6 +143,9 @@ pub struct Loaded {
     pub tokenizer: Tokenizer,
     pub template: ChatTemplate,
     pub model_name: String,
+    /// The model's own name from its files (GGUF `general.name`, config
+    /// `_name_or_path`), when they give one.
+    pub root: Option<String>,
 }
 
 /// Loads the model (blocking: run it off the async executor).
@@ -153,9 +156,15 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, LoadError> {
         weight_format: spec.weight_format,
         ..LoadOptions::default()
     };
+    let mut root = None;
     let (model, tokenizer, model_name) = match &spec.source {
         ModelSource::Dir(path) if crate::gguf::is_gguf_path(path) => {
             let file = crate::gguf::GgufFile::open(path)?;
+            root = file
+                .opt_str("general.name")
+                .ok()
+                .flatten()
+                .map(str::to_string);
             let tokenizer = Tokenizer::from_gguf(&file)?;
             let model = crate::gguf::load_model(&file, &opts)?;
             let name = path
@@ -165,6 +174,11 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, LoadError> {
             (model, tokenizer, name)
         }
         ModelSource::Dir(dir) => {
+            root = std::fs::read_to_string(dir.join("config.json"))
+                .ok()
+                .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+                .and_then(|c| c["_name_or_path"].as_str().map(str::to_string))
+                .filter(|n| !n.is_empty());
             let tokenizer = Tokenizer::from_dir(dir)?;
             let model = Model::from_dir(dir, &opts)?;
             let name = dir
@@ -198,6 +212,7 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, LoadError> {
         tokenizer,
         template,
         model_name,
+        root,
     })
 }
 

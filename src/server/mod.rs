@@ -95,6 +95,8 @@ pub mod routes_completions;
 pub mod routes_misc;
 pub mod sse;
 pub mod state;
+pub mod structured;
+pub mod tools;
 
 #[cfg(test)]
 mod fuzz_tests;

@@ -240,6 +240,7 @@ pub struct CompletionResponse {
     pub object: &'static str,
     pub created: u64,
     pub model: String,
+    pub system_fingerprint: &'static str,
     pub choices: Vec<CompletionChoice>,
     /// Outer `None`: no key; `Some(None)`: `"usage": null`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -250,7 +251,11 @@ pub struct CompletionResponse {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ChatMessageOut {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the answer is only tool calls.
+    pub content: Option<String>,
+    /// The calls the answer makes (`tools.rs`); absent when none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
 }
 
 /// One choice of a whole chat response.
@@ -262,6 +267,10 @@ pub struct ChatChoice {
     pub finish_reason: Option<&'static str>,
 }
 
+/// OpenAI's `system_fingerprint`: the server build that answered (the
+/// same seed and fingerprint give the same tokens).
+pub const SYSTEM_FINGERPRINT: &str = concat!("tandem-", env!("CARGO_PKG_VERSION"));
+
 /// `chat.completion` object.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ChatResponse {
@@ -269,6 +278,7 @@ pub struct ChatResponse {
     pub object: &'static str,
     pub created: u64,
     pub model: String,
+    pub system_fingerprint: &'static str,
     pub choices: Vec<ChatChoice>,
     pub usage: UsageJson,
 }
@@ -280,6 +290,9 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// Finished tool calls (each with its index, id, name and arguments).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
 }
 
 /// One choice of a streamed chat chunk.
@@ -298,6 +311,7 @@ pub struct ChatChunk {
     pub object: &'static str,
     pub created: u64,
     pub model: String,
+    pub system_fingerprint: &'static str,
     pub choices: Vec<ChatChunkChoice>,
     /// Outer `None`: no key; `Some(None)`: `"usage": null`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -313,6 +327,9 @@ pub struct ModelCard {
     pub owned_by: &'static str,
     /// Context length in tokens (a vLLM extension many clients read).
     pub max_model_len: usize,
+    /// The model's own name (GGUF `general.name`, a folder's config
+    /// `_name_or_path`), or the id when the files name none; vLLM's field.
+    pub root: String,
 }
 
 /// `GET /v1/models`.
@@ -351,6 +368,7 @@ mod tests {
             object: "chat.completion.chunk",
             created: 0,
             model: "m".into(),
+            system_fingerprint: SYSTEM_FINGERPRINT,
             choices: vec![],
             usage: Some(None),
         };

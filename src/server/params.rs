@@ -18,7 +18,8 @@ use super::body::{describe, Fields};
 use super::choices::ChoiceParams;
 use super::errors::ApiError;
 use super::mtp::{check_draft_max, MtpMode};
-use crate::api::{GenerateRequest, Prompt};
+use super::structured::parse_constraints;
+use crate::api::{GenerateRequest, OutputConstraints, Prompt};
 use crate::engine::SpecOptions;
 use crate::sampler::SamplingOptions;
 
@@ -42,6 +43,9 @@ pub struct CommonParams {
     pub include_usage: bool,
     /// The `tandem` extension: speculative decoding for this request.
     pub mtp: Option<SpecOptions>,
+    /// `response_format`, `tandem.grammar`, `logit_bias`, stop token ids
+    /// (`structured.rs`).
+    pub constraints: OutputConstraints,
     /// `n` and `best_of`.
     pub choices: ChoiceParams,
 }
@@ -58,7 +62,7 @@ impl CommonParams {
                 ));
             }
         }
-        check_logit_bias(f)?;
+        let constraints = parse_constraints(f)?;
         let mut max_tokens = None;
         for name in max_tokens_fields {
             if let Some(n) = f.int_in(name, 1, i64::from(u32::MAX))? {
@@ -75,6 +79,11 @@ impl CommonParams {
             None => false,
         };
         let mtp = parse_tandem_extension(f)?;
+        // OpenAI's end-user id: accepted and recorded in the route's
+        // request span (its `user` field), nothing else.
+        if let Some(user) = f.get::<String>("user")? {
+            tracing::Span::current().record("user", user.as_str());
+        }
         let choices = ChoiceParams::parse(f, stream)?;
         Ok(Self {
             max_tokens,
@@ -83,6 +92,7 @@ impl CommonParams {
             stream,
             include_usage,
             mtp,
+            constraints,
             choices,
         })
     }
@@ -100,6 +110,7 @@ impl CommonParams {
             sampling: self.choices.sampling(self.sampling),
             stop: self.stop,
             mtp: self.mtp,
+            constraints: self.constraints,
         }
     }
 }
@@ -151,69 +162,11 @@ fn parse_sampling(f: &Fields) -> Result<SamplingOptions, ApiError> {
     Ok(s)
 }
 
-/// Largest magnitude of a `logit_bias` value (OpenAI's range).
-pub const MAX_LOGIT_BIAS: f64 = 100.0;
-
-/// `logit_bias`: an object mapping token ids (as decimal strings) to numbers
-/// in [-100, 100]. Type-checked in full, so a wrong shape is a 400 that
-/// names the entry; a well-typed, non-empty bias is then refused as not
-/// supported yet (it would change the answer if silently ignored). An empty
-/// object is the neutral value and is accepted.
-pub fn check_logit_bias(f: &Fields) -> Result<(), ApiError> {
-    let Some(raw) = f.raw("logit_bias") else {
-        return Ok(());
-    };
-    let Value::Object(bias) = raw else {
-        return Err(ApiError::invalid_field(
-            "logit_bias",
-            format!(
-                "expected an object mapping token ids to numbers, got {}",
-                describe(raw)
-            ),
-        ));
-    };
-    for (key, value) in bias {
-        let field = format!("logit_bias.{key}");
-        if key.is_empty() || !key.bytes().all(|b| b.is_ascii_digit()) || key.parse::<u32>().is_err()
-        {
-            return Err(ApiError::invalid_field(
-                "logit_bias",
-                format!(
-                    "keys must be token ids (decimal integers in [0, {}]), got {key:?}",
-                    u32::MAX
-                ),
-            ));
-        }
-        match value.as_f64() {
-            Some(x) if (-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(&x) => {}
-            Some(x) => {
-                return Err(ApiError::invalid_field(
-                    field,
-                    format!("must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {x}"),
-                ))
-            }
-            None => {
-                return Err(ApiError::invalid_field(
-                    field,
-                    format!("expected a number, got {}", describe(value)),
-                ))
-            }
-        }
-    }
-    if !bias.is_empty() {
-        return Err(ApiError::unsupported(
-            "logit_bias",
-            "logit bias is not supported yet",
-        ));
-    }
-    Ok(())
-}
-
 /// `tools`: a list of `{"type": "function", "function": {"name": …}}`.
-/// Type-checked in full (a wrong shape is a 400 naming the entry); a
-/// well-typed, non-empty list is then refused as not supported yet. An
-/// empty list is accepted. `tool_choice`, when given, must be a string or
-/// an object, and anything but `"none"`/`"auto"` needs tools.
+/// Type-checked in full (a wrong shape is a 400 naming the entry; the
+/// calling itself is `tools.rs`). `tool_choice`, when given, must be
+/// `none`, `auto`, `required` or an object, and anything but
+/// `"none"`/`"auto"` needs tools.
 pub fn check_tools(f: &Fields) -> Result<(), ApiError> {
     let tools = match f.raw("tools") {
         None => &Vec::new(),
@@ -266,6 +219,12 @@ pub fn check_tools(f: &Fields) -> Result<(), ApiError> {
         None => {}
         Some(Value::String(c)) if c == "none" || c == "auto" => {}
         Some(Value::String(c)) if c == "required" && !tools.is_empty() => {}
+        Some(Value::String(c)) if c != "required" => {
+            return Err(ApiError::invalid_field(
+                "tool_choice",
+                format!("expected `none`, `auto`, `required` or an object, got `{c}`"),
+            ))
+        }
         Some(Value::Object(_)) if !tools.is_empty() => {}
         Some(c @ (Value::String(_) | Value::Object(_))) => {
             return Err(ApiError::invalid_field(
@@ -283,28 +242,24 @@ pub fn check_tools(f: &Fields) -> Result<(), ApiError> {
             ))
         }
     }
-    if !tools.is_empty() {
-        return Err(ApiError::unsupported(
-            "tools",
-            "tool calling is not supported yet",
-        ));
-    }
     Ok(())
 }
 
-/// `stop`: a string or a list of non-empty strings.
+/// `stop`: a string or a list of non-empty strings (integers in the list
+/// are stop token ids, read by `structured.rs`).
 fn parse_stop(f: &Fields) -> Result<Vec<String>, ApiError> {
     let stop = match f.raw("stop") {
-        None => return Ok(Vec::new()),
+        None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(items)) => items
             .iter()
             .enumerate()
+            .filter(|(_, v)| !v.is_number())
             .map(|(i, v)| match v {
                 Value::String(s) => Ok(s.clone()),
                 other => Err(ApiError::invalid_field(
                     format!("stop[{i}]"),
-                    format!("expected a string, got {}", describe(other)),
+                    format!("expected a string or a token id, got {}", describe(other)),
                 )),
             })
             .collect::<Result<_, _>>()?,
@@ -403,7 +358,7 @@ mod tests {
         assert_eq!(param_of(r#"{"temperature":3}"#), "temperature");
         assert_eq!(param_of(r#"{"n":0}"#), "n");
         assert_eq!(param_of(r#"{"max_tokens":0}"#), "max_tokens");
-        assert_eq!(param_of(r#"{"stop":[1]}"#), "stop[0]");
+        assert_eq!(param_of(r#"{"stop":[true]}"#), "stop[0]");
         assert_eq!(param_of(r#"{"stop":["a",""]}"#), "stop[1]");
         assert_eq!(
             param_of(r#"{"repetition_penalty":0}"#),
@@ -423,27 +378,21 @@ mod tests {
             "tandem.draft_max"
         );
         assert_eq!(param_of(r#"{"model":3}"#), "model");
-        assert_eq!(param_of(r#"{"logit_bias":{"5":1}}"#), "logit_bias");
-        for bad in [r#""x""#, "1", "true", "[1]"] {
-            let e = parse(&format!(r#"{{"logit_bias":{bad}}}"#)).unwrap_err();
-            assert_eq!(e.param.as_deref(), Some("logit_bias"), "{bad}");
-            assert_eq!(e.code, "invalid_value", "{bad}");
-        }
-        assert_eq!(param_of(r#"{"logit_bias":{"x":1}}"#), "logit_bias");
-        assert_eq!(param_of(r#"{"logit_bias":{"-1":1}}"#), "logit_bias");
-        assert_eq!(param_of(r#"{"logit_bias":{"5":"a"}}"#), "logit_bias.5");
+        assert_eq!(param_of(r#"{"user":3}"#), "user");
+        assert!(parse(r#"{"user":"u-1","unknown_field":[1]}"#).is_ok());
         assert_eq!(param_of(r#"{"logit_bias":{"5":101}}"#), "logit_bias.5");
-        let e = parse(r#"{"logit_bias":{"5":-100}}"#).unwrap_err();
         assert_eq!(
-            (e.code, e.param.as_deref()),
-            ("unsupported_value", Some("logit_bias"))
+            parse(r#"{"logit_bias":{"5":-100}}"#)
+                .unwrap()
+                .constraints
+                .logit_bias,
+            vec![(5, -100.0)]
         );
-        assert!(e.message.contains("not supported yet"), "{}", e.message);
         assert!(parse(r#"{"logit_bias":{}}"#).is_ok());
     }
 
     #[test]
-    fn tools_are_type_checked_then_refused() {
+    fn tools_are_type_checked() {
         let tools = |json: &str| {
             let e = check_tools(&parse_object(json.as_bytes()).unwrap()).unwrap_err();
             (e.code, e.param.unwrap_or_default())
@@ -475,7 +424,7 @@ mod tests {
         assert_eq!(tools(r#"{"tool_choice":"required"}"#).1, "tool_choice");
         assert_eq!(tools(r#"{"tool_choice":5}"#).1, "tool_choice");
         let ok = r#"{"tools":[{"type":"function","function":{"name":"f","parameters":{}}}]}"#;
-        assert_eq!(tools(ok), ("unsupported_value", "tools".into()));
+        assert!(check_tools(&parse_object(ok.as_bytes()).unwrap()).is_ok());
         assert!(
             check_tools(&parse_object(br#"{"tools":[],"tool_choice":"none"}"#).unwrap()).is_ok()
         );

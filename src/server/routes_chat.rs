@@ -4,16 +4,18 @@
 //! `system`, `developer`, `user`, `assistant`, `tool`; content a string or a
 //! list of `{"type": "text", "text": …}` parts), `max_completion_tokens`
 //! (preferred over `max_tokens`), `logprobs` (bool) with `top_logprobs`
-//! (0–20, needs `logprobs`), and the extension `add_generation_prompt`
-//! (default true). `tools` and non-text `response_format`s are refused
-//! with a 400 rather than ignored. Without a limit, generation runs until
-//! EOS or the context is full. `n`, and `best_of` as vLLM's extension, go
-//! through [`choices`].
+//! (0–20, needs `logprobs`), the extension `add_generation_prompt`
+//! (default true), and tool calling (`tools`, `tool_choice`,
+//! `parallel_tool_calls`, tool messages: `tools.rs`). `response_format` is
+//! shared with completions (`structured.rs`). Without a limit, generation
+//! runs until EOS or the context is full. `n`, and `best_of` as vLLM's
+//! extension, go through [`choices`] (not with tool calls yet: a 400).
 
 use std::sync::Arc;
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::Value;
+use tracing::Instrument;
 
 use super::body::{describe, json_kind, parse_object, read_body, respond, Fields};
 use super::chat_template::ChatMessage;
@@ -21,11 +23,12 @@ use super::choices::{self, ChoiceParams};
 use super::errors::ApiError;
 use super::openai_types::{
     finish_reason, unix_now, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs,
-    ChatMessageOut, ChatResponse, UsageJson,
+    ChatMessageOut, ChatResponse, UsageJson, SYSTEM_FINGERPRINT,
 };
-use super::params::{check_tools, CommonParams};
+use super::params::CommonParams;
 use super::sse::{ChunkFormatter, SseStream};
 use super::state::{AppState, Ready};
+use super::tools::{self, CallStream, ToolRequest};
 use super::{count, ROUTE_CHAT};
 use crate::api::{Event, Finished, GenerateRequest, Prompt, TokenInfo};
 use crate::sampler::MAX_TOP_LOGPROBS;
@@ -38,7 +41,9 @@ pub async fn chat_completions(
     mut payload: web::Payload,
     state: web::Data<AppState>,
 ) -> HttpResponse {
-    let result = handle(&req, &mut payload, &state).await;
+    // The request span: `user` is filled in once the body is read.
+    let span = tracing::info_span!("request", route = "chat", user = tracing::field::Empty);
+    let result = handle(&req, &mut payload, &state).instrument(span).await;
     respond(count(&state, ROUTE_CHAT, result), payload)
 }
 
@@ -58,13 +63,27 @@ async fn handle(
     .await?;
     let f = parse_object(&body)?;
     let Parsed {
-        messages,
-        common,
+        mut messages,
+        mut common,
         logprobs,
         add_generation_prompt,
+        tools,
     } = parse(&f)?;
-    let prompt = ready.template.render(&messages, add_generation_prompt)?;
+    let prompt = render_prompt(
+        &ready,
+        &mut messages,
+        add_generation_prompt,
+        &tools,
+        &mut common,
+    )?;
     let (stream, include_usage, choices) = (common.stream, common.include_usage, common.choices);
+    let parses_calls = tools.as_ref().is_some_and(ToolRequest::parses_calls);
+    if parses_calls && !choices.is_single() {
+        return Err(ApiError::unsupported(
+            "n",
+            "several choices with tool calls are not supported yet (n and best_of must be 1)",
+        ));
+    }
     let request = common.into_request(Prompt::Text(prompt), None);
     if !choices.is_single() {
         let created = unix_now();
@@ -75,6 +94,7 @@ async fn handle(
             logprobs,
             include_usage,
             index,
+            calls: None,
         };
         return several_choices(&ready, request, choices, stream, format, &f).await;
     }
@@ -90,6 +110,7 @@ async fn handle(
         logprobs,
         include_usage,
         index: 0,
+        calls: parses_calls.then(|| CallStream::new(format!("call_{}", events.id().0))),
     };
     if stream {
         return Ok(SseStream::new(events, format).into_response());
@@ -106,19 +127,29 @@ async fn handle(
                 text.push_str(&t);
             }
             Event::Finished(fin) => {
+                let mut finish = finish_reason(fin.reason);
+                let (content, calls) = match format.calls {
+                    Some(_) => tools::parse_calls(&text, &format!("call_{}", fin.id.0)),
+                    None => (Some(text), Vec::new()),
+                };
+                if !calls.is_empty() {
+                    finish = "tool_calls";
+                }
                 let response = ChatResponse {
                     id: format.id,
                     object: "chat.completion",
                     created: format.created,
                     model: ready.model_name.clone(),
+                    system_fingerprint: SYSTEM_FINGERPRINT,
                     choices: vec![ChatChoice {
                         index: 0,
                         message: ChatMessageOut {
                             role: "assistant",
-                            content: text,
+                            content,
+                            tool_calls: (!calls.is_empty()).then_some(calls),
                         },
                         logprobs: logprobs.then_some(lp),
-                        finish_reason: Some(finish_reason(fin.reason)),
+                        finish_reason: Some(finish),
                     }],
                     usage: UsageJson::from(fin.usage),
                 };
@@ -164,6 +195,7 @@ async fn several_choices(
         object: "chat.completion",
         created: first.created,
         model: ready.model_name.clone(),
+        system_fingerprint: SYSTEM_FINGERPRINT,
         choices: choices::chat_choices(&collected, first.logprobs, ready.handle.tokenizer()),
         usage: collected.usage,
     };
@@ -178,13 +210,15 @@ pub struct Parsed {
     pub common: CommonParams,
     pub logprobs: bool,
     pub add_generation_prompt: bool,
+    /// `tools`, `tool_choice`, `parallel_tool_calls`; `None` without tools.
+    pub tools: Option<ToolRequest>,
 }
 
 /// Reads and checks every field of a chat body (no I/O: the fuzz tests
 /// drive it directly). Errors are 400s that name the field.
 pub fn parse(f: &Fields) -> Result<Parsed, ApiError> {
     let messages = parse_messages(f)?;
-    check_unsupported(f)?;
+    let tools = tools::parse_tools(f)?;
     let mut common = CommonParams::parse(f, &["max_completion_tokens", "max_tokens"])?;
     let logprobs = f.get::<bool>("logprobs")?.unwrap_or(false);
     let top = f.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS as i64)?;
@@ -202,7 +236,44 @@ pub fn parse(f: &Fields) -> Result<Parsed, ApiError> {
         common,
         logprobs,
         add_generation_prompt,
+        tools,
     })
+}
+
+/// The prompt, with the request's tools told to the model the way its
+/// template expects (`tools.rs`), and the tool-call grammar added to the
+/// request's constraints.
+fn render_prompt(
+    ready: &Ready,
+    messages: &mut Vec<ChatMessage>,
+    add_generation_prompt: bool,
+    tools: &Option<ToolRequest>,
+    common: &mut CommonParams,
+) -> Result<String, ApiError> {
+    let knows_tools = ready.template.knows_tools();
+    if !knows_tools {
+        tools::write_back_all(messages);
+    }
+    let Some(t) = tools else {
+        return ready.template.render(messages, add_generation_prompt);
+    };
+    if let Some(grammar) = t.constraint(knows_tools) {
+        if common.constraints.grammar.is_some() {
+            return Err(ApiError::invalid_field(
+                "tools",
+                "tool calls with `tool_choice` other than `none` cannot be combined with a `response_format` or `tandem.grammar`",
+            ));
+        }
+        common.constraints.grammar = Some(grammar);
+    }
+    if knows_tools {
+        ready
+            .template
+            .render_with_tools(messages, add_generation_prompt, Some(&t.raw))
+    } else {
+        t.add_tool_prompt(messages);
+        ready.template.render(messages, add_generation_prompt)
+    }
 }
 
 /// The library names the token limit `max_tokens`; a client that sent
@@ -258,7 +329,7 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
         ));
     }
     let content = match m.raw("content") {
-        None => String::new(),
+        None | Some(Value::Null) => String::new(),
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(parts)) => {
             let mut text = String::new();
@@ -293,22 +364,13 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
             ))
         }
     };
-    Ok(ChatMessage { role, content })
-}
-
-/// Fields that would change the answer's meaning if silently ignored.
-fn check_unsupported(f: &Fields) -> Result<(), ApiError> {
-    check_tools(f)?;
-    if let Some(fmt) = f.object("response_format")? {
-        let kind = fmt.get_as::<String>("type", "response_format.type")?;
-        if kind.as_deref().is_some_and(|k| k != "text") {
-            return Err(ApiError::unsupported(
-                "response_format.type",
-                "only `text` responses are supported",
-            ));
-        }
-    }
-    Ok(())
+    let (tool_calls, tool_call_id) = tools::message_tool_fields(map, i)?;
+    Ok(ChatMessage {
+        role,
+        content,
+        tool_calls,
+        tool_call_id,
+    })
 }
 
 /// Builds chat stream chunks for one request.
@@ -320,6 +382,9 @@ struct ChatFormat {
     include_usage: bool,
     /// The choice this formatter streams.
     index: usize,
+    /// Splits the streamed text into content and tool calls, when the
+    /// request has tools to call.
+    calls: Option<CallStream>,
 }
 
 impl ChatFormat {
@@ -329,6 +394,7 @@ impl ChatFormat {
             object: "chat.completion.chunk",
             created: self.created,
             model: self.ready.model_name.clone(),
+            system_fingerprint: SYSTEM_FINGERPRINT,
             choices,
             usage: self.include_usage.then_some(usage),
         };
@@ -355,6 +421,7 @@ impl ChunkFormatter for ChatFormat {
         let delta = ChatDelta {
             role: Some("assistant"),
             content: Some(String::new()),
+            tool_calls: None,
         };
         vec![self.chunk(vec![self.choice(delta, None, None)], None)]
     }
@@ -368,16 +435,41 @@ impl ChunkFormatter for ChatFormat {
             lp.extend(self.ready.handle.tokenizer(), &tokens, &text);
             lp
         });
+        let (content, calls) = match self.calls.as_mut() {
+            Some(splitter) => splitter.push(&text),
+            None => (text, Vec::new()),
+        };
+        if content.is_empty() && calls.is_empty() && logprobs.is_none() {
+            return None;
+        }
         let delta = ChatDelta {
             role: None,
-            content: Some(text),
+            content: (!content.is_empty() || calls.is_empty()).then_some(content),
+            tool_calls: (!calls.is_empty()).then_some(calls),
         };
         Some(self.chunk(vec![self.choice(delta, logprobs, None)], None))
     }
 
     fn finished(&mut self, finished: &Finished) -> Vec<String> {
-        let reason = Some(finish_reason(finished.reason));
-        vec![self.chunk(vec![self.choice(ChatDelta::default(), None, reason)], None)]
+        let mut reason = finish_reason(finished.reason);
+        let mut out = Vec::new();
+        if let Some(splitter) = self.calls.as_mut() {
+            let held = splitter.finish();
+            if splitter.called() {
+                reason = "tool_calls";
+            } else if !held.is_empty() {
+                let delta = ChatDelta {
+                    content: Some(held),
+                    ..ChatDelta::default()
+                };
+                out.push(self.chunk(vec![self.choice(delta, None, None)], None));
+            }
+        }
+        out.push(self.chunk(
+            vec![self.choice(ChatDelta::default(), None, Some(reason))],
+            None,
+        ));
+        out
     }
 
     fn usage(&mut self, usage: UsageJson) -> Option<String> {

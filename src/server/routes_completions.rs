@@ -3,20 +3,23 @@
 //! Fields beyond the shared ones ([`CommonParams`]): `prompt` (a string, or a
 //! list of token ids; a one-element list of either is accepted too),
 //! `logprobs` (an integer: report the sampled token's log-probability and
-//! that many alternatives, at most 20), `echo` (only `false`), `suffix`
-//! (only empty). `n` and `best_of` ([`choices`]) go through their own path.
-//! `max_tokens` defaults to 16, as in OpenAI's API.
+//! that many alternatives, at most 20), `echo` (the prompt's text before
+//! the completion; logprobs cover the completion only; one choice only),
+//! `suffix` (only empty). `n` and `best_of` ([`choices`]) go through their
+//! own path. `max_tokens` defaults to 16, as in OpenAI's API.
 
 use std::sync::Arc;
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::Value;
+use tracing::Instrument;
 
 use super::body::{describe, parse_object, read_body, respond, Fields};
 use super::choices::{self, ChoiceParams};
 use super::errors::ApiError;
 use super::openai_types::{
     finish_reason, unix_now, CompletionChoice, CompletionLogprobs, CompletionResponse, UsageJson,
+    SYSTEM_FINGERPRINT,
 };
 use super::params::CommonParams;
 use super::sse::{ChunkFormatter, SseStream};
@@ -34,7 +37,13 @@ pub async fn completions(
     mut payload: web::Payload,
     state: web::Data<AppState>,
 ) -> HttpResponse {
-    let result = handle(&req, &mut payload, &state).await;
+    // The request span: `user` is filled in once the body is read.
+    let span = tracing::info_span!(
+        "request",
+        route = "completions",
+        user = tracing::field::Empty
+    );
+    let result = handle(&req, &mut payload, &state).instrument(span).await;
     respond(count(&state, ROUTE_COMPLETIONS, result), payload)
 }
 
@@ -58,9 +67,16 @@ async fn handle(
         logprobs,
         stream,
         include_usage,
+        echo,
         choices,
     } = parse(&f)?;
     if !choices.is_single() {
+        if echo {
+            return Err(ApiError::unsupported(
+                "echo",
+                "echo with several choices is not supported yet (n and best_of must be 1)",
+            ));
+        }
         let created = unix_now();
         let format = |id: &str, index| CompletionFormat {
             id: id.to_string(),
@@ -70,9 +86,19 @@ async fn handle(
             include_usage,
             offset: 0,
             index,
+            echo: None,
         };
         return several_choices(&ready, request, choices, stream, format).await;
     }
+    let echoed = match (&request.prompt, echo) {
+        (_, false) => String::new(),
+        (Prompt::Text(text), true) => text.clone(),
+        (Prompt::Tokens(ids), true) => ready
+            .handle
+            .tokenizer()
+            .decode(ids)
+            .map_err(|e| ApiError::invalid_field("prompt", e))?,
+    };
     let mut events = ready
         .handle
         .generate(request)
@@ -86,11 +112,12 @@ async fn handle(
         include_usage,
         offset: 0,
         index: 0,
+        echo: Some(echoed.clone()).filter(|e| !e.is_empty()),
     };
     if stream {
         return Ok(SseStream::new(events, format).into_response());
     }
-    let (mut text, mut lp) = (String::new(), CompletionLogprobs::default());
+    let (mut text, mut lp) = (echoed, CompletionLogprobs::default());
     while let Some(event) = events.next_event().await {
         match event {
             Event::Tokens {
@@ -157,6 +184,8 @@ pub struct Parsed {
     pub logprobs: Option<i64>,
     pub stream: bool,
     pub include_usage: bool,
+    /// `echo`: the prompt's text comes first.
+    pub echo: bool,
     /// `n` and `best_of`.
     pub choices: ChoiceParams,
 }
@@ -173,11 +202,13 @@ pub fn parse(f: &Fields) -> Result<Parsed, ApiError> {
         common.sampling.top_logprobs = n as usize;
     }
     let (stream, include_usage, choices) = (common.stream, common.include_usage, common.choices);
+    let echo = f.get::<bool>("echo")?.unwrap_or(false);
     Ok(Parsed {
         request: common.into_request(prompt, Some(DEFAULT_MAX_TOKENS)),
         logprobs,
         stream,
         include_usage,
+        echo,
         choices,
     })
 }
@@ -225,12 +256,6 @@ fn parse_prompt(f: &Fields) -> Result<Prompt, ApiError> {
 
 /// Fields this server accepts only at their neutral value.
 fn check_unsupported(f: &Fields) -> Result<(), ApiError> {
-    if f.get::<bool>("echo")? == Some(true) {
-        return Err(ApiError::unsupported(
-            "echo",
-            "echoing the prompt is not supported",
-        ));
-    }
     if f.get::<String>("suffix")?.is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported(
             "suffix",
@@ -251,6 +276,8 @@ struct CompletionFormat {
     offset: usize,
     /// The choice this formatter streams.
     index: usize,
+    /// The prompt's text, sent first (`echo`).
+    echo: Option<String>,
 }
 
 impl CompletionFormat {
@@ -264,6 +291,7 @@ impl CompletionFormat {
             object: "text_completion",
             created: self.created,
             model: self.ready.model_name.clone(),
+            system_fingerprint: SYSTEM_FINGERPRINT,
             choices,
             usage,
         }
@@ -277,7 +305,17 @@ impl CompletionFormat {
 
 impl ChunkFormatter for CompletionFormat {
     fn start(&mut self) -> Vec<String> {
-        Vec::new()
+        let Some(text) = self.echo.take() else {
+            return Vec::new();
+        };
+        self.offset = text.chars().count();
+        let choice = CompletionChoice {
+            index: 0,
+            text,
+            logprobs: None,
+            finish_reason: None,
+        };
+        vec![self.chunk(vec![choice], None)]
     }
 
     fn tokens(&mut self, text: String, tokens: Vec<TokenInfo>) -> Option<String> {

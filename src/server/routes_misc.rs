@@ -51,6 +51,10 @@ fn model_card(ready: &Ready) -> ModelCard {
         created: ready.created,
         owned_by: "tandem",
         max_model_len: ready.handle.info().context_len,
+        root: ready
+            .root
+            .clone()
+            .unwrap_or_else(|| ready.model_name.clone()),
     }
 }
 

@@ -55,6 +55,8 @@ pub struct Ready {
     pub template: ChatTemplate,
     /// The model id reported to clients.
     pub model_name: String,
+    /// The model's own name from its files, when they give one.
+    pub root: Option<String>,
     /// Unix time at which the model became ready (`created` of the model card).
     pub created: u64,
 }
@@ -98,8 +100,20 @@ impl AppState {
 
     /// The model is loaded: start serving with `handle`.
     pub fn set_ready(&self, handle: TandemHandle, template: ChatTemplate) {
+        self.set_ready_named(handle, template, None);
+    }
+
+    /// [`set_ready`](Self::set_ready) with the model's own name (shown as
+    /// `root` in `/v1/models`).
+    pub fn set_ready_named(
+        &self,
+        handle: TandemHandle,
+        template: ChatTemplate,
+        root: Option<String>,
+    ) {
         let ready = Ready {
             model_name: handle.info().model_name.clone(),
+            root,
             handle,
             template,
             created: unix_now(),

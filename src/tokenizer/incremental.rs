@@ -248,7 +248,7 @@ mod tests {
     fn a_context_that_decodes_to_nothing_keeps_the_leading_space() {
         use super::IncrementalDecoder;
         use crate::tokenizer::word_vocab::{word_level_tokenizer, BOS_ID, FIXED_TOKENS, UNK_ID};
-        let tok = std::sync::Arc::new(word_level_tokenizer(64, 7).unwrap());
+        let tok = std::sync::Arc::new(word_level_tokenizer(256, 7).unwrap());
         let word = FIXED_TOKENS as u32 + 3;
         let own = tok.token_text(word).unwrap();
         assert!(own.starts_with(' '), "{own:?}");

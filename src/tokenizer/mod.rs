@@ -35,6 +35,9 @@ pub mod stop;
 pub mod word_vocab;
 
 use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use crate::structured::GrammarCompiler;
 
 pub use error::TokenizerError;
 pub use incremental::{IncrementalDecoder, TextChunk};
@@ -61,6 +64,9 @@ pub struct Tokenizer {
     post_processor_adds_bos: bool,
     vocab_size: usize,
     chat_template: Option<String>,
+    /// The grammar compiler over this vocabulary, built on first use and
+    /// shared by clones (see [`Tokenizer::grammar_compiler`]).
+    grammar: Arc<OnceLock<Result<Arc<GrammarCompiler>, String>>>,
 }
 
 impl Tokenizer {
@@ -145,6 +151,7 @@ impl Tokenizer {
             post_processor_adds_bos,
             vocab_size,
             chat_template: None,
+            grammar: Arc::default(),
         })
     }
 
@@ -239,6 +246,16 @@ impl Tokenizer {
     /// The chat template (Jinja source) from the model folder, if any.
     pub fn chat_template(&self) -> Option<&str> {
         self.chat_template.as_deref()
+    }
+
+    /// The compiler of constrained-decoding grammars over this vocabulary
+    /// (its token trie), built the first time it is asked for: blocking
+    /// work, so ask from a worker thread. A failure (no EOS id) is kept and
+    /// returned to every caller.
+    pub fn grammar_compiler(&self) -> Result<Arc<GrammarCompiler>, String> {
+        self.grammar
+            .get_or_init(|| GrammarCompiler::new(self).map(Arc::new))
+            .clone()
     }
 
     /// The wrapped `tokenizers` tokenizer, for what this type does not cover.

@@ -12,6 +12,12 @@
 //!   post-processor), 2 `</s>` (EOS); all three are special tokens, skipped
 //!   when decoding.
 //! - 3.. the punctuation marks of [`PUNCTUATION`], in that order.
+//! - then one *glue* token per character of [`glue_chars`] (tab, newline,
+//!   then printable ASCII `' '..='~'` in byte order), spelled `##c`: it decodes to `c` with no space before it,
+//!   so constrained output (JSON, a regex, tool calls) can spell any ASCII
+//!   text, keys and digits included, on a vocabulary of words. Nothing
+//!   encodes to a glue token (the pre-tokenizer splits `#`); only
+//!   generation produces them.
 //! - then `vocab_size - FIXED_TOKENS` unique lowercase words, in generation
 //!   order.
 //!
@@ -44,8 +50,24 @@ pub const SPECIAL_TOKENS: [&str; 3] = ["<unk>", "<s>", "</s>"];
 /// Punctuation tokens, ids 3.. in this order. Each attaches to the word
 /// before it when decoding.
 pub const PUNCTUATION: [&str; 6] = [".", ",", "!", "?", ";", ":"];
+/// Id of the first glue token; see [`glue_id`].
+pub const FIRST_GLUE: u32 = (SPECIAL_TOKENS.len() + PUNCTUATION.len()) as u32;
+/// The glue tokens: tab, newline, then every printable ASCII byte.
+pub const GLUE_TOKENS: usize = 2 + (b'~' - b' ' + 1) as usize;
+
+/// The characters of the glue tokens, in id order.
+pub fn glue_chars() -> impl Iterator<Item = u8> {
+    [b'\t', b'\n'].into_iter().chain(b' '..=b'~')
+}
+
+/// The id of the glue token that decodes to `c`, if there is one.
+pub fn glue_id(c: u8) -> Option<u32> {
+    glue_chars()
+        .position(|g| g == c)
+        .map(|i| FIRST_GLUE + i as u32)
+}
 /// Ids before the first word.
-pub const FIXED_TOKENS: usize = SPECIAL_TOKENS.len() + PUNCTUATION.len();
+pub const FIXED_TOKENS: usize = SPECIAL_TOKENS.len() + PUNCTUATION.len() + GLUE_TOKENS;
 /// Smallest accepted `vocab_size` (the fixed tokens and one word).
 pub const MIN_VOCAB_SIZE: usize = FIXED_TOKENS + 1;
 /// Largest accepted `vocab_size`. Far below the number of distinct words the
@@ -141,9 +163,11 @@ fn pick<'a>(rng: &mut ChaCha8Rng, table: &[&'a str]) -> &'a str {
 /// The `tokenizer.json` document for the given words.
 fn tokenizer_json(words: &[String]) -> Value {
     let mut vocab = Map::with_capacity(FIXED_TOKENS + words.len());
+    let glue = glue_chars().map(|c| format!("##{}", char::from(c)));
     let fixed = SPECIAL_TOKENS.iter().chain(PUNCTUATION.iter());
     for (id, token) in fixed
         .map(|t| t.to_string())
+        .chain(glue)
         .chain(words.iter().cloned())
         .enumerate()
     {

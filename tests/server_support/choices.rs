@@ -213,6 +213,7 @@ async fn n_best_of_returns_the_highest_cumulative_logprobs() {
         },
         stop: vec![],
         mtp: None,
+        constraints: Default::default(),
     };
     let all = s.handle().complete_choices(request, 4).await.unwrap();
     let mut ranked: Vec<(f64, String)> = all

@@ -176,7 +176,8 @@ async fn slow_bodies_time_out_with_a_json_408() {
 }
 
 /// Defect 3: wrong-typed `logit_bias` and `tools` are 400s naming the field;
-/// well-typed ones Tandem cannot honour yet are 400s saying so.
+/// well-typed ones that cannot be honoured (an id outside the vocabulary,
+/// a parameters schema that does not compile) too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_typed_logit_bias_and_tools_are_named() {
     let s = TestServer::ready();
@@ -198,9 +199,9 @@ async fn wrong_typed_logit_bias_and_tools_are_named() {
     ));
     cases.push((
         "/v1/completions",
-        json!({"prompt": "x", "logit_bias": {"5": 10}}),
+        json!({"prompt": "x", "logit_bias": {"99999999": 10}}),
         "logit_bias",
-        "unsupported_value",
+        "invalid_constraint",
     ));
     let chat =
         |tools: Value| json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools});
@@ -215,9 +216,9 @@ async fn wrong_typed_logit_bias_and_tools_are_named() {
     ));
     cases.push((
         "/v1/chat/completions",
-        chat(json!([{"type": "function", "function": {"name": "f"}}])),
+        chat(json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}])),
         "tools",
-        "unsupported_value",
+        "invalid_request",
     ));
     for (path, body, param, code) in cases {
         let (status, v) = post_json(&c, &s.url(path), &body).await;

@@ -96,7 +96,7 @@ async fn bad_inputs_get_their_status_and_name_the_field() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": "x", "stop": [1]}),
+            json!({"prompt": "x", "stop": [true]}),
             400,
             Some("stop[0]"),
         ),
@@ -144,7 +144,7 @@ async fn bad_inputs_get_their_status_and_name_the_field() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": "x", "echo": true}),
+            json!({"prompt": "x", "echo": "yes"}),
             400,
             Some("echo"),
         ),

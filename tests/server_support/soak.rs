@@ -130,7 +130,7 @@ fn malformed(rng: &mut Rng) -> Vec<u8> {
         r#"{"prompt": "x", "logit_bias": "x"}"#,
         r#"{"prompt": "x", "max_tokens": -3}"#,
         r#"{"prompt": {"a": 1}}"#,
-        r#"{"prompt": "x", "stop": [1, 2]}"#,
+        r#"{"prompt": "x", "stop": [true, 2]}"#,
         r#"{"prompt": "x", "tandem": {"mtp": 7}}"#,
     ];
     match rng.below(bodies.len() as u64 + 2) as usize {

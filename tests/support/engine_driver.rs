@@ -63,6 +63,7 @@ pub fn run(engine: &mut Engine, reqs: &[Req], chunk: usize) -> RunResult {
             max_new_tokens: r.max_new,
             kv: KvGrant::Reserve(r.prompt.len() + r.max_new),
             spec: r.spec,
+            constraints: Default::default(),
         });
     }
     for step in 0.. {

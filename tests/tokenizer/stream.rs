@@ -134,7 +134,7 @@ fn the_match_that_completes_first_wins() {
 
 #[test]
 fn empty_stop_strings_are_rejected() {
-    let tok = Arc::new(word_level_tokenizer(100, 1).unwrap());
+    let tok = Arc::new(word_level_tokenizer(200, 1).unwrap());
     let err = TextStream::<()>::new(tok, vec!["ok".into(), String::new()]).unwrap_err();
     assert!(matches!(err, TokenizerError::EmptyStopString { index: 1 }));
     assert!(err.to_string().contains("stop[1]"));
@@ -242,21 +242,23 @@ fn text_stream_on_stories260k_stops_at_every_substring_exactly() {
 fn text_stream_over_word_vocab_with_payload_alignment() {
     let tok = Arc::new(word_level_tokenizer(500, 11).unwrap());
     let word = |id: u32| tok.inner().id_to_token(id).unwrap();
-    let ids: Vec<u32> = vec![20, 21, 3, 22, 23, 24, 4, 25];
+    // Words from id `w` on (the ids before are specials, punctuation, glue).
+    let w = tandem::tokenizer::word_vocab::FIXED_TOKENS as u32;
+    let ids: Vec<u32> = vec![w, w + 1, 3, w + 2, w + 3, w + 4, 4, w + 5];
     let full = tok.decode(&ids).unwrap();
     assert_eq!(
         full,
         format!(
             "{} {}. {} {} {}, {}",
-            word(20),
-            word(21),
-            word(22),
-            word(23),
-            word(24),
-            word(25)
+            word(w),
+            word(w + 1),
+            word(w + 2),
+            word(w + 3),
+            word(w + 4),
+            word(w + 5)
         )
     );
-    let stop = format!("{} {}", word(23), word(24));
+    let stop = format!("{} {}", word(w + 3), word(w + 4));
     let (text, payloads, matched) = run_stream(&tok, &[&stop], &[], &ids);
     let cut = full.find(&stop).unwrap();
     assert_eq!(text, full[..cut]);
