@@ -333,3 +333,36 @@ async fn n_choices_preempted_in_a_small_pool_keep_their_tokens() {
         h.shutdown(ShutdownMode::Drain).await.unwrap();
     }
 }
+
+/// Requests without `max_tokens` may each grow to the whole context, which
+/// a worst-case reservation held for every one of them up front: a pool of
+/// four contexts admitted four at a time. Blocks are taken as sequences
+/// grow, so the same pool runs sixteen at once (4×, the goal), and
+/// preemption covers the growth that no longer fits.
+#[actix::test]
+async fn requests_without_max_tokens_run_four_times_as_many_as_whole_context_reservations() {
+    const CONTEXT: usize = 1024; // TinyPreset::Test
+    let h = start(config(16, false), 4 * CONTEXT);
+    let mut streams = Vec::new();
+    for i in 0..16 {
+        let mut r = request(tokens(i, 20), 1, SamplingOptions::greedy());
+        r.max_tokens = None;
+        streams.push(h.generate(r).await.unwrap());
+    }
+    let t0 = std::time::Instant::now();
+    let s = loop {
+        let s = h.stats().await.unwrap();
+        if s.running == 16 || t0.elapsed().as_secs() > 10 {
+            break s;
+        }
+        actix::clock::sleep(std::time::Duration::from_millis(2)).await;
+    };
+    assert_eq!(
+        (s.running, s.queued),
+        (16, 0),
+        "sixteen context-long requests run at once in four contexts of KV"
+    );
+    assert!(s.kv_blocks_used * BLOCK <= 4 * CONTEXT);
+    drop(streams);
+    h.shutdown(ShutdownMode::Abort).await.unwrap();
+}
