@@ -444,6 +444,7 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 fn main() {
+    tandem::model::fit_cpu_threads_to_affinity();
     // `cargo bench` passes `--bench`; a filter argument is not supported.
     let batches: Vec<usize> = env_list("TANDEM_BENCH_BATCHES", "1,4,16,64")
         .iter()

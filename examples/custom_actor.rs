@@ -136,6 +136,7 @@ impl Handler<Event> for BestOfN {
 }
 
 fn main() {
+    tandem::model::fit_cpu_threads_to_affinity();
     let system = System::new();
     system.block_on(async {
         let (model, tokenizer) = tiny_model_cpu(TinyPreset::Default).expect("embedded model");

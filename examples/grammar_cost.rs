@@ -143,6 +143,7 @@ fn mean(d: impl Iterator<Item = Duration>, n: usize) -> f64 {
 }
 
 fn main() {
+    tandem::model::fit_cpu_threads_to_affinity();
     let args: Vec<String> = std::env::args().collect();
     let arg = |name: &str| {
         args.iter()

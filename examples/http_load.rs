@@ -55,6 +55,7 @@ struct Args {
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 fn main() -> Result<(), BoxError> {
+    tandem::model::fit_cpu_threads_to_affinity();
     let args = Args::parse();
     let preset = if args.test_model {
         TinyPreset::Test

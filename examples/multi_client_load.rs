@@ -417,6 +417,7 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 }
 
 fn main() -> anyhow_like::Result<()> {
+    tandem::model::fit_cpu_threads_to_affinity();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_target(false)

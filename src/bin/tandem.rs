@@ -210,6 +210,7 @@ struct GenerateArgs {
 }
 
 fn main() -> ExitCode {
+    tandem::model::fit_cpu_threads_to_affinity();
     let cli = Cli::parse();
     let format = cli.log_format.parse().unwrap_or_default();
     if let Err(e) = tandem::server::logging::init(format) {

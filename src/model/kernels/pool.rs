@@ -32,6 +32,36 @@ pub(crate) fn threads(cap: Option<usize>) -> usize {
     cap.map_or(pool, |c| c.clamp(1, pool))
 }
 
+/// The variables that size candle's pools; set by the user, they win.
+const POOL_VARS: [&str; 3] = ["CANDLE_NUM_THREADS", "CANDLE_CPU_MASK", "RAYON_NUM_THREADS"];
+
+/// Sizes the kernels' thread pool to the CPUs this process may run on.
+///
+/// candle sizes its spinning barrier pool from the host's physical cores,
+/// not from the process's affinity mask or CPU quota: under `taskset` or a
+/// cpuset container it starts more spinning threads than the cores it
+/// gets, and every parallel region waits for threads that cannot run
+/// (measured: single-stream decode at 40 % of its speed, 16 threads on 2
+/// cores). Unless one of `CANDLE_NUM_THREADS`, `CANDLE_CPU_MASK` or
+/// `RAYON_NUM_THREADS` is set, this sets `CANDLE_NUM_THREADS` to the lesser
+/// of candle's count and `std::thread::available_parallelism` (which
+/// reads the mask and the cgroup quota), and returns what it set.
+///
+/// Call it first thing in `main`, before any thread is spawned and before
+/// any model is loaded (the pool reads the variable once, when it starts).
+/// The `tandem` binary and the examples do.
+pub fn fit_cpu_threads_to_affinity() -> Option<usize> {
+    if POOL_VARS.iter().any(|v| std::env::var_os(v).is_some()) {
+        return None;
+    }
+    let allowed = std::thread::available_parallelism().ok()?.get();
+    let pool = candle_core::utils::get_num_threads();
+    (allowed < pool).then(|| {
+        std::env::set_var("CANDLE_NUM_THREADS", allowed.to_string());
+        allowed
+    })
+}
+
 /// Runs `f` over `0..units` in contiguous ranges of `grain` units, on up to
 /// `threads` threads. Runs inline when there is one range or one thread.
 pub(crate) fn for_each_range<F>(units: usize, grain: usize, threads: usize, f: F)
