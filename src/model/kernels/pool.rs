@@ -41,8 +41,8 @@ const POOL_VARS: [&str; 3] = ["CANDLE_NUM_THREADS", "CANDLE_CPU_MASK", "RAYON_NU
 /// not from the process's affinity mask or CPU quota: under `taskset` or a
 /// cpuset container it starts more spinning threads than the cores it
 /// gets, and every parallel region waits for threads that cannot run
-/// (measured: single-stream decode at 40 % of its speed, 16 threads on 2
-/// cores). Unless one of `CANDLE_NUM_THREADS`, `CANDLE_CPU_MASK` or
+/// (measured: single-stream decode at about half its speed, 16 threads on
+/// 2 cores; BENCHMARKS.md, issue 22). Unless one of `CANDLE_NUM_THREADS`, `CANDLE_CPU_MASK` or
 /// `RAYON_NUM_THREADS` is set, this sets `CANDLE_NUM_THREADS` to the lesser
 /// of candle's count and `std::thread::available_parallelism` (which
 /// reads the mask and the cgroup quota), and returns what it set.
