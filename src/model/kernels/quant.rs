@@ -71,6 +71,30 @@ struct Job<'a> {
 // SAFETY: workers only read `w` and `acts`, and write disjoint columns of `out`.
 unsafe impl Sync for Job<'_> {}
 
+/// Activation rows `r0..r0 + R` as a SIMD tile reads them: each row's
+/// levels, its scales (one per group of the weight format) and its sums
+/// (one per 32 elements).
+struct ActRows<const R: usize> {
+    q: [*const i16; R],
+    d: [*const f32; R],
+    sum: [*const f32; R],
+}
+
+impl<const R: usize> ActRows<R> {
+    /// # Safety
+    /// Rows `r0..r0 + R` must be inside `job.acts`, quantised in groups of
+    /// `group` elements.
+    #[inline(always)]
+    unsafe fn new(job: &Job<'_>, r0: usize, group: usize) -> Self {
+        let (a, k) = (job.acts, job.w.k);
+        Self {
+            q: std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k)),
+            d: std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * (k / group))),
+            sum: std::array::from_fn(|i| a.sum.as_ptr().add((r0 + i) * (k / 32))),
+        }
+    }
+}
+
 /// `out[r·n + j] = Σ_e x[r·k + e] · W[j, e]` (or `+=` when `accumulate`)
 /// for `r < rows`, `j < n`, on up to `threads` threads.
 ///
@@ -216,7 +240,7 @@ mod avx512;
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{k4_scales, min_term, store, DecodedRow, Job, QFormat, QuantisedRows, MR};
+    use super::{k4_scales, min_term, store, ActRows, DecodedRow, Job, QFormat, QuantisedRows, MR};
 
     #[inline(always)]
     unsafe fn hsum(v: __m256) -> f32 {
@@ -238,20 +262,19 @@ mod x86 {
         let k = job.w.k;
         let groups = k / G;
         let a = job.acts;
-        let xq: [*const i16; R] = std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k));
-        let xd: [*const f32; R] = std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * groups));
+        let act = ActRows::<R>::new(job, r0, G);
         let wq = w.w.as_ptr();
         let mut acc = [_mm256_setzero_ps(); R];
         for g in 0..groups {
             let dw = _mm256_set1_ps(*w.d.get_unchecked(g));
             let scale: [__m256; R] =
-                std::array::from_fn(|i| _mm256_mul_ps(dw, _mm256_broadcast_ss(&*xd[i].add(g))));
+                std::array::from_fn(|i| _mm256_mul_ps(dw, _mm256_broadcast_ss(&*act.d[i].add(g))));
             for c in 0..G / CH {
                 let mut isum = [_mm256_setzero_si256(); R];
                 for s in 0..CH / 16 {
                     let e = g * G + c * CH + 16 * s;
                     let wv = _mm256_loadu_si256(wq.add(e) as *const __m256i);
-                    for (t, x) in isum.iter_mut().zip(&xq) {
+                    for (t, x) in isum.iter_mut().zip(&act.q) {
                         let xv = _mm256_loadu_si256(x.add(e) as *const __m256i);
                         *t = _mm256_add_epi32(*t, _mm256_madd_epi16(wv, xv));
                     }
@@ -488,12 +511,9 @@ mod x86 {
     unsafe fn tile_direct<const R: usize, const F: u8>(job: &Job<'_>, j: usize, r0: usize) {
         let k = job.w.k;
         let groups = k / 32;
-        let a = job.acts;
         let p = job.w.row(j).as_ptr();
         let bb = job.w.format.block_bytes();
-        let xq: [*const i16; R] = std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k));
-        let xd: [*const f32; R] = std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * groups));
-        let xs: [*const f32; R] = std::array::from_fn(|i| a.sum.as_ptr().add((r0 + i) * groups));
+        let act = ActRows::<R>::new(job, r0, 32);
         let mut acc = [_mm256_setzero_ps(); R];
         let mut mins = [0f32; R];
         for g in 0..groups {
@@ -502,14 +522,14 @@ mod x86 {
             let (d, min) = block_scales::<F>(b);
             let dw = _mm256_set1_ps(d);
             for i in 0..R {
-                let x = xq[i].add(32 * g);
+                let x = act.q[i].add(32 * g);
                 let x0 = _mm256_loadu_si256(x as *const __m256i);
                 let x1 = _mm256_loadu_si256(x.add(16) as *const __m256i);
                 let t = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
-                let scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(&*xd[i].add(g)));
+                let scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(&*act.d[i].add(g)));
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[i]);
                 if F == Q4_1 || F == Q5_1 {
-                    mins[i] = min.mul_add(*xs[i].add(g), mins[i]);
+                    mins[i] = min.mul_add(*act.sum[i].add(g), mins[i]);
                 }
             }
         }
@@ -529,8 +549,7 @@ mod x86 {
         let a = job.acts;
         let p = job.w.row(j).as_ptr();
         let bb = job.w.format.block_bytes();
-        let xq: [*const i16; R] = std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k));
-        let xd: [*const f32; R] = std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * groups));
+        let act = ActRows::<R>::new(job, r0, 256);
         let m4 = _mm256_set1_epi8(0xF);
         let mut acc = [_mm256_setzero_ps(); R];
         for g in 0..groups {
@@ -539,7 +558,7 @@ mod x86 {
             let (d, sc) = k4_scales(b, min);
             let dw = _mm256_set1_ps(d);
             let scale: [__m256; R] =
-                std::array::from_fn(|i| _mm256_mul_ps(dw, _mm256_broadcast_ss(&*xd[i].add(g))));
+                std::array::from_fn(|i| _mm256_mul_ps(dw, _mm256_broadcast_ss(&*act.d[i].add(g))));
             let mut isum = [_mm256_setzero_si256(); R];
             for c in 0..4 {
                 let v = _mm256_loadu_si256(b.as_ptr().add(16 + 32 * c) as *const __m256i);
@@ -554,7 +573,7 @@ mod x86 {
                     sc[2 * c + 1],
                 );
                 let e = 256 * g + 64 * c;
-                for (t, x) in isum.iter_mut().zip(&xq) {
+                for (t, x) in isum.iter_mut().zip(&act.q) {
                     let m = |wv: __m256i, at: usize| {
                         _mm256_madd_epi16(wv, _mm256_loadu_si256(x.add(at) as *const __m256i))
                     };
@@ -585,18 +604,16 @@ mod x86 {
     unsafe fn tile_q6k<const R: usize>(job: &Job<'_>, j: usize, r0: usize) {
         let k = job.w.k;
         let groups = k / 256;
-        let a = job.acts;
         let p = job.w.row(j).as_ptr();
         let bb = job.w.format.block_bytes();
-        let xq: [*const i16; R] = std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k));
-        let xd: [*const f32; R] = std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * groups));
+        let act = ActRows::<R>::new(job, r0, 256);
         let mut acc = [_mm256_setzero_ps(); R];
         for g in 0..groups {
             let b = p.add(g * bb);
             let sc = |e: usize| _mm256_set1_epi16(*b.add(192 + e / 16) as i8 as i16);
             let dw = _mm256_set1_ps(f16_at(b.add(208)));
             let scale: [__m256; R] =
-                std::array::from_fn(|i| _mm256_mul_ps(dw, _mm256_broadcast_ss(&*xd[i].add(g))));
+                std::array::from_fn(|i| _mm256_mul_ps(dw, _mm256_broadcast_ss(&*act.d[i].add(g))));
             // One half is one 128-element conversion chunk of `tile`.
             for h in 0..2 {
                 let mut isum = [_mm256_setzero_si256(); R];
@@ -608,7 +625,7 @@ mod x86 {
                         _mm256_mullo_epi16(hi, sc(e + 16)),
                     );
                     let at = 256 * g + e;
-                    for (t, x) in isum.iter_mut().zip(&xq) {
+                    for (t, x) in isum.iter_mut().zip(&act.q) {
                         let x0 = _mm256_loadu_si256(x.add(at) as *const __m256i);
                         let x1 = _mm256_loadu_si256(x.add(at + 16) as *const __m256i);
                         let s =

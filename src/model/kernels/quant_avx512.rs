@@ -13,7 +13,7 @@
 use std::arch::x86_64::*;
 
 use super::x86::{block_levels, block_scales, q6k_levels, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
-use super::{k4_scales, min_term, store, DecodedRow, Job, QFormat};
+use super::{k4_scales, min_term, store, ActRows, DecodedRow, Job, QFormat};
 
 /// Activation rows multiplied against one weight row at a time (32 vector
 /// registers hold 8 accumulators, 8 integer sums and the operands).
@@ -45,12 +45,9 @@ unsafe fn tile_direct<const R: usize, const F: u8, const VNNI: bool>(
 ) {
     let k = job.w.k;
     let groups = k / 32;
-    let a = job.acts;
     let p = job.w.row(j).as_ptr();
     let bb = job.w.format.block_bytes();
-    let xq: [*const i16; R] = std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k));
-    let xd: [*const f32; R] = std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * groups));
-    let xs: [*const f32; R] = std::array::from_fn(|i| a.sum.as_ptr().add((r0 + i) * groups));
+    let act = ActRows::<R>::new(job, r0, 32);
     let mut acc = [_mm512_setzero_ps(); R];
     let mut mins = [0f32; R];
     for g in 0..groups {
@@ -59,12 +56,12 @@ unsafe fn tile_direct<const R: usize, const F: u8, const VNNI: bool>(
         let (d, min) = block_scales::<F>(b);
         let dw = _mm512_set1_ps(d);
         for i in 0..R {
-            let xv = _mm512_loadu_si512(xq[i].add(32 * g) as *const __m512i);
+            let xv = _mm512_loadu_si512(act.q[i].add(32 * g) as *const __m512i);
             let t = dot_pairs::<VNNI>(_mm512_setzero_si512(), wv, xv);
-            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*xd[i].add(g)));
+            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*act.d[i].add(g)));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc[i]);
             if F == Q4_1 || F == Q5_1 {
-                mins[i] = min.mul_add(*xs[i].add(g), mins[i]);
+                mins[i] = min.mul_add(*act.sum[i].add(g), mins[i]);
             }
         }
     }
@@ -85,8 +82,7 @@ unsafe fn tile<const R: usize, const G: usize, const VNNI: bool>(
     let k = job.w.k;
     let groups = k / G;
     let a = job.acts;
-    let xq: [*const i16; R] = std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k));
-    let xd: [*const f32; R] = std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * groups));
+    let act = ActRows::<R>::new(job, r0, G);
     let wq = w.w.as_ptr();
     let mut acc = [_mm512_setzero_ps(); R];
     for g in 0..groups {
@@ -94,14 +90,14 @@ unsafe fn tile<const R: usize, const G: usize, const VNNI: bool>(
         for s in 0..G / 32 {
             let e = g * G + 32 * s;
             let wv = _mm512_loadu_si512(wq.add(e) as *const __m512i);
-            for (t, x) in isum.iter_mut().zip(&xq) {
+            for (t, x) in isum.iter_mut().zip(&act.q) {
                 let xv = _mm512_loadu_si512(x.add(e) as *const __m512i);
                 *t = dot_pairs::<VNNI>(*t, wv, xv);
             }
         }
         let dw = _mm512_set1_ps(*w.d.get_unchecked(g));
         for i in 0..R {
-            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*xd[i].add(g)));
+            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*act.d[i].add(g)));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), scale, acc[i]);
         }
     }
@@ -133,8 +129,7 @@ unsafe fn tile_q4k<const R: usize, const VNNI: bool>(
     let a = job.acts;
     let p = job.w.row(j).as_ptr();
     let bb = job.w.format.block_bytes();
-    let xq: [*const i16; R] = std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k));
-    let xd: [*const f32; R] = std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * groups));
+    let act = ActRows::<R>::new(job, r0, 256);
     let m4 = _mm256_set1_epi8(0xF);
     let mut acc = [_mm512_setzero_ps(); R];
     for g in 0..groups {
@@ -149,7 +144,7 @@ unsafe fn tile_q4k<const R: usize, const VNNI: bool>(
             let lo = _mm512_mullo_epi16(lo, _mm512_set1_epi16(sc[2 * c]));
             let hi = _mm512_mullo_epi16(hi, _mm512_set1_epi16(sc[2 * c + 1]));
             let e = 256 * g + 64 * c;
-            for (t, x) in isum.iter_mut().zip(&xq) {
+            for (t, x) in isum.iter_mut().zip(&act.q) {
                 let x0 = _mm512_loadu_si512(x.add(e) as *const __m512i);
                 let x1 = _mm512_loadu_si512(x.add(e + 32) as *const __m512i);
                 *t = dot_pairs::<VNNI>(dot_pairs::<VNNI>(*t, lo, x0), hi, x1);
@@ -157,7 +152,7 @@ unsafe fn tile_q4k<const R: usize, const VNNI: bool>(
         }
         let dw = _mm512_set1_ps(d);
         for i in 0..R {
-            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*xd[i].add(g)));
+            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*act.d[i].add(g)));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), scale, acc[i]);
         }
     }
@@ -175,11 +170,9 @@ unsafe fn tile_q4k<const R: usize, const VNNI: bool>(
 unsafe fn tile_q6k<const R: usize, const VNNI: bool>(job: &Job<'_>, j: usize, r0: usize) {
     let k = job.w.k;
     let groups = k / 256;
-    let a = job.acts;
     let p = job.w.row(j).as_ptr();
     let bb = job.w.format.block_bytes();
-    let xq: [*const i16; R] = std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k));
-    let xd: [*const f32; R] = std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * groups));
+    let act = ActRows::<R>::new(job, r0, 256);
     let mut acc = [_mm512_setzero_ps(); R];
     for g in 0..groups {
         let b = p.add(g * bb);
@@ -194,7 +187,7 @@ unsafe fn tile_q6k<const R: usize, const VNNI: bool>(job: &Job<'_>, j: usize, r0
                     _mm256_set1_epi16(sc(e + 16)),
                 );
                 let wv = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(v), s);
-                for (t, x) in isum.iter_mut().zip(&xq) {
+                for (t, x) in isum.iter_mut().zip(&act.q) {
                     let xv = _mm512_loadu_si512(x.add(256 * g + e) as *const __m512i);
                     *t = dot_pairs::<VNNI>(*t, wv, xv);
                 }
@@ -202,7 +195,7 @@ unsafe fn tile_q6k<const R: usize, const VNNI: bool>(job: &Job<'_>, j: usize, r0
         }
         let dw = _mm512_set1_ps(f16_at(b.add(208)));
         for i in 0..R {
-            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*xd[i].add(g)));
+            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*act.d[i].add(g)));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), scale, acc[i]);
         }
     }
