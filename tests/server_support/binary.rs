@@ -158,22 +158,7 @@ fn official_openai_client_end_to_end() {
         return;
     }
     let server = BinaryServer::spawn(&["--api-key", "e2e-key"]);
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
-    let out = std::process::Command::new("python3")
-        .arg(script)
-        .arg(server.url("/v1"))
-        .arg("e2e-key")
-        .output()
-        .expect("run python3");
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(
-        out.status.success(),
-        "openai_client.py failed:\n{stdout}\n{stderr}"
-    );
-    assert!(stdout.contains("checks passed"), "{stdout}");
+    run_client_script(&server, "openai_client.py", &["e2e-key"]);
 }
 
 /// `tandem serve --model DIR` with a real trained checkpoint reproduces the

@@ -368,22 +368,7 @@ fn grammar_official_openai_client_structured_output() {
     for (kind, args) in runs {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let server = BinaryServer::spawn(&args);
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_structured.py");
-        let out = std::process::Command::new("python3")
-            .arg(script)
-            .arg(server.url("/v1"))
-            .arg(kind)
-            .output()
-            .expect("run python3");
-        let (stdout, stderr) = (
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr),
-        );
-        assert!(
-            out.status.success(),
-            "openai_structured.py ({kind}) failed:\n{stdout}\n{stderr}"
-        );
-        assert!(stdout.contains("checks passed"), "{stdout}");
+        run_client_script(&server, "openai_structured.py", &[kind]);
     }
 }
 

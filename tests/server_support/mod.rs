@@ -423,3 +423,24 @@ pub fn run_binary(args: &[&str]) -> (Option<i32>, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// Runs the Python client `tests/SCRIPT` against `server`'s `/v1` with
+/// `args` after the URL; it must exit 0 and print "checks passed".
+pub fn run_client_script(server: &BinaryServer, script: &str, args: &[&str]) {
+    let path = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
+    let out = std::process::Command::new("python3")
+        .arg(&path)
+        .arg(server.url("/v1"))
+        .args(args)
+        .output()
+        .expect("run python3");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success(),
+        "{script} {args:?} failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("checks passed"), "{stdout}");
+}
