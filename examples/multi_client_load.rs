@@ -36,13 +36,14 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tandem::api::{Event, GenerateRequest, Prompt};
 use tandem::engine::{
-    Admission, DraftHead, DraftSchedule, EarlyExitDraft, Engine, EngineConfig, KvGrant, MtpDraft,
-    SeqWork, SpecConfig, SpecOptions, StepExecutor, StepPlan, MAX_DRAFT_TOKENS,
+    Admission, Engine, EngineConfig, KvGrant, SeqWork, SpecConfig, StepExecutor, StepPlan,
+    MAX_DRAFT_TOKENS,
 };
-use tandem::model::{LoadOptions, Model, ModelConfig, MtpHead, Weights};
+use tandem::model::{LoadOptions, Model, ModelConfig, Weights};
 use tandem::sampler::SamplingOptions;
 use tandem::scheduler::{SchedulerConfig, ShutdownMode};
 use tandem::server::load::{parse_dtype, DeviceKind};
+use tandem::server::mtp::MtpMode;
 use tandem::tiny::{tiny_model_cpu, TinyPreset};
 use tandem::tokenizer::{word_level_tokenizer, Tokenizer};
 use tandem::TandemHandle;
@@ -91,13 +92,14 @@ struct Args {
     /// Speculative decoding: `off`, `early-exit:L` (draft with the first L layers) or `head:DIR` (a trained MTP head).
     #[arg(long, default_value = "off")]
     mtp: String,
-    /// Longest draft (the heuristic schedule starts at min(4, this)).
+    /// Longest draft (the adaptive schedule starts at min(4, this)).
     #[arg(long, default_value_t = 8)]
     draft_max: usize,
-    /// Most decoding sequences per step that still draft.
-    #[arg(long, default_value_t = 8)]
-    mtp_max_batch: usize,
-    /// Run the workload twice, MTP off then with `--mtp`, and print the ratio.
+    /// Speculative decoding with prompt lookup (n-gram drafts), beside
+    /// `--mtp` or alone.
+    #[arg(long)]
+    prompt_lookup: bool,
+    /// Run the workload twice, MTP off then with `--mtp` / `--prompt-lookup`, and print the ratio.
     #[arg(long)]
     mtp_compare: bool,
     /// Multi-turn chat: every client continues its conversation this many
@@ -125,62 +127,47 @@ struct Args {
     show_answers: usize,
 }
 
-/// A draft head choice (`--mtp`).
+/// What drafts in one run (`None`: speculation off).
 #[derive(Debug, Clone)]
-enum Draft {
-    EarlyExit(usize),
-    Head(PathBuf),
+struct Speculation {
+    mtp: MtpMode,
+    prompt_lookup: bool,
 }
 
-impl std::fmt::Display for Draft {
+impl Speculation {
+    fn from_args(args: &Args) -> anyhow_like::Result<Option<Self>> {
+        let mtp = args.mtp.parse::<MtpMode>().map_err(|e| format!("--mtp: {e}"))?;
+        Ok((mtp != MtpMode::Off || args.prompt_lookup).then_some(Self {
+            mtp,
+            prompt_lookup: args.prompt_lookup,
+        }))
+    }
+}
+
+impl std::fmt::Display for Speculation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Draft::EarlyExit(l) => write!(f, "early-exit:{l}"),
-            Draft::Head(d) => write!(f, "head:{}", d.display()),
+        write!(f, "head {}", self.mtp)?;
+        if self.prompt_lookup {
+            write!(f, " + prompt lookup")?;
         }
+        Ok(())
     }
 }
 
-/// Parses `--mtp`.
-fn parse_draft(spec: &str) -> anyhow_like::Result<Option<Draft>> {
-    if spec == "off" {
-        return Ok(None);
-    }
-    if let Some(dir) = spec.strip_prefix("head:") {
-        return Ok(Some(Draft::Head(PathBuf::from(dir))));
-    }
-    match spec
-        .strip_prefix("early-exit:")
-        .and_then(|l| l.parse().ok())
-    {
-        Some(l) => Ok(Some(Draft::EarlyExit(l))),
-        None => {
-            Err(format!("--mtp must be `off`, `early-exit:L` or `head:DIR`, got `{spec}`").into())
-        }
-    }
-}
-
-/// Builds the engine, with the chosen draft head.
+/// Builds the engine, with the chosen drafters.
 fn build_engine(
     args: &Args,
-    draft: Option<&Draft>,
+    spec: Option<&Speculation>,
     kv_tokens: usize,
 ) -> anyhow_like::Result<(Engine, Tokenizer)> {
     let (model, tokenizer, name) = load(args)?;
     let vocab = model.config().vocab_size as u32;
-    let head: Option<Box<dyn DraftHead>> = match draft {
-        None => None,
-        Some(Draft::EarlyExit(l)) if *l == 0 || *l > model.config().num_layers => {
-            return Err(format!(
-                "early-exit:{l}: the model has {} layers",
-                model.config().num_layers
-            )
-            .into());
-        }
-        Some(Draft::EarlyExit(l)) => Some(Box::new(EarlyExitDraft { layers: *l })),
-        Some(Draft::Head(dir)) => Some(Box::new(MtpDraft {
-            head: MtpHead::from_dir(&model, dir)?,
-        })),
+    let (head, config) = match spec {
+        None => (None, SpecConfig::default()),
+        Some(s) => (
+            s.mtp.draft_head(&model)?,
+            MtpMode::spec_config(args.draft_max, s.prompt_lookup),
+        ),
     };
     let engine = Engine::new(
         model,
@@ -190,26 +177,8 @@ fn build_engine(
             eos_ids: tokenizer.eos_ids().to_vec(),
             ..Default::default()
         },
-    );
-    let engine = match head {
-        Some(head) => {
-            let default = SpecOptions {
-                enabled: true,
-                initial_draft: args.draft_max.min(4),
-                max_draft: args.draft_max,
-                schedule: DraftSchedule::Heuristic,
-            };
-            engine.with_draft(
-                head,
-                SpecConfig {
-                    default,
-                    max_batch: args.mtp_max_batch,
-                    ..Default::default()
-                },
-            )
-        }
-        None => engine,
-    };
+    )
+    .with_drafters(head, config);
     let mut engine = engine;
     warm_up(&mut engine, vocab);
     Ok((engine, tokenizer))
@@ -446,7 +415,7 @@ fn main() -> anyhow_like::Result<()> {
         args.step_tokens
     );
     drop(model);
-    let draft = parse_draft(&args.mtp)?;
+    let draft = Speculation::from_args(&args)?;
     let config = SchedulerConfig {
         max_seqs: args.max_seqs,
         step_token_budget: args.step_tokens.max(args.max_seqs),

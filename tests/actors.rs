@@ -40,13 +40,7 @@ fn perfect_drafter(kv: usize) -> (Engine, tandem::tokenizer::Tokenizer) {
             ..Default::default()
         },
     )
-    .with_draft(
-        Box::new(EarlyExitDraft { layers }),
-        SpecConfig {
-            max_batch: 64,
-            ..Default::default()
-        },
-    );
+    .with_draft(Box::new(EarlyExitDraft { layers }), SpecConfig::default());
     (engine, tokenizer)
 }
 

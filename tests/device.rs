@@ -338,13 +338,8 @@ fn greedy_mtp_equals_plain_greedy_on_the_device() {
         .collect();
     let plain = run_tokens(&mut engine_for(model()), &plain_reqs, 512);
     let layers = model().config().num_layers / 2;
-    let mut mtp = engine_for(model()).with_draft(
-        Box::new(EarlyExitDraft { layers }),
-        SpecConfig {
-            max_batch: 64,
-            ..Default::default()
-        },
-    );
+    let mut mtp =
+        engine_for(model()).with_draft(Box::new(EarlyExitDraft { layers }), SpecConfig::default());
     let got = run_tokens(&mut mtp, &spec_reqs, 512);
     for i in 0..plain.len() {
         assert_eq!(ids(&got[i]), ids(&plain[i]), "request {i}");

@@ -498,6 +498,7 @@ fn server_load_accepts_a_gguf_file() {
         weight_format: tandem::model::WeightFormat::AsCompute,
         mtp: Default::default(),
         draft_max: 4,
+        prompt_lookup: false,
     };
     let loaded = load(&spec).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(loaded.model_name, "SmolLM2-135M-Instruct.Q4_1");

@@ -1,6 +1,7 @@
 //! The sampler's MTP hooks: `speculative_distributions` must be exactly
 //! what `sample` draws from after the prefix is appended, `commit` appends,
-//! and `draw` / `uniform` use the slot's own RNG reproducibly.
+//! `draw_at` draws with the uniform keyed by (seed, generation index) that
+//! `sample` uses there, and `logprobs_at` reports what `sample` reports.
 
 use candle_core::{Device, Tensor};
 use tandem::sampler::{Sampler, SamplerError, SamplingOptions};
@@ -100,8 +101,12 @@ fn sampled_distributions_draw_the_tokens_sample_draws() {
                 d.iter().filter(|&&p| p > 0.0).count() <= 8,
                 "top-k bounds support"
             );
-            // Same RNG stream, same walk: the very token sample picked.
-            assert_eq!(s.draw(3, d).unwrap(), want[i], "salt {salt} position {i}");
+            // Same keyed uniform, same walk: the very token sample picked.
+            assert_eq!(
+                s.draw_at(3, i, d).unwrap(),
+                want[i],
+                "salt {salt} position {i}"
+            );
         }
     }
 }
@@ -134,46 +139,100 @@ fn speculation_changes_nothing_and_commit_appends() {
 }
 
 #[test]
-fn draw_and_uniform_use_the_slot_rng_reproducibly() {
-    let seeded = SamplingOptions {
-        seed: Some(5),
+fn draw_at_is_keyed_by_seed_and_generation_index() {
+    let seeded = |seed| SamplingOptions {
+        temperature: 1.0,
+        seed: Some(seed),
         ..SamplingOptions::default()
     };
     let mk = || {
         let mut s = Sampler::with_seed(64, 99);
-        s.add(1, seeded, &[]).unwrap();
-        s.add(
-            2,
-            SamplingOptions {
-                seed: Some(6),
-                ..seeded
-            },
-            &[],
-        )
-        .unwrap();
+        s.add(1, seeded(5), &[]).unwrap();
+        s.add(2, seeded(6), &[]).unwrap();
         s
     };
-    let residual = [0.0f32, 0.3, 0.0, 0.9, 0.2];
-    let (mut a, mut b) = (mk(), mk());
-    let mut seq = Vec::new();
-    for _ in 0..50 {
-        let u = a.uniform(1).unwrap();
-        assert!((0.0..1.0).contains(&u));
-        let d = a.draw(1, &residual).unwrap();
-        assert!(residual[d as usize] > 0.0, "never a zero-weight index");
-        seq.push((u, d));
+    let weights = [0.0f32, 0.3, 0.0, 0.9, 0.2];
+    let logits: Vec<f32> = weights
+        .iter()
+        .map(|&w| if w > 0.0 { w.ln() } else { f32::NEG_INFINITY })
+        .collect();
+    let row = Tensor::from_vec(logits, (1, 5), &Device::Cpu).unwrap();
+    // What sequential sampling emits at generation 0..50.
+    let mut a = mk();
+    let sampled: Vec<u32> = (0..50)
+        .map(|_| a.sample(&[1], &row).unwrap().tokens[0])
+        .collect();
+    // draw_at reaches any of them without drawing the others, changes
+    // nothing, and another slot's calls in between do not disturb it.
+    let mut b = mk();
+    for (n, &want) in sampled.iter().enumerate().rev() {
+        b.sample(&[2], &row).unwrap();
+        assert_eq!(b.draw_at(1, n, &weights).unwrap(), want, "index {n}");
     }
-    // Another slot's draws in between do not disturb slot 1's stream.
-    for (u, d) in &seq {
-        b.draw(2, &residual).unwrap();
-        assert_eq!(b.uniform(1).unwrap(), *u);
-        assert_eq!(b.draw(1, &residual).unwrap(), *d);
-    }
-    let counts = seq.iter().fold([0; 5], |mut c, (_, d)| {
-        c[*d as usize] += 1;
+    // commit moves the index past the committed tokens.
+    b.commit(1, &sampled[..7]).unwrap();
+    assert_eq!(b.draw_at(1, 0, &weights).unwrap(), sampled[7]);
+    assert_eq!(b.sample(&[1], &row).unwrap().tokens[0], sampled[7]);
+    let counts = sampled.iter().fold([0; 5], |mut c, &d| {
+        c[d as usize] += 1;
         c
     });
     assert!(counts[3] > counts[1] && counts[1] > 0, "{counts:?}");
+    assert_eq!(counts[0] + counts[2], 0, "never a zero-weight index");
+}
+
+#[test]
+fn logprobs_at_reports_what_sample_reports() {
+    let opts = SamplingOptions {
+        logprobs: true,
+        top_logprobs: 3,
+        ..penalised(0.8)
+    };
+    let rows = rows(4, 3);
+    let mut s = Sampler::with_seed(64, 1);
+    s.add(3, opts, &[1, 2]).unwrap();
+    let want: Vec<(f32, Vec<(u32, f32)>)> = rows
+        .iter()
+        .map(|r| {
+            let res = s.sample(&[3], &tensor(std::slice::from_ref(r))).unwrap();
+            let (lp, top) = res.for_row(0, &opts);
+            (lp.unwrap(), top)
+        })
+        .collect();
+    let tokens: Vec<u32> = rows
+        .iter()
+        .zip(&want)
+        .map(|(r, (lp, _))| {
+            let max = r.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let lse = r.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
+            // The token whose raw log-softmax is the reported logprob.
+            r.iter()
+                .position(|&x| ((x - max) - lse - lp).abs() < 1e-6)
+                .unwrap() as u32
+        })
+        .collect();
+    let mut fresh = Sampler::with_seed(64, 1);
+    fresh.add(3, opts, &[1, 2]).unwrap();
+    let got = fresh.logprobs_at(3, &tensor(&rows), &tokens).unwrap();
+    assert_eq!(got.len(), 4);
+    for (i, ((glp, gtop), (wlp, wtop))) in got.iter().zip(&want).enumerate() {
+        assert!((glp - wlp).abs() < 1e-6, "row {i}: {glp} vs {wlp}");
+        assert_eq!(gtop, wtop, "row {i}");
+    }
+    // A slot that did not ask gets nothing; bad input is typed.
+    fresh.add(4, SamplingOptions::default(), &[]).unwrap();
+    assert!(fresh
+        .logprobs_at(4, &tensor(&rows), &[0])
+        .unwrap()
+        .is_empty());
+    assert!(matches!(
+        fresh.logprobs_at(3, &tensor(&rows), &[0, 0, 0, 0, 0]),
+        Err(SamplerError::LogitsShape { .. })
+    ));
+    assert!(matches!(
+        fresh.logprobs_at(3, &tensor(&rows), &[99]),
+        Err(SamplerError::VocabMismatch { .. })
+    ));
 }
 
 #[test]
@@ -208,10 +267,9 @@ fn speculative_errors_are_typed() {
         &[f32::INFINITY][..],
     ] {
         assert!(
-            matches!(s.draw(3, bad), Err(SamplerError::InvalidProbs { .. })),
+            matches!(s.draw_at(3, 0, bad), Err(SamplerError::InvalidProbs { .. })),
             "{bad:?}"
         );
     }
-    assert_eq!(s.uniform(9), Err(SamplerError::UnknownSlot(9)));
-    assert_eq!(s.draw(9, &[1.0]), Err(SamplerError::UnknownSlot(9)));
+    assert_eq!(s.draw_at(9, 0, &[1.0]), Err(SamplerError::UnknownSlot(9)));
 }

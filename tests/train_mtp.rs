@@ -102,13 +102,7 @@ fn training_lowers_heldout_loss_and_raises_agreement() {
             ..Default::default()
         },
     )
-    .with_draft(
-        Box::new(MtpDraft { head }),
-        SpecConfig {
-            max_batch: 64,
-            ..Default::default()
-        },
-    );
+    .with_draft(Box::new(MtpDraft { head }), SpecConfig::default());
     let got = run(&mut engine, &reqs, 8);
     for i in 0..reqs.len() {
         assert_eq!(got.ids(i), plain.ids(i), "request {i}");

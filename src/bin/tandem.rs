@@ -126,9 +126,12 @@ struct ModelArgs {
     /// Speculative decoding: `off`, `early-exit:L` (draft with the model's first L layers) or `head:DIR` (an MTP head trained by `tandem train-mtp`).
     #[arg(long, default_value = "off")]
     mtp: String,
-    /// Most tokens drafted per step per sequence with --mtp (1-32).
+    /// Most tokens drafted per step per sequence with --mtp or --prompt-lookup (1-32).
     #[arg(long, default_value_t = 4)]
     draft_max: usize,
+    /// Speculative decoding with prompt lookup: draft the continuation of the latest earlier occurrence of the last 2-4 tokens in the request's prompt and output (no weights; pays on summaries, code edits, quoting). With --mtp too, the draft policy picks per sequence.
+    #[arg(long)]
+    prompt_lookup: bool,
 }
 
 #[derive(Args, Debug)]
@@ -255,6 +258,7 @@ fn load_spec(args: &ModelArgs) -> Result<LoadSpec, BoxError> {
             .parse::<MtpMode>()
             .map_err(|e| format!("--mtp: {e}"))?,
         draft_max: check_draft_max(args.draft_max).map_err(|e| format!("--draft-max: {e}"))?,
+        prompt_lookup: args.prompt_lookup,
     })
 }
 

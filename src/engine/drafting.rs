@@ -1,18 +1,24 @@
-//! The draft phase: batched draft rounds for every planned sequence with a
-//! draft budget, over explicit arguments (the model, the slot registry and
-//! the planned sequences).
+//! The draft phase: batched draft rounds for every planned sequence whose
+//! drafts come from the draft head, over explicit arguments (the model, the
+//! slot registry and the planned sequences). Prompt-lookup drafts were
+//! filled in at planning and take no round.
 //!
 //! Round r feeds each member's newest token (its decode token in round 0,
 //! its previous draft after that) to the draft head in one call, then picks
 //! each member's draft from its row: plain greedy members by one argmax
 //! call over all of their rows (only ids leave the device), the others from
-//! the sampler's draft distribution. Afterwards every drafting slot's target
-//! KV length is back where it was, whatever happened.
+//! the sampler's draft distribution with the keyed uniform of the position
+//! drafted (see [`super::spec`]). Each round's time goes to the policy's
+//! cost model. Afterwards every drafting slot's target KV length is back
+//! where it was, whatever happened.
+
+use std::time::Instant;
 
 use candle_core::Tensor;
 
 use super::draft_heads::{DraftInput, HiddenContext};
 use super::errors::{kv_err, model_err, tensor_err};
+use super::policy::Drafter;
 use super::sequences::{Sequence, Sequences};
 use super::spec;
 use super::work::Planned;
@@ -26,7 +32,12 @@ pub(crate) fn run_rounds(
     seqs: &mut Sequences,
     planned: &mut [Planned],
 ) -> Result<(), EngineError> {
-    let rounds = planned.iter().map(|p| p.draft_budget).max().unwrap_or(0);
+    let rounds = planned
+        .iter()
+        .filter(|p| by_head(p))
+        .map(|p| p.draft_budget)
+        .max()
+        .unwrap_or(0);
     let mut result = Ok(());
     for round in 0..rounds {
         result = run_round(model, seqs, planned, round);
@@ -38,14 +49,20 @@ pub(crate) fn run_rounds(
     result.and(rolled_back)
 }
 
+/// Whether `p` drafts with the head this step.
+fn by_head(p: &Planned) -> bool {
+    p.draft_budget > 0 && p.drafter == Drafter::Head
+}
+
 fn run_round(
     model: &Model,
     seqs: &mut Sequences,
     planned: &mut [Planned],
     round: usize,
 ) -> Result<(), EngineError> {
+    let start = Instant::now();
     let members: Vec<usize> = (0..planned.len())
-        .filter(|&i| planned[i].draft_budget > round)
+        .filter(|&i| by_head(&planned[i]) && planned[i].draft_budget > round)
         .collect();
     let inputs = members
         .iter()
@@ -55,7 +72,11 @@ fn run_round(
     let logits = head
         .draft(model, &mut seqs.kv, &inputs)
         .map_err(model_err)?;
-    pick_drafts(seqs, planned, &members, round, &logits)
+    pick_drafts(seqs, planned, &members, round, &logits)?;
+    seqs.policy
+        .cost_mut()
+        .record_round(members.len(), start.elapsed());
+    Ok(())
 }
 
 fn round_input(seqs: &Sequences, p: &Planned, round: usize) -> Result<DraftInput, EngineError> {
@@ -113,7 +134,6 @@ fn pick_drafts(
         let p = &mut planned[i];
         if let Some((_, &token)) = plain.next_if(|(&r, _)| r == row) {
             p.drafts.tokens.push(token);
-            p.drafts.probs.push(Vec::new());
         } else {
             let greedy = seqs.get(p.slot).is_some_and(|s| s.sampling.is_greedy());
             let row_logits = logits.narrow(0, row, 1).map_err(tensor_err)?;
@@ -121,9 +141,8 @@ fn pick_drafts(
                 .sampler
                 .draft_distributions(p.slot, &row_logits, &p.drafts.tokens, round)?
                 .remove(0);
-            let token = spec::pick(&mut seqs.sampler, p.slot, greedy, &q)?;
+            let token = spec::pick(&seqs.sampler, p.slot, greedy, &q, round)?;
             p.drafts.tokens.push(token);
-            p.drafts.probs.push(q);
         }
         if round == 0 && p.keep_hidden {
             // The head consumed these pairs into its own KV.
@@ -157,7 +176,7 @@ fn plain_greedy_drafts(
 /// Puts every drafting slot's target KV back at its step offset and tells
 /// the head its rounds are over.
 fn end_rounds(seqs: &mut Sequences, planned: &[Planned]) -> Result<(), EngineError> {
-    for p in planned.iter().filter(|p| p.draft_budget > 0) {
+    for p in planned.iter().filter(|p| by_head(p)) {
         seqs.kv
             .set_len(p.slot, p.offset)
             .map_err(|e| kv_err(p.slot, e))?;

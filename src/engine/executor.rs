@@ -114,11 +114,19 @@ impl Engine {
     }
 
     /// Enables speculative decoding with `head` (sequences draft according
-    /// to their own [`SpecOptions`], or `config.default`).
-    pub fn with_draft(mut self, head: Box<dyn DraftHead>, config: SpecConfig) -> Self {
-        self.info.draft_needs_hidden = head.needs_hidden();
-        self.seqs.set_head(head, config);
-        self.info.speculation = Some(config.default);
+    /// to their own [`SpecOptions`], or `config.default`), and with prompt
+    /// lookup too when `config.prompt_lookup` says so.
+    pub fn with_draft(self, head: Box<dyn DraftHead>, config: SpecConfig) -> Self {
+        self.with_drafters(Some(head), config)
+    }
+
+    /// Enables speculative decoding with any of the drafters: a head,
+    /// `config.prompt_lookup`, or both (neither: nobody drafts).
+    pub fn with_drafters(mut self, head: Option<Box<dyn DraftHead>>, config: SpecConfig) -> Self {
+        self.info.draft_needs_hidden = head.as_ref().is_some_and(|h| h.needs_hidden());
+        let any = head.is_some() || config.prompt_lookup.is_some();
+        self.seqs.set_drafters(head, config);
+        self.info.speculation = any.then_some(config.default);
         self
     }
 
@@ -178,14 +186,9 @@ impl Engine {
     }
 
     fn plan(&mut self, work: Vec<SeqWork>, out: &mut Vec<SeqOutcome>) -> Vec<Planned> {
-        let decodes = work
-            .iter()
-            .filter(|w| matches!(w, SeqWork::Decode { .. }))
-            .count();
-        let step_allows = self.seqs.policy.step_allows(decodes);
         let mut planned = Vec::with_capacity(work.len());
         for w in work {
-            match work::plan_one(&mut self.seqs, w, self.info.context_len, step_allows) {
+            match work::plan_one(&mut self.seqs, w, self.info.context_len) {
                 Ok(p) => planned.push(p),
                 Err(error) => {
                     if !matches!(error, EngineError::UnknownSlot(_)) {
@@ -198,6 +201,7 @@ impl Engine {
                 }
             }
         }
+        work::grant_drafts(&mut self.seqs, &mut planned);
         planned
     }
 
@@ -426,12 +430,12 @@ impl StepExecutor for Engine {
         if !planned.is_empty() {
             outcome.stats.batch_seqs = planned.len();
             let result = self.run_pass(&mut planned, &mut outcome.stats);
-            if outcome.stats.drafted > 0 {
-                let stats = &outcome.stats;
-                self.seqs
-                    .policy
-                    .record_step_cost(stats.draft, stats.forward);
-            }
+            let stats = &outcome.stats;
+            let pass = start.elapsed().saturating_sub(stats.draft);
+            self.seqs
+                .policy
+                .cost_mut()
+                .record_pass(stats.batch_tokens, pass);
             self.report(&planned, result, &mut outcome.seqs);
         }
         outcome.stats.total = start.elapsed();

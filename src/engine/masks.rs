@@ -71,7 +71,6 @@ pub(crate) fn truncate_drafts(seqs: &mut Sequences, planned: &mut [Planned]) {
         };
         let valid = grammar.valid_prefix(&p.drafts.tokens);
         p.drafts.tokens.truncate(valid);
-        p.drafts.probs.truncate(valid);
     }
 }
 

@@ -13,9 +13,11 @@
 //! - `masks`: the grammar masks of constrained rows, computed beside the
 //!   forward pass.
 //! - `update`: the verify and update phases of one sequence.
-//! - [`spec`]: speculation rules: who drafts, the one [`spec::DraftPolicy`]
-//!   deciding how many drafts, and verification.
+//! - [`spec`]: speculation rules: who drafts, and verification.
+//! - `policy`: the one draft policy (how many drafts, from which drafter,
+//!   by a cost model of the step).
 //! - [`draft_heads`]: what drafts ([`DraftHead`], early exit, MTP head).
+//! - [`ngram`]: prompt lookup, the drafter without weights.
 //! - `errors`: [`EngineError`].
 
 pub mod draft_heads;
@@ -23,6 +25,8 @@ mod drafting;
 mod errors;
 pub mod executor;
 mod masks;
+pub mod ngram;
+mod policy;
 pub mod protocol;
 mod rows;
 mod sequences;
@@ -34,6 +38,7 @@ mod work;
 pub use draft_heads::{DraftHead, DraftInput, EarlyExitDraft, HiddenContext, MtpDraft};
 pub use errors::EngineError;
 pub use executor::{Engine, EngineConfig};
+pub use ngram::PromptLookup;
 pub use protocol::*;
 pub use spec::{Drafting, SpecConfig};
 pub use thread::{EngineCommand, EngineThread};

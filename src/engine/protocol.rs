@@ -164,7 +164,7 @@ impl Default for SpecOptions {
             enabled: true,
             initial_draft: 4,
             max_draft: 8,
-            schedule: DraftSchedule::Heuristic,
+            schedule: DraftSchedule::Adaptive,
         }
     }
 }
@@ -216,11 +216,13 @@ pub const MAX_DRAFT_TOKENS: usize = 32;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DraftSchedule {
-    /// Always `initial_draft`.
+    /// Always `initial_draft` (capped by the step's plan).
     Constant,
-    /// +2 after a step whose drafts were all accepted (up to `max_draft`),
-    /// −1 after a mismatch (never below 1).
-    Heuristic,
+    /// Chosen every step by the engine's cost model, 0 to `max_draft`: the
+    /// length that maximises expected tokens per unit of step time, from
+    /// the sequence's measured acceptance by position and the measured cost
+    /// of the step (`initial_draft` until anything is measured).
+    Adaptive,
 }
 
 /// What one sequence contributes to a step.

@@ -28,7 +28,8 @@ use candle_core::Tensor;
 
 use super::draft_heads::DraftHead;
 use super::errors::{kv_err, model_err};
-use super::spec::{DraftPolicy, Drafting, SpecConfig};
+use super::policy::DraftPolicy;
+use super::spec::{Drafting, SpecConfig};
 use super::{
     Admission, EngineError, GeneratedToken, KvGrant, Resume, SeqFinish, SlotId, SpecOptions,
     MAX_DRAFT_TOKENS,
@@ -78,6 +79,14 @@ impl Sequence {
             None => self.prompt.get(position).copied(),
             Some(i) => self.generated.get(i).copied(),
         }
+    }
+
+    /// The whole sequence so far: prompt, then generated tokens.
+    pub fn history(&self) -> Vec<u32> {
+        let mut all = Vec::with_capacity(self.prompt.len() + self.generated.len());
+        all.extend_from_slice(&self.prompt);
+        all.extend_from_slice(&self.generated);
+        all
     }
 
     /// Drafts a decode at KV length `offset` may carry: the bonus token
@@ -130,7 +139,8 @@ pub(crate) struct Sequences {
     pub sampler: Sampler,
     pub head: Option<Box<dyn DraftHead>>,
     pub policy: DraftPolicy,
-    /// The options a request that does not say gets; `Some` iff `head` is.
+    /// The options a request that does not say gets; `Some` iff the
+    /// engine has a drafter (a head, prompt lookup, or both).
     pub default_spec: Option<SpecOptions>,
     #[cfg(debug_assertions)]
     pub accept_all: bool,
@@ -139,12 +149,11 @@ pub(crate) struct Sequences {
 
 impl Sequences {
     pub fn new(kv: KvCache, sampler: Sampler) -> Self {
-        let config = SpecConfig::default();
         Self {
             kv,
             sampler,
             head: None,
-            policy: DraftPolicy::new(config.max_batch),
+            policy: DraftPolicy::new(false, None),
             default_spec: None,
             #[cfg(debug_assertions)]
             accept_all: false,
@@ -152,11 +161,13 @@ impl Sequences {
         }
     }
 
-    /// Installs a draft head (before any sequence is admitted).
-    pub fn set_head(&mut self, head: Box<dyn DraftHead>, config: SpecConfig) {
-        self.head = Some(head);
-        self.policy = DraftPolicy::new(config.max_batch);
-        self.default_spec = Some(config.default);
+    /// Installs the drafters (before any sequence is admitted): `head`
+    /// and/or `config.prompt_lookup`; with neither, nobody drafts.
+    pub fn set_drafters(&mut self, head: Option<Box<dyn DraftHead>>, config: SpecConfig) {
+        self.policy = DraftPolicy::new(head.is_some(), config.prompt_lookup);
+        let any = head.is_some() || config.prompt_lookup.is_some();
+        self.head = head;
+        self.default_spec = any.then_some(config.default);
         #[cfg(debug_assertions)]
         {
             self.accept_all = config.unchecked_accept;
@@ -227,16 +238,17 @@ impl Sequences {
         if !constraints.logit_bias.is_empty() {
             self.sampler.set_logit_bias(slot, constraints.logit_bias)?;
         }
-        if let Some(drafting) = Drafting::resolve(a.spec, self.default_spec, &a.sampling) {
-            let head = self.head.as_mut().expect("a default spec implies a head");
-            if cached > 0 && head.needs_hidden() {
-                return Err(EngineError::InvalidWork {
-                    slot,
-                    reason: "a cached prefix for a head that needs every hidden state".into(),
-                });
+        if let Some(drafting) = Drafting::resolve(a.spec, self.default_spec) {
+            if let Some(head) = self.head.as_mut() {
+                if cached > 0 && head.needs_hidden() {
+                    return Err(EngineError::InvalidWork {
+                        slot,
+                        reason: "a cached prefix for a head that needs every hidden state".into(),
+                    });
+                }
+                head.admit(slot, max_tokens.saturating_add(MAX_DRAFT_TOKENS))
+                    .map_err(model_err)?;
             }
-            head.admit(slot, max_tokens.saturating_add(MAX_DRAFT_TOKENS))
-                .map_err(model_err)?;
             self.policy.admit(slot, drafting);
         }
         self.seqs.insert(
@@ -373,7 +385,7 @@ mod tests {
             fail_admit: fail_head,
             slots: slots.clone(),
         };
-        seqs.set_head(Box::new(head), SpecConfig::default());
+        seqs.set_drafters(Some(Box::new(head)), SpecConfig::default());
         (seqs, slots)
     }
 

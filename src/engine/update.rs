@@ -11,7 +11,7 @@ use super::sequences::Sequences;
 use super::spec::{self, Verdict};
 use super::work::Planned;
 use super::{EngineError, EngineInfo, GeneratedToken, SeqFinish, SeqProgress, StepStats};
-use crate::sampler::{SampleResult, TokenMask};
+use crate::sampler::{SampleResult, TokenLogprobs, TokenMask};
 
 /// What the pass produced for the sequences of one step.
 pub(crate) struct StepResult<'a> {
@@ -75,7 +75,7 @@ pub(crate) fn update(
             stats.drafted += progress.drafted;
             stats.accepted += v.accepted;
             kept_hidden_rows = 1 + v.accepted;
-            kept.into_iter().map(GeneratedToken::bare).collect()
+            with_logprobs(kept, v.logprobs)
         }
         (None, Some(row)) => {
             let res = step.sampled.expect("a plain sampling row was sampled");
@@ -154,10 +154,24 @@ fn commit_verdict(seqs: &mut Sequences, p: &Planned, v: &Verdict) -> Result<Vec<
     seqs.kv
         .commit(p.slot, 1 + v.accepted)
         .map_err(|e| kv_err(p.slot, e))?;
-    let mut kept = p.drafts.tokens[..v.accepted].to_vec();
-    kept.push(v.next);
+    let kept = v.kept(&p.drafts);
     seqs.sampler.commit(p.slot, &kept)?;
     seqs.policy
-        .record(p.slot, p.drafts.tokens.len(), v.accepted);
+        .record(p.slot, p.drafter, p.drafts.tokens.len(), v.accepted);
     Ok(kept)
+}
+
+/// The kept tokens with their logprobs (none when the request did not ask).
+fn with_logprobs(kept: Vec<u32>, logprobs: Vec<TokenLogprobs>) -> Vec<GeneratedToken> {
+    let mut logprobs = logprobs.into_iter();
+    kept.into_iter()
+        .map(|id| match logprobs.next() {
+            Some((logprob, top_logprobs)) => GeneratedToken {
+                id,
+                logprob: Some(logprob),
+                top_logprobs,
+            },
+            None => GeneratedToken::bare(id),
+        })
+        .collect()
 }

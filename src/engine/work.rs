@@ -3,6 +3,7 @@
 //! sequence, with KV room reserved for its tokens and drafts.
 
 use super::errors::kv_err;
+use super::policy::{Candidate, Drafter, Grant};
 use super::rows::RowRequest;
 use super::sequences::Sequences;
 use super::spec::Drafts;
@@ -18,8 +19,13 @@ pub(crate) struct Planned {
     pub tokens: Vec<u32>,
     /// The pass ends at a position that samples (a decode or the last prompt chunk).
     pub samples: bool,
-    /// Drafts the policy granted this step (0: plain decode).
+    /// Drafts the plan and the sequence's room allow (0 for prefill work
+    /// and sequences that do not draft).
+    pub draft_cap: usize,
+    /// Drafts the policy granted this step (0: plain decode), and who
+    /// drafts them.
     pub draft_budget: usize,
+    pub drafter: Drafter,
     pub drafts: Drafts,
     /// The draft head needs this sequence's hidden state at every position.
     pub keep_hidden: bool,
@@ -57,13 +63,12 @@ impl Planned {
     }
 }
 
-/// Checks one work item and reserves room for its tokens and drafts.
-/// `step_allows` is the policy's verdict on the step's batch size.
+/// Checks one work item and reserves room for its tokens; drafts come
+/// later, from [`grant_drafts`].
 pub(crate) fn plan_one(
     seqs: &mut Sequences,
     work: SeqWork,
     context_len: usize,
-    step_allows: bool,
 ) -> Result<Planned, EngineError> {
     let slot = work.slot();
     let offset = seqs
@@ -105,21 +110,69 @@ pub(crate) fn plan_one(
         )));
     }
     let recomputing = seq.recompute.is_some();
-    let draft_budget = seqs.policy.drafts_for(slot, allowed, step_allows);
     // A recompute refills the target's KV only: the draft head already
     // consumed these positions' hidden states before the preemption.
     let keep_hidden = seqs.keeps_hidden(slot) && !recomputing;
+    let draft_cap = if seqs.policy.drafts(slot) { allowed } else { 0 };
     seqs.kv
-        .ensure_room(slot, tokens.len() + draft_budget)
+        .ensure_room(slot, tokens.len())
         .map_err(|e| kv_err(slot, e))?;
     Ok(Planned {
         slot,
         offset,
         tokens,
         samples,
-        draft_budget,
+        draft_cap,
+        draft_budget: 0,
+        drafter: Drafter::Head,
         drafts: Drafts::default(),
         keep_hidden,
         fed: Vec::new(),
     })
+}
+
+/// The policy's grants for every planned sequence that may draft, with KV
+/// room for them; prompt-lookup drafts are filled in here (they need no
+/// round). A sequence whose room cannot grow decodes without drafts.
+pub(crate) fn grant_drafts(seqs: &mut Sequences, planned: &mut [Planned]) {
+    let drafting: Vec<usize> = (0..planned.len())
+        .filter(|&i| planned[i].draft_cap > 0)
+        .collect();
+    if drafting.is_empty() {
+        return;
+    }
+    let lookup = seqs.policy.lookup();
+    let candidates: Vec<Candidate> = drafting
+        .iter()
+        .map(|&i| {
+            let p = &planned[i];
+            let proposal = match (lookup, seqs.get(p.slot)) {
+                (Some(l), Some(seq)) => l.propose(&seq.history(), p.draft_cap),
+                _ => Vec::new(),
+            };
+            Candidate {
+                slot: p.slot,
+                cap: p.draft_cap,
+                lookup: proposal,
+            }
+        })
+        .collect();
+    let base_tokens = planned.iter().map(|p| p.tokens.len()).sum();
+    let grants = seqs.policy.assign(&candidates, base_tokens);
+    for ((&i, c), Grant { drafts, drafter }) in drafting.iter().zip(&candidates).zip(grants) {
+        let p = &mut planned[i];
+        if drafts == 0
+            || seqs
+                .kv
+                .ensure_room(p.slot, p.tokens.len() + drafts)
+                .is_err()
+        {
+            continue;
+        }
+        p.draft_budget = drafts;
+        p.drafter = drafter;
+        if drafter == Drafter::Lookup {
+            p.drafts.tokens = c.lookup[..drafts].to_vec();
+        }
+    }
 }

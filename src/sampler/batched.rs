@@ -29,14 +29,27 @@ pub(crate) struct SlotState {
     /// Tokens written to the ring so far (priors included, capped at the
     /// window on seeding); only meaningful when the plan uses history.
     pub len: u64,
-    /// This sequence's own randomness: every draw for this slot, on either
-    /// path and in `draw` / `uniform`, comes from here.
+    /// This sequence's randomness: the stream of its seed. The token at
+    /// generation index `n` is drawn with its `n`-th `f64` (see
+    /// [`SlotState::stream_at`]), whichever call draws it.
     pub rng: ChaCha8Rng,
+    /// Tokens this slot has generated so far (sampled or committed): the
+    /// generation index of its next token.
+    pub drawn: u64,
     /// Added to the raw logits of every row of this slot (empty: none).
     pub bias: LogitBias,
 }
 
 impl SlotState {
+    /// The slot's stream positioned at generation index `drawn + offset`:
+    /// its next `f64` is the uniform that draws that token. ChaCha8's word
+    /// position makes this a seek, not a replay, and `f64`s are two words.
+    pub(crate) fn stream_at(&self, offset: u64) -> ChaCha8Rng {
+        let mut rng = self.rng.clone();
+        rng.set_word_pos(2 * u128::from(self.drawn + offset));
+        rng
+    }
+
     /// Whether the next token is the first maximum of the raw logits:
     /// greedy, no penalty, no bias (a grammar mask is per call; callers
     /// that have one know it).
@@ -59,9 +72,9 @@ impl SlotState {
 struct RowOut {
     token: u32,
     logprob: f32,
-    /// The slot's RNG, advanced by this row's draw; swapped back into the
-    /// slot only when the whole call succeeded, so a failed call leaves
-    /// every slot as it was.
+    /// The slot's stream at this token's generation index (see
+    /// [`SlotState::stream_at`]); a call commits nothing unless it
+    /// succeeded, so a failed call leaves every slot as it was.
     rng: ChaCha8Rng,
 }
 
@@ -192,6 +205,7 @@ impl Sampler {
             plan,
             len,
             rng: ChaCha8Rng::seed_from_u64(seed),
+            drawn: 0,
             bias: LogitBias::default(),
         });
         self.recompute();
@@ -579,7 +593,7 @@ impl Sampler {
         rows.extend(idx.iter().map(|&r| RowOut {
             token: 0,
             logprob: 0.0,
-            rng: self.slots[r].rng.clone(),
+            rng: self.slots[r].stream_at(0),
         }));
         top.clear();
         top.resize(b * top_k, (0, 0.0));
@@ -612,7 +626,7 @@ impl Sampler {
         let result = outcome.map(|()| {
             for (row, &r) in rows.iter_mut().zip(idx) {
                 let slot = &mut self.slots[r];
-                std::mem::swap(&mut slot.rng, &mut row.rng);
+                slot.drawn += 1;
                 if slot.plan.uses_history() {
                     self.pool
                         .write(r, slot.plan.penalty.window, slot.len, row.token);
@@ -650,15 +664,12 @@ impl Sampler {
         } else {
             0
         };
-        let mut rngs = Vec::with_capacity(idx.len());
         let mut params = Vec::with_capacity(idx.len() * device::PARAM_WIDTH);
         for &r in idx {
             let slot = &self.slots[r];
-            let mut rng = slot.rng.clone();
-            let uniform = (!slot.plan.is_greedy()).then(|| rng.random::<f64>());
+            let uniform = (!slot.plan.is_greedy()).then(|| slot.stream_at(0).random::<f64>());
             let row = device::row_params(&slot.plan, slot.len, r, uniform, self.any_logprobs);
             params.extend_from_slice(&row);
-            rngs.push(rng);
         }
         let history =
             DeviceHistory::synced(self.device_history.take(), &self.pool, logits.device())?;
@@ -683,10 +694,10 @@ impl Sampler {
             top_logprobs: (top_k > 0).then(Vec::new),
             path,
         };
-        for ((out, &r), rng) in launch.out.chunks_exact(width).zip(idx).zip(rngs) {
+        for (out, &r) in launch.out.chunks_exact(width).zip(idx) {
             let token = out[0];
             let slot = &mut self.slots[r];
-            slot.rng = rng;
+            slot.drawn += 1;
             if slot.plan.uses_history() {
                 self.pool
                     .write(r, slot.plan.penalty.window, slot.len, token);

@@ -64,11 +64,16 @@
 //! priors are packed at `[0, min(priors, N))`. See `history.rs`.
 //!
 //! # Randomness
-//! Each slot owns a ChaCha8 RNG seeded from `options.seed` (or from the
-//! sampler's own RNG when `None`), so a seeded request yields the same
-//! tokens whatever else shares the batch and whichever path runs. A greedy
-//! row draws nothing; any other row draws exactly one `f64`. A failed call
-//! advances nothing and writes no history.
+//! Each slot owns a ChaCha8 stream seeded from `options.seed` (or from the
+//! sampler's own RNG when `None`). The token at generation index `n` (the
+//! slot's `n`-th generated token) is drawn with the stream's `n`-th `f64`,
+//! reached by seeking, never by consuming: randomness is keyed by (seed,
+//! position). So a seeded request yields the same tokens whatever else
+//! shares the batch, whichever path runs, and however its tokens were
+//! reached — one per step, or several per step through speculative
+//! verification, which draws the target's token at each verified position
+//! with that position's uniform ([`Sampler::draw_at`]). A greedy row uses
+//! no randomness. A failed call advances nothing and writes no history.
 //!
 //! # Vocabulary checks
 //! The sampler learns V only from the logits. History tokens (priors and
@@ -174,6 +179,9 @@ impl SampleResult {
     }
 }
 
+/// One token's logprob and its position's top logprobs, descending.
+pub type TokenLogprobs = (f32, Vec<(u32, f32)>);
+
 /// Sampler errors. Bad input never panics; the message names the field,
 /// slot or limit.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -216,7 +224,7 @@ pub enum SamplerError {
     /// `speculative_distributions` got fewer than `T - 1` drafts.
     #[error("speculative_distributions: {positions} positions need at least {} draft tokens, got {drafts}", positions - 1)]
     DraftTooShort { positions: usize, drafts: usize },
-    /// `draw` got weights that are negative, non-finite or all zero.
+    /// `draw_at` got weights that are negative, non-finite or all zero.
     #[error("invalid probabilities for draw: {reason}")]
     InvalidProbs { reason: String },
     /// Reading the logits tensor failed (candle error text).

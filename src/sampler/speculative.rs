@@ -4,14 +4,12 @@
 //! `k + 1` positions and asks [`Sampler::speculative_distributions`] for
 //! the distribution `sample` would draw from at each position — as if the
 //! drafts before it had already been appended (penalties see them) — with
-//! no state changed. It then accepts draft `d_i` with probability
-//! `min(1, p_i(d_i) / q_i(d_i))` using [`Sampler::uniform`], on rejection
-//! draws from the normalised residual `max(0, p − q)` with
-//! [`Sampler::draw`], and finally [`Sampler::commit`]s the accepted tokens.
-//! Both draws use the slot's own RNG, so a seeded request stays
-//! reproducible. `draw` walks the distribution exactly as `sample` walks
-//! its kept tokens, so drawing from position 0's distribution picks the
-//! very token `sample` would have picked from the same RNG state.
+//! no state changed. It then draws the target's own token at each position
+//! with [`Sampler::draw_at`] — the uniform of that position's generation
+//! index, the one `sample` would use there — accepts the drafts that equal
+//! those tokens, and [`Sampler::commit`]s what it keeps. `draw_at` walks
+//! the distribution exactly as `sample` walks its kept tokens, so every
+//! emitted token is the one sequential decoding would have emitted.
 
 use candle_core::Tensor;
 use rand::Rng;
@@ -19,7 +17,7 @@ use rand::Rng;
 use super::adjust::{RowAdjust, TokenMask};
 use super::batched::fault;
 use super::transform::{self, RowJob, RowScratch};
-use super::{draw, host, Sampler, SamplerError};
+use super::{draw, host, Sampler, SamplerError, TokenLogprobs};
 use crate::slot::SlotId;
 
 impl Sampler {
@@ -132,14 +130,16 @@ impl Sampler {
     }
 
     /// Appends accepted tokens to `slot`'s history, in order, without
-    /// drawing anything. Ids are checked against the vocabulary at the
-    /// next call that brings logits for this slot.
+    /// drawing anything; the slot's generation index moves past them. Ids
+    /// are checked against the vocabulary at the next call that brings
+    /// logits for this slot.
     pub fn commit(&mut self, slot: SlotId, tokens: &[u32]) -> Result<(), SamplerError> {
         let &r = self
             .index
             .get(&slot)
             .ok_or(SamplerError::UnknownSlot(slot))?;
         let state = &mut self.slots[r];
+        state.drawn += tokens.len() as u64;
         if state.plan.uses_history() {
             for &token in tokens {
                 self.pool
@@ -151,9 +151,11 @@ impl Sampler {
     }
 
     /// Draws an index from `probs` (non-negative weights, not necessarily
-    /// normalised — a residual `max(0, p − q)` is fine) with `slot`'s RNG:
-    /// one uniform, inverse CDF in index order, as `sample` does.
-    pub fn draw(&mut self, slot: SlotId, probs: &[f32]) -> Result<u32, SamplerError> {
+    /// normalised) with the uniform of `slot`'s token `offset` positions
+    /// past its next one: inverse CDF in index order, as `sample` does, so
+    /// `draw_at(slot, 0, p)` over the distribution `sample` would use picks
+    /// the very token `sample` picks. Changes nothing.
+    pub fn draw_at(&self, slot: SlotId, offset: usize, probs: &[f32]) -> Result<u32, SamplerError> {
         let &r = self
             .index
             .get(&slot)
@@ -172,26 +174,53 @@ impl Sampler {
                 reason: format!("{} entries exceed the u32 token id range", probs.len()),
             });
         }
-        if !probs.iter().any(|&p| p > 0.0) {
-            return Err(SamplerError::InvalidProbs {
-                reason: format!("all {} weights are zero", probs.len()),
-            });
-        }
-        let u = self.slots[r].rng.random::<f64>();
-        let pick = draw::draw_dense(u, probs, &mut Vec::new());
-        pick.map(|i| i as u32)
+        let u = self.slots[r].stream_at(offset as u64).random::<f64>();
+        draw::draw_dense(u, probs, &mut Vec::new())
+            .map(|i| i as u32)
             .ok_or_else(|| SamplerError::InvalidProbs {
-                reason: "the weights sum to zero".into(),
+                reason: format!("all {} weights are zero", probs.len()),
             })
     }
 
-    /// A uniform number in `[0, 1)` from `slot`'s RNG (for the
-    /// `min(1, p/q)` acceptance test).
-    pub fn uniform(&mut self, slot: SlotId) -> Result<f32, SamplerError> {
+    /// The log-probability of `tokens[i]` under row `i` of `logits`
+    /// (`[T, V]`, `T >= tokens.len()`) and that row's `top_logprobs` most
+    /// likely tokens: what `sample` reports for `slot` when its options ask
+    /// for logprobs (raw logits, the same arithmetic), for tokens emitted
+    /// by speculative verification. Empty when the slot did not ask.
+    pub fn logprobs_at(
+        &self,
+        slot: SlotId,
+        logits: &Tensor,
+        tokens: &[u32],
+    ) -> Result<Vec<TokenLogprobs>, SamplerError> {
         let &r = self
             .index
             .get(&slot)
             .ok_or(SamplerError::UnknownSlot(slot))?;
-        Ok(self.slots[r].rng.random::<f32>())
+        let options = &self.slots[r].options;
+        if !options.logprobs {
+            return Ok(Vec::new());
+        }
+        let positions = logits.dims().first().copied().unwrap_or(0);
+        let (t, vocab) = host::check_shape(logits, positions)?;
+        if tokens.len() > t {
+            return Err(SamplerError::LogitsShape {
+                reason: format!("{} tokens for {t} rows of logits", tokens.len()),
+            });
+        }
+        if let Some(&token) = tokens.iter().find(|&&x| x as usize >= vocab) {
+            return Err(SamplerError::VocabMismatch { slot, token, vocab });
+        }
+        let k = options.top_logprobs.min(vocab);
+        host::with_host_f32(logits, |data| {
+            let mut scratch = RowScratch::default();
+            let rows = tokens.iter().enumerate().map(|(i, &token)| {
+                let mut top = vec![(0, 0.0); k];
+                let row = &data[i * vocab..(i + 1) * vocab];
+                let lp = transform::logprobs_row(row, token, &mut top, &mut scratch);
+                (lp, top)
+            });
+            Ok(rows.collect())
+        })
     }
 }

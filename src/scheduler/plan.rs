@@ -5,7 +5,7 @@
 //! 1. **Release**: slots ended on the scheduler side (cancel, stop string,
 //!    requester gone) go into `release`, and their blocks back to the pool.
 //! 2. **Grow**: every decoding sequence, oldest first, gets the blocks its
-//!    decode token (and pinned drafts) needs. When the pool is out of
+//!    decode token needs. When the pool is out of
 //!    blocks, the most recently admitted running sequence is **preempted**
 //!    (all its blocks back; it keeps its slot and is recomputed later),
 //!    until the block is found or the sequence itself was the youngest.
@@ -18,17 +18,15 @@
 //!    while a slot is free, the pool holds the blocks of the head's prompt
 //!    minus its cached prefix (plus a watermark of free blocks, so a fresh
 //!    admission does not preempt at once), and the step budget can hold its
-//!    decode (with every draft of a pinned sequence). The head is never
+//!    decode. The head is never
 //!    overtaken. The later choices of an `n` > 1 request wait at the head
 //!    until the first choice has computed the prompt's full blocks, then
 //!    share them (reference counts, no copy) and compute only the tail.
-//! 3. **Decode**: one token for every sequence whose prompt is done, plus
-//!    the full draft allowance of pinned (seeded sampled) sequences, whose
-//!    output must not depend on what shares the step.
+//! 3. **Decode**: one token for every sequence whose prompt is done.
 //! 4. **Prefill**: chunks of the remaining prompts, oldest first (admission
 //!    order, which the slot table keeps), each at most
 //!    `max_prefill_chunk` and at most what is left of the token budget.
-//! 5. **Drafts**: what is left of the budget goes to the other drafting
+//! 5. **Drafts**: what is left of the budget goes to the drafting
 //!    sequences' `max_drafts`, oldest first, as far as free blocks allow:
 //!    speculation spends spare capacity, never a waiting prompt's, and
 //!    never preempts.
@@ -66,17 +64,6 @@ pub(crate) struct PlanLimits {
     pub speculation: Option<SpecOptions>,
     /// Drafting sequences need every hidden state: no prefix hits for them.
     pub draft_needs_hidden: bool,
-}
-
-impl PlanLimits {
-    /// Step tokens a running sequence must always be able to use: its decode
-    /// token, and every draft when it is pinned.
-    fn reserved_step_tokens(&self, drafting: Option<Drafting>) -> usize {
-        match drafting {
-            Some(d) if d.pinned => 1 + d.planned_drafts(self.step_token_budget),
-            _ => 1,
-        }
-    }
 }
 
 /// A request that took a slot in this plan.
@@ -142,7 +129,7 @@ pub(crate) fn plan_step(
         },
         ..PlannedStep::default()
     };
-    grow_decodes(slots, limits, &mut out);
+    grow_decodes(slots, &mut out);
     resume(slots, limits, &mut out);
     if !slots.iter_by_age().any(|s| s.preempted) {
         admit(queue, slots, limits, now, &mut wanted, &mut out);
@@ -166,12 +153,12 @@ fn watermark(slots: &SlotTable) -> usize {
 }
 
 /// Step 2: blocks for every decode, preempting the youngest when short.
-fn grow_decodes(slots: &mut SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
+fn grow_decodes(slots: &mut SlotTable, out: &mut PlannedStep) {
     for slot in slots.slots_by_age() {
         let Some(seq) = slots.get(slot).filter(|s| s.prompt_done()) else {
             continue;
         };
-        let tokens = seq.computed + limits.reserved_step_tokens(seq.drafting);
+        let tokens = seq.computed + 1;
         while !slots.grow(slot, tokens) {
             let victim = slots
                 .slots_by_age()
@@ -225,7 +212,7 @@ fn resume(slots: &mut SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
         // that follows (which may come at once if all of it is cached).
         let room = match seq.generated {
             0 => target,
-            _ => target + limits.reserved_step_tokens(seq.drafting),
+            _ => target + 1,
         };
         let need = blocks_for(room, bs) - hits + idle;
         if need + watermark(slots) > slots.pool().available() {
@@ -276,19 +263,15 @@ fn admit(
     wanted: &mut impl FnMut(RequestId) -> bool,
     out: &mut PlannedStep,
 ) {
-    let mut step_reserved: usize = slots
-        .iter_by_age()
-        .map(|s| limits.reserved_step_tokens(s.drafting))
-        .sum();
+    // Every running sequence may always decode one token.
+    let mut step_reserved: usize = slots.iter_by_age().count();
     while let Some(head) = queue.front() {
         if !wanted(head.id) {
             out.abandoned.extend(queue.pop_front());
             continue;
         }
-        let drafting =
-            Drafting::resolve(head.seq.speculation, limits.speculation, &head.seq.sampling);
-        let step_tokens = limits.reserved_step_tokens(drafting);
-        let fits_step = step_reserved + step_tokens <= limits.step_token_budget;
+        let drafting = Drafting::resolve(head.seq.speculation, limits.speculation);
+        let fits_step = step_reserved < limits.step_token_budget;
         if !fits_step || !slots.can_admit() {
             break;
         }
@@ -306,7 +289,7 @@ fn admit(
             break;
         }
         let Some(q) = queue.pop_front() else { break };
-        step_reserved += step_tokens;
+        step_reserved += 1;
         let queue_wait = now.saturating_duration_since(q.submitted_at);
         let pool = slots.pool_mut();
         let mut blocks = match prefix {
@@ -421,27 +404,25 @@ fn find_prefix(slots: &SlotTable, head: &QueuedSeq, lookup: bool) -> Prefix {
     }
 }
 
-/// Fills the token budget: decodes (with pinned drafts) first, then
-/// prefill chunks oldest first, then the other drafts from what is left.
+/// Fills the token budget: decodes first, then prefill chunks oldest
+/// first, then drafts from what is left.
 fn schedule_work(slots: &mut SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
     let mut budget = limits.step_token_budget;
-    // Admission keeps every decode and pinned draft inside the budget; the
-    // checks only keep a bad state from overrunning it.
+    // Admission keeps every decode inside the budget; the checks only keep
+    // a bad state from overrunning it.
     for seq in slots.iter_by_age().filter(|s| s.prompt_done()) {
-        let tokens = limits.reserved_step_tokens(seq.drafting);
-        if tokens > budget {
+        if budget == 0 {
             break;
         }
-        if seq.blocks.room(slots.block_size()) < seq.computed + tokens {
+        if seq.blocks.room(slots.block_size()) < seq.computed + 1 {
             continue; // no blocks this step (the growth pass preempted it)
         }
         out.plan.work.push(SeqWork::Decode {
             slot: seq.slot,
-            max_drafts: tokens - 1,
+            max_drafts: 0,
         });
         out.decodes += 1;
-        out.drafts += tokens - 1;
-        budget -= tokens;
+        budget -= 1;
     }
     for seq in slots.iter_by_age().filter(|s| s.needs_prefill()) {
         if budget == 0 {
@@ -467,7 +448,7 @@ fn schedule_work(slots: &mut SlotTable, limits: PlanLimits, out: &mut PlannedSte
         let Some(seq) = slots.get(*slot) else {
             continue;
         };
-        if let Some(d) = seq.drafting.filter(|d| !d.pinned) {
+        if let Some(d) = seq.drafting {
             // Only as many drafts as free blocks hold: drafts never preempt.
             let bs = slots.block_size();
             let base = seq.computed + 1;
@@ -872,7 +853,7 @@ mod tests {
         }
     }
 
-    /// A queued request that may draft (`seed`: sampled and seeded, so pinned).
+    /// A queued request that may draft (`seed`: sampled and seeded).
     fn drafting(id: u64, prompt_len: usize, max_draft: usize, seed: Option<u64>) -> QueuedSeq {
         let mut q = queued(id, prompt_len, 100);
         q.seq.speculation = Some(SpecOptions::constant(max_draft));
@@ -891,7 +872,7 @@ mod tests {
         let limits = drafting_limits(40, 16);
         let mut q = WaitingQueue::new(64);
         let mut t = SlotTable::new(16, 100_000);
-        // Pinned (seeded) and unpinned drafters, and a few plain requests.
+        // Seeded and greedy drafters, and a few plain requests.
         for i in 0..12u64 {
             let seed = (i % 3 == 0).then_some(i);
             q.push(drafting(i, 3 + i as usize, 2 + i as usize % 5, seed))
@@ -908,17 +889,11 @@ mod tests {
                 "step {step}: {used} tokens"
             );
             assert_eq!(used, p.tokens(), "step {step}: the counters match the work");
-            // Every pinned decode carries its whole allowance.
             for w in &p.plan.work {
                 if let SeqWork::Decode { slot, max_drafts } = *w {
                     let seq = t.get(slot).unwrap();
-                    if let Some(d) = seq.drafting.filter(|d| d.pinned) {
-                        assert_eq!(
-                            max_drafts, d.options.max_draft,
-                            "step {step}: pinned slot {slot}"
-                        );
-                    }
-                    assert!(seq.drafting.is_some() || max_drafts == 0);
+                    let cap = seq.drafting.map_or(0, |d| d.options.max_draft);
+                    assert!(max_drafts <= cap, "step {step}: slot {slot}");
                 }
             }
             apply(&mut t, &p);
@@ -960,34 +935,5 @@ mod tests {
             ]
         );
         assert_eq!(budget_used(&p), 20);
-    }
-
-    #[test]
-    fn pinned_drafts_are_reserved_at_admission() {
-        let limits = drafting_limits(12, 8);
-        let mut q = WaitingQueue::new(8);
-        let mut t = SlotTable::new(8, 10_000);
-        // Two pinned requests reserving 1 + 5 step tokens each fill the budget.
-        for i in 0..3 {
-            q.push(drafting(i, 2, 5, Some(i))).unwrap();
-        }
-        let p = plan_step(0, &mut q, &mut t, limits, Instant::now(), |_| true);
-        assert_eq!(p.admitted.len(), 2, "the third waits for budget");
-        assert_eq!(q.len(), 1);
-        // A pinned request larger than the whole budget is capped, not stuck.
-        let mut q = WaitingQueue::new(8);
-        let mut t = SlotTable::new(8, 10_000);
-        q.push(drafting(9, 2, 32, Some(1))).unwrap();
-        let p = plan_step(0, &mut q, &mut t, limits, Instant::now(), |_| true);
-        assert_eq!(p.admitted.len(), 1);
-        apply(&mut t, &p);
-        let p = plan_step(1, &mut q, &mut t, limits, Instant::now(), |_| true);
-        assert_eq!(
-            p.plan.work,
-            vec![SeqWork::Decode {
-                slot: 0,
-                max_drafts: 11
-            }]
-        );
     }
 }

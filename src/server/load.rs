@@ -135,6 +135,8 @@ pub struct LoadSpec {
     /// Speculative decoding: the draft head, and the longest draft.
     pub mtp: super::mtp::MtpMode,
     pub draft_max: usize,
+    /// Prompt-lookup (n-gram) drafts, beside the head or alone.
+    pub prompt_lookup: bool,
 }
 
 /// A loaded engine with its tokenizer, chat template and name.
@@ -203,10 +205,8 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, LoadError> {
             eos_ids: tokenizer.eos_ids().to_vec(),
         },
     );
-    let engine = match head {
-        Some(head) => engine.with_draft(head, super::mtp::MtpMode::spec_config(spec.draft_max)),
-        None => engine,
-    };
+    let config = super::mtp::MtpMode::spec_config(spec.draft_max, spec.prompt_lookup);
+    let engine = engine.with_drafters(head, config);
     Ok(Loaded {
         engine,
         tokenizer,

@@ -2,7 +2,9 @@
 //! the `--mtp` / `--draft-max` flags and the `tandem` extension object of a
 //! request.
 //!
-//! The server drafts with one head, chosen at start-up (`--mtp`); a request
+//! The server drafts with one head, chosen at start-up (`--mtp`), and/or
+//! with prompt lookup (`--prompt-lookup`, n-gram drafts from the request's
+//! own context); the draft policy picks per sequence and step. A request
 //! turns drafting off or on for itself (`"tandem": {"mtp": "off" | "on"}`)
 //! and may shorten its drafts (`draft_max`).
 
@@ -10,7 +12,9 @@ use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
 
-use crate::engine::{DraftHead, DraftSchedule, EarlyExitDraft, MtpDraft, SpecConfig, SpecOptions};
+use crate::engine::{
+    DraftHead, DraftSchedule, EarlyExitDraft, MtpDraft, PromptLookup, SpecConfig, SpecOptions,
+};
 use crate::model::{Model, MtpHead};
 
 /// Largest accepted `draft_max` (drafts per step per sequence).
@@ -89,16 +93,18 @@ impl MtpMode {
         }
     }
 
-    /// Engine-wide speculation settings for drafts of at most `draft_max`.
-    pub fn spec_config(draft_max: usize) -> SpecConfig {
+    /// Engine-wide speculation settings for drafts of at most `draft_max`,
+    /// with prompt lookup beside the head (or alone) when `prompt_lookup`.
+    pub fn spec_config(draft_max: usize, prompt_lookup: bool) -> SpecConfig {
         let default = SpecOptions {
             enabled: true,
             initial_draft: draft_max.min(4),
             max_draft: draft_max,
-            schedule: DraftSchedule::Heuristic,
+            schedule: DraftSchedule::Adaptive,
         };
         SpecConfig {
             default,
+            prompt_lookup: prompt_lookup.then(PromptLookup::default),
             ..SpecConfig::default()
         }
     }

@@ -1,0 +1,107 @@
+//! Prompt lookup: an n-gram drafter with no weights (llama.cpp's and vLLM's
+//! n-gram speculation).
+//!
+//! It proposes the tokens that followed the most recent earlier occurrence
+//! of the sequence's last `n` tokens, for the longest `n` in
+//! `min_n..=max_n` that occurs, searching the prompt and the generated text
+//! together. Summaries, code edits, RAG answers and structured output copy
+//! long spans of their context, and there such drafts are accepted whole.
+//! A proposal costs one backwards scan of the history: no model call, no
+//! draft round.
+
+/// Prompt-lookup settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PromptLookup {
+    /// Shortest suffix that may be matched.
+    pub min_n: usize,
+    /// Longest suffix tried first.
+    pub max_n: usize,
+}
+
+impl Default for PromptLookup {
+    fn default() -> Self {
+        Self { min_n: 2, max_n: 4 }
+    }
+}
+
+impl PromptLookup {
+    /// Checks the lengths; the message names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.min_n == 0 || self.min_n > self.max_n {
+            return Err(format!(
+                "prompt lookup needs 1 <= min_n <= max_n, got min_n {} and max_n {}",
+                self.min_n, self.max_n
+            ));
+        }
+        Ok(())
+    }
+
+    /// Up to `max` tokens continuing `history` (prompt, then generated
+    /// tokens, ending with the token whose successor is drafted): what
+    /// followed the latest earlier occurrence of the longest matching
+    /// suffix. Empty when no suffix of `min_n` tokens recurs.
+    pub fn propose(&self, history: &[u32], max: usize) -> Vec<u32> {
+        if max == 0 {
+            return Vec::new();
+        }
+        for n in (self.min_n..=self.max_n).rev() {
+            if let Some(start) = latest_match(history, n) {
+                let end = (start + max).min(history.len());
+                return history[start..end].to_vec();
+            }
+        }
+        Vec::new()
+    }
+}
+
+/// Where the continuation of the latest earlier occurrence of `history`'s
+/// last `n` tokens starts (the position right after that occurrence).
+fn latest_match(history: &[u32], n: usize) -> Option<usize> {
+    let len = history.len();
+    if n == 0 || len <= n {
+        return None;
+    }
+    let suffix = &history[len - n..];
+    // Occurrences ending before the suffix itself, latest first; the
+    // continuation must hold at least one token.
+    (0..len - n)
+        .rev()
+        .find(|&i| &history[i..i + n] == suffix)
+        .map(|i| i + n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proposes_the_continuation_of_the_longest_latest_match() {
+        let pl = PromptLookup { min_n: 1, max_n: 3 };
+        // "1 2 3 4 5 … 1 2 3": the 3-gram recurs, its continuation is 4 5.
+        assert_eq!(pl.propose(&[1, 2, 3, 4, 5, 9, 1, 2, 3], 2), vec![4, 5]);
+        // The continuation is cut at `max` and at the end of the history.
+        assert_eq!(
+            pl.propose(&[1, 2, 3, 4, 5, 9, 1, 2, 3], 8),
+            vec![4, 5, 9, 1, 2, 3]
+        );
+        // The latest occurrence wins: "7 8" followed by 1 then by 2.
+        assert_eq!(pl.propose(&[7, 8, 1, 7, 8, 2, 7, 8], 1), vec![2]);
+        // A longer match beats a later shorter one.
+        assert_eq!(pl.propose(&[5, 6, 7, 1, 9, 7, 2, 5, 6, 7], 1), vec![1]);
+    }
+
+    #[test]
+    fn nothing_without_a_recurring_suffix() {
+        let pl = PromptLookup::default();
+        assert!(pl.propose(&[1, 2, 3, 4], 4).is_empty());
+        assert!(pl.propose(&[], 4).is_empty());
+        assert!(
+            pl.propose(&[3, 3], 4).is_empty(),
+            "min_n 2 needs a 2-gram before the suffix"
+        );
+        assert_eq!(pl.propose(&[3, 3, 3], 4), vec![3]);
+        assert!(pl.propose(&[1, 2, 1, 2], 0).is_empty());
+        assert!(PromptLookup { min_n: 0, max_n: 2 }.validate().is_err());
+        assert!(PromptLookup { min_n: 3, max_n: 2 }.validate().is_err());
+    }
+}

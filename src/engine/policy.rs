@@ -1,0 +1,658 @@
+//! The draft policy: how many drafts each sequence gets this step, and from
+//! which drafter, chosen to maximise the step's expected tokens per unit of
+//! time.
+//!
+//! # The model
+//! - **Acceptance** per sequence and drafter: the chance that draft `j` is
+//!   accepted given drafts `1..j` were, by position, from recent
+//!   verifications (decayed counts with a weak prior). A run of `k` drafts
+//!   then yields `1 + Σ_{j≤k} Π_{l≤j} a_l` tokens in expectation.
+//! - **Cost**: the time of the step's pass (forward, sampling,
+//!   verification, update) as a function of its tokens, `F(T) = f0 + f1·T`,
+//!   and one draft round's time as a function of its
+//!   members, `R(M) = r0 + r1·M`, both fitted online (decayed least
+//!   squares) from the engine's own measurements. Prompt-lookup drafts cost
+//!   no round.
+//! - **Choice**: starting from no drafts, the policy repeatedly extends the
+//!   one sequence whose extension (by any number of drafts up to its cap)
+//!   brings the most expected tokens per second added, while that rate
+//!   beats the step's current tokens per second by a margin (10 %), i.e.
+//!   while the extension clearly raises throughput. At a large compute-bound batch the marginal cost of
+//!   a draft token nears the cost of a whole decode token, so drafting
+//!   turns itself off without a hand-set batch cut; a sequence whose drafts
+//!   are rarely accepted stops drafting.
+//! - **Probing**: a sequence that does not draft because of its acceptance
+//!   (it would with a good one) probes again after a back-off that doubles
+//!   with every probe that does not pay, so a useless drafter costs a
+//!   vanishing share of the steps.
+//!
+//! `Constant` sequences draft exactly their `initial_draft` (tests and
+//! experiments), capped by the plan. No request's tokens depend on any of
+//! this (see [`super::spec`]).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::ngram::PromptLookup;
+use super::spec::Drafting;
+use super::{DraftSchedule, SlotId, MAX_DRAFT_TOKENS};
+
+/// Which drafter proposed a sequence's drafts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Drafter {
+    /// The engine's draft head (MTP head or early exit): batched rounds.
+    Head,
+    /// Prompt lookup: the drafts are known before any round.
+    Lookup,
+}
+
+/// Prior acceptance (and its weight in pseudo-observations).
+const PRIOR: f64 = 0.5;
+const PRIOR_WEIGHT: f64 = 0.5;
+/// Acceptance assumed when deciding whether a sequence is worth a probe.
+const PROBE_ACCEPTANCE: f64 = 0.9;
+/// Weight kept by old observations at each new one.
+const FORGET: f64 = 0.95;
+const MIN_BACKOFF: usize = 8;
+const MAX_BACKOFF: usize = 512;
+
+/// Acceptance by draft position for one drafter of one sequence.
+#[derive(Debug, Clone)]
+struct Acceptance {
+    hits: [f64; MAX_DRAFT_TOKENS],
+    trials: [f64; MAX_DRAFT_TOKENS],
+}
+
+impl Default for Acceptance {
+    fn default() -> Self {
+        Self {
+            hits: [0.0; MAX_DRAFT_TOKENS],
+            trials: [0.0; MAX_DRAFT_TOKENS],
+        }
+    }
+}
+
+impl Acceptance {
+    fn rate(&self, j: usize) -> f64 {
+        (self.hits[j] + PRIOR * PRIOR_WEIGHT) / (self.trials[j] + PRIOR_WEIGHT)
+    }
+
+    /// `reach[j]`: the chance that drafts `0..=j` are all accepted.
+    fn reach(&self, k: usize) -> Vec<f64> {
+        let mut p = 1.0;
+        (0..k.min(MAX_DRAFT_TOKENS))
+            .map(|j| {
+                p *= self.rate(j);
+                p
+            })
+            .collect()
+    }
+
+    fn record(&mut self, drafted: usize, accepted: usize) {
+        for j in 0..MAX_DRAFT_TOKENS {
+            self.hits[j] *= FORGET;
+            self.trials[j] *= FORGET;
+        }
+        // Position j was tried when every draft before it was accepted.
+        for j in 0..drafted.min(accepted + 1).min(MAX_DRAFT_TOKENS) {
+            self.trials[j] += 1.0;
+            if j < accepted {
+                self.hits[j] += 1.0;
+            }
+        }
+    }
+}
+
+/// One sequence's drafting state.
+#[derive(Debug, Clone)]
+struct SeqState {
+    drafting: Drafting,
+    acceptance: HashMap<Drafter, Acceptance>,
+    /// Steps it skipped drafting for its acceptance, and the skip count
+    /// that triggers the next probe.
+    idle: usize,
+    backoff: usize,
+}
+
+/// Decayed least squares `y = a + b·x`.
+#[derive(Debug, Clone, Copy, Default)]
+struct LinearFit {
+    w: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+/// Weight kept by old cost samples at each new one.
+const COST_FORGET: f64 = 0.98;
+/// A draft must raise the step's expected tokens per second by this factor
+/// at the margin: estimates are noisy, and a marginal gain is not worth
+/// the risk of a loss.
+const MARGIN: f64 = 1.1;
+/// The least a pass token is assumed to cost, as a share of the pass's
+/// fixed cost (a noisy fit must never make drafts look free).
+const MIN_TOKEN_SHARE: f64 = 0.01;
+
+impl LinearFit {
+    fn add(&mut self, x: f64, y: f64) {
+        let d = COST_FORGET;
+        self.w = self.w * d + 1.0;
+        self.x = self.x * d + x;
+        self.y = self.y * d + y;
+        self.xx = self.xx * d + x * x;
+        self.xy = self.xy * d + x * y;
+    }
+
+    /// `(a, b)`, with `b` from `slope_prior(a)` while the samples' x do
+    /// not vary enough to tell; `None` before any sample.
+    fn coefficients(&self, slope_prior: impl Fn(f64) -> f64) -> Option<(f64, f64)> {
+        if self.w < 1e-9 {
+            return None;
+        }
+        let (mx, my) = (self.x / self.w, self.y / self.w);
+        let var = self.xx / self.w - mx * mx;
+        let b = if var > 0.25 {
+            ((self.xy / self.w - mx * my) / var).max(0.0)
+        } else {
+            slope_prior(my / mx.max(1.0))
+        };
+        Some(((my - b * mx).max(0.0), b))
+    }
+}
+
+/// The step's cost model (see the module docs).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct CostModel {
+    forward: LinearFit,
+    round: LinearFit,
+}
+
+/// `(f0, f1, r0, r1)` in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Costs {
+    f0: f64,
+    f1: f64,
+    r0: f64,
+    r1: f64,
+}
+
+impl CostModel {
+    pub fn record_pass(&mut self, tokens: usize, time: Duration) {
+        self.forward.add(tokens as f64, time.as_secs_f64());
+    }
+
+    pub fn record_round(&mut self, members: usize, time: Duration) {
+        self.round.add(members as f64, time.as_secs_f64());
+    }
+
+    /// Until measured: each extra token costs a thirty-second of a
+    /// one-token step, and a round a tenth of one.
+    fn costs(&self) -> Option<Costs> {
+        let (f0, f1) = self.forward.coefficients(|per_token| per_token / 32.0)?;
+        let f1 = f1.max(MIN_TOKEN_SHARE * f0);
+        let (r0, r1) = self
+            .round
+            .coefficients(|per_member| per_member / 4.0)
+            .unwrap_or((0.1 * (f0 + f1), 0.0));
+        Some(Costs { f0, f1, r0, r1 })
+    }
+}
+
+/// One decoding sequence as the policy sees it this step.
+#[derive(Debug, Clone)]
+pub(crate) struct Candidate {
+    pub slot: SlotId,
+    /// Drafts the plan and the sequence's room allow.
+    pub cap: usize,
+    /// What prompt lookup proposes (empty: nothing, or no lookup).
+    pub lookup: Vec<u32>,
+}
+
+/// The policy's decision for one candidate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Grant {
+    pub drafts: usize,
+    pub drafter: Drafter,
+}
+
+/// Every decision about drafts: one store of the slot registry.
+#[derive(Debug, Default)]
+pub(crate) struct DraftPolicy {
+    cost: CostModel,
+    seqs: HashMap<SlotId, SeqState>,
+    /// Drafters the engine has.
+    has_head: bool,
+    lookup: Option<PromptLookup>,
+}
+
+impl DraftPolicy {
+    pub fn new(has_head: bool, lookup: Option<PromptLookup>) -> Self {
+        Self {
+            has_head,
+            lookup,
+            ..Self::default()
+        }
+    }
+
+    pub fn lookup(&self) -> Option<PromptLookup> {
+        self.lookup
+    }
+
+    pub fn admit(&mut self, slot: SlotId, drafting: Drafting) {
+        self.seqs.insert(
+            slot,
+            SeqState {
+                drafting,
+                acceptance: HashMap::new(),
+                idle: 0,
+                backoff: MIN_BACKOFF,
+            },
+        );
+    }
+
+    /// Forgets `slot` (it stops drafting); a no-op for an unknown slot.
+    pub fn release(&mut self, slot: SlotId) {
+        self.seqs.remove(&slot);
+    }
+
+    pub fn drafts(&self, slot: SlotId) -> bool {
+        self.seqs.contains_key(&slot)
+    }
+
+    /// After a verification of `slot`'s drafts from `drafter`.
+    pub fn record(&mut self, slot: SlotId, drafter: Drafter, drafted: usize, accepted: usize) {
+        if let Some(s) = self.seqs.get_mut(&slot) {
+            s.acceptance
+                .entry(drafter)
+                .or_default()
+                .record(drafted, accepted);
+        }
+    }
+
+    pub fn cost_mut(&mut self) -> &mut CostModel {
+        &mut self.cost
+    }
+
+    /// Grants for `candidates` (drafting sequences that decode this step) in
+    /// a step whose forward pass carries `base_tokens` tokens before drafts.
+    pub fn assign(&mut self, candidates: &[Candidate], base_tokens: usize) -> Vec<Grant> {
+        let options: Vec<Choice> = candidates.iter().map(|c| self.choice(c)).collect();
+        let mut drafts = vec![0usize; candidates.len()];
+        match self.cost.costs() {
+            // Nothing measured yet: every sequence starts at its initial draft.
+            None => {
+                for (d, o) in drafts.iter_mut().zip(&options) {
+                    *d = o.initial.min(o.reach.len());
+                }
+            }
+            Some(costs) => {
+                let probing: Vec<bool> = options.iter().map(|o| o.probe_due).collect();
+                let reach: Vec<Vec<f64>> = options
+                    .iter()
+                    .zip(&probing)
+                    .map(|(o, &p)| {
+                        if p {
+                            optimistic(o.reach.len())
+                        } else {
+                            o.reach.clone()
+                        }
+                    })
+                    .collect();
+                let mut plan = StepModel::new(costs, base_tokens, candidates.len());
+                plan.fill(&reach, &options, &mut drafts);
+                self.update_probes(candidates, &options, &drafts, &plan, &probing);
+            }
+        }
+        for (d, o) in drafts.iter_mut().zip(&options) {
+            if let Some(k) = o.constant {
+                *d = k;
+            }
+        }
+        drafts
+            .into_iter()
+            .zip(options)
+            .map(|(drafts, o)| Grant {
+                drafts,
+                drafter: o.drafter,
+            })
+            .collect()
+    }
+
+    /// The drafter a candidate would use and what it offers.
+    fn choice(&self, c: &Candidate) -> Choice {
+        let Some(s) = self.seqs.get(&c.slot) else {
+            return Choice::none();
+        };
+        let opts = s.drafting.options;
+        let cap = c.cap.min(opts.max_draft);
+        let reach_of = |d: Drafter, k: usize| {
+            s.acceptance
+                .get(&d)
+                .map_or_else(|| Acceptance::default().reach(k), |a| a.reach(k))
+        };
+        let head = self.has_head.then(|| reach_of(Drafter::Head, cap));
+        let lookup =
+            (!c.lookup.is_empty()).then(|| reach_of(Drafter::Lookup, c.lookup.len().min(cap)));
+        let expected = |r: &Option<Vec<f64>>| r.as_ref().map_or(-1.0, |r| r.iter().sum::<f64>());
+        // The longer expected run; prompt lookup on a tie (it costs no round).
+        let (drafter, reach) = if expected(&lookup) >= expected(&head) && lookup.is_some() {
+            (Drafter::Lookup, lookup.unwrap_or_default())
+        } else {
+            (Drafter::Head, head.unwrap_or_default())
+        };
+        let constant =
+            (opts.schedule == DraftSchedule::Constant).then(|| opts.initial_draft.min(reach.len()));
+        Choice {
+            drafter,
+            initial: opts.initial_draft,
+            constant,
+            probe_due: s.idle >= s.backoff,
+            reach,
+        }
+    }
+
+    /// Advances the probe clocks: a sequence left without drafts that an
+    /// accepted draft would have paid for waits towards a probe; a probe
+    /// that did not earn drafts doubles the wait; drafting resets it.
+    fn update_probes(
+        &mut self,
+        candidates: &[Candidate],
+        options: &[Choice],
+        drafts: &[usize],
+        plan: &StepModel,
+        probing: &[bool],
+    ) {
+        for (i, c) in candidates.iter().enumerate() {
+            let Some(s) = self.seqs.get_mut(&c.slot) else {
+                continue;
+            };
+            if options[i].reach.is_empty() {
+                continue;
+            }
+            if probing[i] {
+                s.idle = 0;
+                s.backoff = (2 * s.backoff).min(MAX_BACKOFF);
+            } else if drafts[i] > 0 {
+                s.idle = 0;
+                s.backoff = MIN_BACKOFF;
+            } else if plan.would_pay(options[i].drafter, PROBE_ACCEPTANCE) {
+                s.idle += 1;
+            }
+        }
+    }
+}
+
+/// What one candidate offers the step.
+#[derive(Debug, Clone)]
+struct Choice {
+    drafter: Drafter,
+    initial: usize,
+    /// A constant schedule's length (overrides the model).
+    constant: Option<usize>,
+    probe_due: bool,
+    /// `reach[j]`: chance that drafts `0..=j` are accepted; its length is
+    /// the most drafts this candidate may take.
+    reach: Vec<f64>,
+}
+
+impl Choice {
+    fn none() -> Self {
+        Self {
+            drafter: Drafter::Head,
+            initial: 0,
+            constant: None,
+            probe_due: false,
+            reach: Vec::new(),
+        }
+    }
+}
+
+fn optimistic(k: usize) -> Vec<f64> {
+    let mut p = 1.0;
+    (0..k)
+        .map(|_| {
+            p *= PROBE_ACCEPTANCE;
+            p
+        })
+        .collect()
+}
+
+/// The step being planned: its expected tokens and time so far.
+struct StepModel {
+    costs: Costs,
+    tokens: f64,
+    time: f64,
+    /// Members of head round `r`.
+    round_members: Vec<usize>,
+}
+
+impl StepModel {
+    fn new(costs: Costs, base_tokens: usize, decodes: usize) -> Self {
+        Self {
+            costs,
+            tokens: decodes as f64,
+            time: costs.f0 + costs.f1 * base_tokens as f64,
+            round_members: vec![0; MAX_DRAFT_TOKENS],
+        }
+    }
+
+    /// Time added by drafts `from..to` of one sequence using `drafter`.
+    fn added_time(&self, drafter: Drafter, from: usize, to: usize) -> f64 {
+        let rounds: f64 = match drafter {
+            Drafter::Lookup => 0.0,
+            Drafter::Head => (from..to)
+                .map(|r| {
+                    let opens = self.round_members[r] == 0;
+                    self.costs.r1 + if opens { self.costs.r0 } else { 0.0 }
+                })
+                .sum(),
+        };
+        rounds + self.costs.f1 * (to - from) as f64
+    }
+
+    /// Whether one draft accepted with probability `p` raises the rate.
+    fn would_pay(&self, drafter: Drafter, p: f64) -> bool {
+        let dt = self.added_time(drafter, 0, 1);
+        dt > 0.0 && p / dt > MARGIN * self.tokens / self.time.max(1e-12)
+    }
+
+    /// The greedy choice of the module docs.
+    fn fill(&mut self, reach: &[Vec<f64>], options: &[Choice], drafts: &mut [usize]) {
+        loop {
+            let mut best: Option<(f64, usize, usize, f64, f64)> = None;
+            for (i, r) in reach.iter().enumerate() {
+                let from = drafts[i];
+                let mut gain = 0.0;
+                for to in from + 1..=r.len() {
+                    gain += r[to - 1];
+                    let dt = self.added_time(options[i].drafter, from, to);
+                    let rate = gain / dt.max(1e-12);
+                    if best.is_none_or(|b| rate > b.0) {
+                        best = Some((rate, i, to, gain, dt));
+                    }
+                }
+            }
+            let Some((rate, i, to, gain, dt)) = best else {
+                return;
+            };
+            if rate <= MARGIN * self.tokens / self.time.max(1e-12) {
+                return;
+            }
+            if options[i].drafter == Drafter::Head {
+                for r in drafts[i]..to {
+                    self.round_members[r] += 1;
+                }
+            }
+            drafts[i] = to;
+            self.tokens += gain;
+            self.time += dt;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::SpecOptions;
+
+    fn drafting(schedule: DraftSchedule) -> Drafting {
+        Drafting {
+            options: SpecOptions {
+                enabled: true,
+                initial_draft: 2,
+                max_draft: 6,
+                schedule,
+            },
+        }
+    }
+
+    fn candidate(slot: SlotId, cap: usize) -> Candidate {
+        Candidate {
+            slot,
+            cap,
+            lookup: Vec::new(),
+        }
+    }
+
+    /// A CPU-like cost: a step of T tokens costs 10 ms + 1 ms · T, a round
+    /// 0.5 ms + 0.1 ms per member.
+    fn measured(policy: &mut DraftPolicy) {
+        for t in [1, 2, 4, 8, 16, 64] {
+            policy
+                .cost_mut()
+                .record_pass(t, Duration::from_micros(10_000 + 1_000 * t as u64));
+        }
+        for m in [1, 2, 4, 8] {
+            policy
+                .cost_mut()
+                .record_round(m, Duration::from_micros(500 + 100 * m as u64));
+        }
+    }
+
+    #[test]
+    fn acceptance_counts_only_the_positions_tried() {
+        let mut a = Acceptance::default();
+        a.record(4, 1); // positions 0 (hit) and 1 (miss) tried; 2, 3 not reached
+        assert!(a.rate(0) > PRIOR && a.rate(1) < PRIOR);
+        assert_eq!(a.rate(2), PRIOR);
+        a.record(2, 2);
+        assert!(a.rate(1) > a.rate(2) - 1.0 && a.trials[1] > 1.0);
+    }
+
+    #[test]
+    fn the_fit_recovers_a_line_and_falls_back_to_the_prior_slope() {
+        let mut f = LinearFit::default();
+        assert!(f.coefficients(|_| 0.0).is_none());
+        f.add(4.0, 0.5);
+        let (a, b) = f.coefficients(|per| per / 32.0).unwrap();
+        assert!((a + 4.0 * b - 0.5).abs() < 1e-9, "through the one point");
+        for x in 0..20 {
+            f.add(x as f64, 2.0 + 0.25 * x as f64);
+        }
+        let (a, b) = f.coefficients(|_| 99.0).unwrap();
+        assert!((b - 0.25).abs() < 0.05 && (a - 2.0).abs() < 0.3, "{a} {b}");
+    }
+
+    #[test]
+    fn a_perfect_drafter_drafts_the_maximum_and_a_useless_one_stops() {
+        let mut policy = DraftPolicy::new(true, None);
+        measured(&mut policy);
+        policy.admit(1, drafting(DraftSchedule::Adaptive));
+        policy.admit(2, drafting(DraftSchedule::Adaptive));
+        for _ in 0..20 {
+            policy.record(1, Drafter::Head, 6, 6);
+            policy.record(2, Drafter::Head, 6, 0);
+        }
+        let grants = policy.assign(&[candidate(1, 6), candidate(2, 6)], 2);
+        assert_eq!(grants[0].drafts, 6, "perfect acceptance drafts the cap");
+        assert_eq!(grants[1].drafts, 0, "a useless drafter does not draft");
+    }
+
+    #[test]
+    fn a_large_compute_bound_batch_turns_drafting_off() {
+        let mut policy = DraftPolicy::new(true, None);
+        // Each token costs as much as the fixed part: compute-bound.
+        for t in [1, 8, 32, 64] {
+            policy
+                .cost_mut()
+                .record_pass(t, Duration::from_micros(1_000 + 1_000 * t as u64));
+        }
+        let slots: Vec<Candidate> = (0..64).map(|s| candidate(s, 6)).collect();
+        for s in 0..64 {
+            policy.admit(s, drafting(DraftSchedule::Adaptive));
+            for _ in 0..10 {
+                policy.record(s, Drafter::Head, 2, 1); // 75 % acceptance
+            }
+        }
+        let grants = policy.assign(&slots, 64);
+        assert!(grants.iter().all(|g| g.drafts == 0), "{grants:?}");
+        // One sequence alone on a latency-bound step drafts.
+        let grants = policy.assign(&slots[..1], 1);
+        assert!(grants[0].drafts > 0);
+    }
+
+    #[test]
+    fn a_useless_drafter_probes_with_a_doubling_back_off() {
+        let mut policy = DraftPolicy::new(true, None);
+        measured(&mut policy);
+        policy.admit(1, drafting(DraftSchedule::Adaptive));
+        for _ in 0..20 {
+            policy.record(1, Drafter::Head, 2, 0);
+        }
+        let mut probes = Vec::new();
+        for step in 0..200 {
+            let g = policy.assign(&[candidate(1, 6)], 1);
+            if g[0].drafts > 0 {
+                probes.push(step);
+                policy.record(1, Drafter::Head, g[0].drafts, 0);
+            }
+        }
+        assert!(probes.len() >= 2 && probes.len() <= 5, "{probes:?}");
+        let gaps: Vec<usize> = probes.windows(2).map(|w| w[1] - w[0]).collect();
+        assert!(gaps.windows(2).all(|g| g[1] > g[0]), "{gaps:?}");
+    }
+
+    #[test]
+    fn constant_schedules_and_caps_win() {
+        let mut policy = DraftPolicy::new(true, None);
+        measured(&mut policy);
+        policy.admit(1, drafting(DraftSchedule::Constant));
+        for _ in 0..20 {
+            policy.record(1, Drafter::Head, 2, 0);
+        }
+        let g = policy.assign(&[candidate(1, 6), candidate(9, 6)], 1);
+        assert_eq!(g[0].drafts, 2, "constant ignores acceptance and cost");
+        assert_eq!(g[1].drafts, 0, "unknown slots never draft");
+        assert_eq!(policy.assign(&[candidate(1, 1)], 1)[0].drafts, 1, "the cap");
+        policy.release(1);
+        assert_eq!(policy.assign(&[candidate(1, 6)], 1)[0].drafts, 0);
+    }
+
+    #[test]
+    fn prompt_lookup_is_chosen_when_it_offers_the_longer_run() {
+        let mut policy = DraftPolicy::new(true, Some(PromptLookup::default()));
+        measured(&mut policy);
+        policy.admit(1, drafting(DraftSchedule::Adaptive));
+        for _ in 0..20 {
+            policy.record(1, Drafter::Lookup, 4, 4);
+            policy.record(1, Drafter::Head, 4, 0);
+        }
+        let c = Candidate {
+            slot: 1,
+            cap: 6,
+            lookup: vec![5, 6, 7, 8],
+        };
+        let g = policy.assign(std::slice::from_ref(&c), 1);
+        assert_eq!(
+            g[0],
+            Grant {
+                drafts: 4,
+                drafter: Drafter::Lookup
+            }
+        );
+        // Without a proposal the head is the only drafter.
+        let g = policy.assign(&[candidate(1, 6)], 1);
+        assert_eq!(g[0].drafter, Drafter::Head);
+    }
+}
