@@ -102,6 +102,10 @@ struct Args {
     /// Run the workload twice, MTP off then with `--mtp` / `--prompt-lookup`, and print the ratio.
     #[arg(long)]
     mtp_compare: bool,
+    /// Run every configuration this many times, alternating (off, on, off,
+    /// on, …), and report medians: the figures of a noisy machine.
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
     /// Multi-turn chat: every client continues its conversation this many
     /// turns (0: the one-shot workload).
     #[arg(long, default_value_t = 0)]
@@ -115,7 +119,8 @@ struct Args {
     /// Turn the scheduler's prefix cache off.
     #[arg(long)]
     no_prefix_cache: bool,
-    /// A file of real prompts, one user message per line: client `i` sends
+    /// A file of real prompts, one user message per line (`\n` for a
+    /// newline inside one): client `i` sends
     /// line `i mod lines` through the model's chat template (greedy, up to
     /// `--max-tokens`), and the report prints the first answers. Needs a
     /// model with its own tokenizer (a GGUF, or a directory with
@@ -136,7 +141,10 @@ struct Speculation {
 
 impl Speculation {
     fn from_args(args: &Args) -> anyhow_like::Result<Option<Self>> {
-        let mtp = args.mtp.parse::<MtpMode>().map_err(|e| format!("--mtp: {e}"))?;
+        let mtp = args
+            .mtp
+            .parse::<MtpMode>()
+            .map_err(|e| format!("--mtp: {e}"))?;
         Ok((mtp != MtpMode::Off || args.prompt_lookup).then_some(Self {
             mtp,
             prompt_lookup: args.prompt_lookup,
@@ -284,7 +292,8 @@ fn prompt_jobs(
     let template = ChatTemplate::from_tokenizer(tok)?;
     (0..args.clients)
         .map(|i| {
-            let question = lines[i % lines.len()].to_string();
+            // `\n` in a line is a newline (multi-line prompts: code, documents).
+            let question = lines[i % lines.len()].replace("\\n", "\n");
             let messages = [ChatMessage {
                 role: "user".into(),
                 content: question.clone(),
@@ -435,27 +444,37 @@ fn main() -> anyhow_like::Result<()> {
     if args.mtp_compare {
         runs.insert(0, None);
     }
-    let mut figures = Vec::new();
-    for draft in &runs {
-        let (engine, tokenizer) = build_engine(&args, draft.as_ref(), kv_tokens)?;
-        println!(
-            "--- MTP {}",
-            draft.as_ref().map_or("off".to_string(), |d| format!(
-                "{d} (draft max {})",
-                args.draft_max
-            ))
-        );
-        figures.push(system.block_on(run_clients(
-            engine,
-            tokenizer,
-            config.clone(),
-            jobs.clone(),
-            args.clone(),
-        ))?);
+    let mut figures = vec![Vec::new(); runs.len()];
+    for _ in 0..args.repeat.max(1) {
+        for (run, draft) in runs.iter().enumerate() {
+            let (engine, tokenizer) = build_engine(&args, draft.as_ref(), kv_tokens)?;
+            println!(
+                "--- MTP {}",
+                draft.as_ref().map_or("off".to_string(), |d| format!(
+                    "{d} (draft max {})",
+                    args.draft_max
+                ))
+            );
+            figures[run].push(system.block_on(run_clients(
+                engine,
+                tokenizer,
+                config.clone(),
+                jobs.clone(),
+                args.clone(),
+            ))?);
+        }
     }
-    if let [off, on] = figures[..] {
+    let medians: Vec<f64> = figures.iter().map(|f| median(f)).collect();
+    if figures[0].len() > 1 {
+        println!(
+            "medians of {} alternating runs: {medians:.1?} tokens/s",
+            figures[0].len()
+        );
+    }
+    if let [off, on] = medians[..] {
         println!("MTP on / off: {:.2}x aggregate tokens/s", on / off);
     }
+    let figures = medians;
     let actor_tps = *figures.last().expect("one run at least");
 
     if args.engine_baseline {
@@ -585,10 +604,12 @@ async fn run_clients(
     );
     if stats.mtp_drafted > 0 {
         println!(
-            "MTP: {} drafted, {} accepted (acceptance {:.3})",
+            "MTP: {} drafted, {} accepted (acceptance {:.3}) in {} speculative sequence-steps; drafting took {:.1} % of engine time",
             stats.mtp_drafted,
             stats.mtp_accepted,
-            stats.mtp_accepted as f64 / stats.mtp_drafted as f64
+            stats.mtp_accepted as f64 / stats.mtp_drafted as f64,
+            stats.mtp_speculative_steps,
+            100.0 * steps.draft_total.as_secs_f64() / steps.engine_total.as_secs_f64().max(1e-9)
         );
     }
     println!(
@@ -828,5 +849,16 @@ mod chat {
             .shutdown(tandem::scheduler::ShutdownMode::Drain)
             .await?;
         Ok(())
+    }
+}
+
+/// The median of `v` (the mean of the middle two for an even count).
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
     }
 }

@@ -73,6 +73,7 @@ async fn completions_whole_and_streamed_match_the_library() {
             "completion_tokens": 12,
             "total_tokens": prompt_tokens + 12,
             "prompt_tokens_details": {"cached_tokens": 0},
+            "completion_tokens_details": {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
         })
     );
 

@@ -48,6 +48,17 @@ pub struct UsageJson {
     /// As OpenAI reports it: `{"cached_tokens": n}`, the prompt tokens
     /// served from the prefix cache.
     pub prompt_tokens_details: PromptTokensDetails,
+    /// Speculative decoding's share, in OpenAI's predicted-output fields:
+    /// draft tokens the model accepted and rejected (0 and 0 when the
+    /// request did not draft).
+    pub completion_tokens_details: CompletionTokensDetails,
+}
+
+/// The breakdown of `completion_tokens`.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct CompletionTokensDetails {
+    pub accepted_prediction_tokens: usize,
+    pub rejected_prediction_tokens: usize,
 }
 
 /// The breakdown of `prompt_tokens`.
@@ -64,6 +75,10 @@ impl From<Usage> for UsageJson {
             total_tokens: u.prompt_tokens + u.completion_tokens,
             prompt_tokens_details: PromptTokensDetails {
                 cached_tokens: u.cached_prompt_tokens,
+            },
+            completion_tokens_details: CompletionTokensDetails {
+                accepted_prediction_tokens: u.accepted_draft_tokens,
+                rejected_prediction_tokens: u.draft_tokens - u.accepted_draft_tokens,
             },
         }
     }

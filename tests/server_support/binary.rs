@@ -212,12 +212,13 @@ async fn the_binary_serves_a_model_folder_with_reference_output() {
 }
 
 /// `--mtp early-exit:L`: greedy output is the same with drafting on or off
-/// (per request, `tandem.mtp`), and the MTP counters move.
+/// (per request, `tandem.mtp`), the MTP counters move, and each response's
+/// usage reports its own accepted and rejected drafts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_drafts_with_mtp_and_keeps_greedy_output() {
     let server = BinaryServer::spawn(&["--mtp", "early-exit:2", "--draft-max", "3"]);
     let c = client();
-    let text = |mtp: &'static str| {
+    let complete = |mtp: &'static str| {
         let c = c.clone();
         let url = server.url("/v1/completions");
         async move {
@@ -231,12 +232,24 @@ async fn the_binary_drafts_with_mtp_and_keeps_greedy_output() {
                 .json()
                 .await
                 .unwrap();
-            v["choices"][0]["text"].as_str().unwrap().to_string()
+            v
         }
     };
-    let off = text("off").await;
-    let on = text("on").await;
-    assert_eq!(on, off);
+    let (off, on) = (complete("off").await, complete("on").await);
+    assert_eq!(on["choices"][0]["text"], off["choices"][0]["text"]);
+    let details = |v: &Value, field: &str| {
+        v["usage"]["completion_tokens_details"][field]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{field} in {v}"))
+    };
+    assert_eq!(details(&off, "accepted_prediction_tokens"), 0);
+    assert_eq!(details(&off, "rejected_prediction_tokens"), 0);
+    assert!(details(&on, "accepted_prediction_tokens") > 0, "{on}");
+    assert_eq!(
+        details(&on, "rejected_prediction_tokens"),
+        0,
+        "a perfect draft"
+    );
     let metrics = c
         .get(server.url("/metrics"))
         .send()

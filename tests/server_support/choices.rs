@@ -64,7 +64,8 @@ async fn n_four_with_a_seed_is_reproducible_prefills_once_and_equals_single_requ
     assert_eq!(
         four["usage"],
         json!({"prompt_tokens": 50, "completion_tokens": 48, "total_tokens": 98,
-               "prompt_tokens_details": {"cached_tokens": 0}}),
+               "prompt_tokens_details": {"cached_tokens": 0},
+               "completion_tokens_details": {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}}),
         "the prompt once, every choice's tokens"
     );
     for (i, text) in got.iter().enumerate() {
