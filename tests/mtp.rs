@@ -499,8 +499,7 @@ fn seeded_sampled_requests_emit_the_same_tokens_with_speculation_on_or_off() {
         max_new: 30,
         spec,
     };
-    let new_engine = |head: Option<Box<dyn DraftHead>>| engine(test_model(), head, vec![]);
-    let off = run(&mut new_engine(None), &[target(None)], 64);
+    let off = run(&mut engine(test_model(), None, vec![]), &[target(None)], 64);
     // Others in the batch: sampled with their own seeds, drafting adaptively.
     let others = |n: usize| -> Vec<Req> {
         prompts(n)
@@ -514,30 +513,54 @@ fn seeded_sampled_requests_emit_the_same_tokens_with_speculation_on_or_off() {
             })
             .collect()
     };
-    let heads: [fn() -> Box<dyn DraftHead>; 2] = [
-        || Box::new(EarlyExitDraft { layers: 1 }),
-        || Box::new(EarlyExitDraft { layers: 2 }),
+    // Every drafter: two heads, prompt lookup alone, and lookup beside a head.
+    type MakeEngine = fn() -> Engine;
+    let drafters: [(&str, MakeEngine, bool); 4] = [
+        (
+            "early-exit:1",
+            || {
+                engine(
+                    test_model(),
+                    Some(Box::new(EarlyExitDraft { layers: 1 })),
+                    vec![],
+                )
+            },
+            true,
+        ),
+        (
+            "early-exit:2",
+            || {
+                engine(
+                    test_model(),
+                    Some(Box::new(EarlyExitDraft { layers: 2 })),
+                    vec![],
+                )
+            },
+            true,
+        ),
+        ("lookup", || engine_with_lookup(test_model(), None), false),
+        (
+            "lookup + early-exit:1",
+            || engine_with_lookup(test_model(), Some(Box::new(EarlyExitDraft { layers: 1 }))),
+            true,
+        ),
     ];
-    for (h, head) in heads.iter().enumerate() {
+    for (name, new_engine, always_drafts) in drafters {
         for k in 1..=8 {
             let alone = run(
-                &mut new_engine(Some(head())),
+                &mut new_engine(),
                 &[target(Some(SpecOptions::constant(k)))],
                 64,
             );
-            assert_eq!(
-                alone.ids(0),
-                off.ids(0),
-                "head {h}, draft length {k}, alone"
-            );
-            assert!(alone.drafted[0] > 0);
+            assert_eq!(alone.ids(0), off.ids(0), "{name}, draft length {k}, alone");
+            assert!(alone.drafted[0] > 0 || !always_drafts, "{name}");
         }
         for n in [16, 64] {
             let mut batch = others(n - 1);
             batch.insert(n / 3, target(Some(SpecOptions::constant(1 + n % 7))));
-            let shared = run(&mut new_engine(Some(head())), &batch, 64);
-            assert_eq!(shared.ids(n / 3), off.ids(0), "head {h}, batch of {n}");
-            assert!(shared.drafted[n / 3] > 0);
+            let shared = run(&mut new_engine(), &batch, 64);
+            assert_eq!(shared.ids(n / 3), off.ids(0), "{name}, batch of {n}");
+            assert!(shared.drafted[n / 3] > 0 || !always_drafts, "{name}");
         }
     }
 }

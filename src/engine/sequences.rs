@@ -12,7 +12,7 @@
 //!   `prompt + generated - 1` positions (the last sampled token is fed by
 //!   the next decode).
 //! - Preemption ([`Sequences::preempt`]) drops only the KV: the sampler
-//!   (seeded RNG, penalty history), the draft head and the generated tokens
+//!   (seed and generation index, penalty history), the draft head and the generated tokens
 //!   stay, so after [`Sequences::resume`] and the recompute (prefill work
 //!   over prompt + generated tokens but the last, `recompute` set until it
 //!   is done) the sequence continues exactly as if never preempted.
