@@ -274,3 +274,126 @@ fn invalid_draft_vocab_is_a_typed_error() {
         assert!(err.to_string().contains("mtp.draft_vocab"), "{what}: {err}");
     }
 }
+
+/// A draft token's cost against a target step on a real model (issue #18:
+/// ≤ 10 %). Release only, by hand (`cargo test --release --test mtp_head
+/// -- --ignored --nocapture draft_cost`): for each GGUF of
+/// `$TANDEM_COST_GGUFS` (comma-separated; default the SmolLM2 f32 and Q8_0
+/// files of `/work/models`), on `$TANDEM_COST_THREADS` threads (default 2),
+/// medians over interleaved repetitions of a B = 1 target step (forward and
+/// unembedding at context 64) and of one draft round of a head with the
+/// full vocabulary and with a draft vocabulary (`$TANDEM_COST_HEAD`'s
+/// trained head when set, else 8192 ids).
+#[test]
+#[ignore = "a measurement on a real model; run by hand in release"]
+fn draft_cost_vs_target_step() {
+    use std::time::Instant;
+    use tandem::kv::KvCache;
+    let files = std::env::var("TANDEM_COST_GGUFS")
+        .unwrap_or_else(|_| "/work/models/smollm2-f32.gguf,/work/models/smollm2-q8_0.gguf".into());
+    let threads: usize = std::env::var("TANDEM_COST_THREADS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(2);
+    let trained = std::env::var_os("TANDEM_COST_HEAD").map(std::path::PathBuf::from);
+    for file in files.split(',').map(std::path::Path::new) {
+        if !file.exists() {
+            eprintln!("SKIP: {} is absent", file.display());
+            continue;
+        }
+        let model = tandem::model::Model::from_gguf(
+            file,
+            &LoadOptions {
+                weight_format: WeightFormat::AsStored,
+                threads: Some(threads),
+                ..LoadOptions::default()
+            },
+        )
+        .unwrap();
+        let cfg = model.config().clone();
+        let ctx = 64;
+        let mut kv = KvCache::new(model.kv_layout(), Device::Cpu, 4096);
+        kv.allocate(0, ctx + 8).unwrap();
+        let prompt: Vec<u32> = (0..ctx as u32).map(|i| 100 + 7 * i).collect();
+        let mut b = Batch::default();
+        b.push(0, 0, &prompt, OutputRows::Last);
+        model.forward(&b, &mut kv).unwrap();
+
+        let full = random_tensors(&cfg, 1).unwrap();
+        let mut reduced = full.clone();
+        reduced.insert(
+            DRAFT_VOCAB_TENSOR.into(),
+            Tensor::new(
+                (0..8192.min(cfg.vocab_size as u32))
+                    .collect::<Vec<_>>()
+                    .as_slice(),
+                &Device::Cpu,
+            )
+            .unwrap(),
+        );
+        let origin = std::path::Path::new("<cost>");
+        let mut heads = vec![
+            (
+                "full vocabulary",
+                MtpHead::from_tensors(&model, full, origin).unwrap(),
+            ),
+            match &trained {
+                Some(dir) => ("trained head", MtpHead::from_dir(&model, dir).unwrap()),
+                None => (
+                    "8192 ids",
+                    MtpHead::from_tensors(&model, reduced, origin).unwrap(),
+                ),
+            },
+        ];
+        let hidden = Tensor::ones(
+            (ctx, cfg.hidden_size),
+            candle_core::DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        for (_, head) in &mut heads {
+            head.admit(0, ctx + 8).unwrap();
+            let mut b = Batch::default();
+            b.push(0, 0, &prompt, OutputRows::Last);
+            head.step(&model, &b, Some(&hidden)).unwrap();
+        }
+        let reps = 40;
+        let mut times = vec![Vec::new(); 1 + heads.len()];
+        for _ in 0..reps {
+            let mut b = Batch::default();
+            b.push(0, ctx, &[42], OutputRows::Last);
+            let t = Instant::now();
+            let h = model.forward(&b, &mut kv).unwrap();
+            let _ = model.unembed(&h).unwrap();
+            times[0].push(t.elapsed().as_secs_f64());
+            kv.set_len(0, ctx).unwrap();
+            for (i, (_, head)) in heads.iter_mut().enumerate() {
+                let t = Instant::now();
+                let _ = head.step(&model, &b, None).unwrap();
+                times[i + 1].push(t.elapsed().as_secs_f64());
+                head.truncate(0, ctx).unwrap();
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let step = median(&mut times[0]);
+        eprintln!(
+            "{} ({} threads, quantised: {}): target step {:.2} ms",
+            file.display(),
+            threads,
+            model.quantized_projections(),
+            step * 1e3
+        );
+        for (i, (name, head)) in heads.iter().enumerate() {
+            let d = median(&mut times[i + 1]);
+            eprintln!(
+                "  draft token, {name} ({} rows): {:.3} ms = {:.1} % of a target step",
+                head.draft_vocab_len().unwrap_or(cfg.vocab_size),
+                d * 1e3,
+                100.0 * d / step
+            );
+        }
+    }
+}
