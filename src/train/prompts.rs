@@ -328,11 +328,15 @@ impl PromptSet {
         })
     }
 
-    /// A fingerprint of the prompts (FNV-1a over the ids), saved with a
-    /// checkpoint so a resume with other prompts is refused.
+    /// A fingerprint of the prompts and their split (FNV-1a over the
+    /// training count and the ids), saved with a checkpoint so a resume
+    /// with other prompts is refused.
     pub fn digest(&self) -> u64 {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for p in self.train.iter().chain(&self.heldout) {
+        let count = [self.train.len() as u32, u32::MAX];
+        for p in std::iter::once(&count[..])
+            .chain(self.train.iter().chain(&self.heldout).map(Vec::as_slice))
+        {
             for &t in p.iter().chain([&u32::MAX]) {
                 for b in t.to_le_bytes() {
                     h ^= b as u64;
