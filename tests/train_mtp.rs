@@ -8,7 +8,8 @@ use tandem::engine::*;
 use tandem::model::{Model, MtpHead};
 use tandem::sampler::SamplingOptions;
 use tandem::tiny::{tiny_model_cpu, TinyPreset};
-use tandem::train::{TrainConfig, TrainError, Trainer};
+use tandem::train::prompts::random_token_prompts;
+use tandem::train::{PromptSet, TrainConfig, TrainError, Trainer};
 
 fn target() -> Model {
     tiny_model_cpu(TinyPreset::Test).unwrap().0
@@ -29,6 +30,12 @@ fn config(steps: usize) -> TrainConfig {
     }
 }
 
+/// Random token prompts for `cfg` (the tiny model's words are not English).
+fn prompts(model: &Model, cfg: &TrainConfig) -> PromptSet {
+    let all = random_token_prompts(model.config(), cfg.train_seqs + cfg.heldout_seqs, cfg.seed);
+    PromptSet::split(all, cfg.heldout_seqs).unwrap()
+}
+
 fn out_dir(tag: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("tandem-train-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -38,7 +45,7 @@ fn out_dir(tag: &str) -> std::path::PathBuf {
 #[test]
 fn training_lowers_heldout_loss_and_raises_agreement() {
     let model = target();
-    let mut trainer = Trainer::new(&model, config(150)).unwrap();
+    let mut trainer = Trainer::new(&model, config(150), &prompts(&model, &config(150))).unwrap();
     let before = trainer.evaluate().unwrap();
     let dir = out_dir("learn");
     let report = trainer.run(&dir, |_, _, _| {}).unwrap();
@@ -123,17 +130,18 @@ fn resuming_continues_the_same_loss_curve() {
         checkpoint_every: 10,
         ..config(20)
     };
-    let mut straight = Trainer::new(&model, cfg.clone()).unwrap();
+    let set = prompts(&model, &cfg);
+    let mut straight = Trainer::new(&model, cfg.clone(), &set).unwrap();
     let full: Vec<f64> = (0..20).map(|_| straight.train_step().unwrap()).collect();
 
     let dir = out_dir("resume");
-    let mut first = Trainer::new(&model, cfg).unwrap();
+    let mut first = Trainer::new(&model, cfg, &set).unwrap();
     for _ in 0..10 {
         first.train_step().unwrap();
     }
     first.save_checkpoint(&dir).unwrap();
     drop(first);
-    let mut resumed = Trainer::resume(&model, &dir).unwrap();
+    let mut resumed = Trainer::resume(&model, &dir, &set).unwrap();
     assert_eq!(resumed.step(), 10);
     let rest: Vec<f64> = (0..10).map(|_| resumed.train_step().unwrap()).collect();
     for (i, (a, b)) in full[10..].iter().zip(&rest).enumerate() {
@@ -145,12 +153,14 @@ fn resuming_continues_the_same_loss_curve() {
 #[test]
 fn bad_options_and_models_are_clear_errors() {
     let model = target();
+    let set = prompts(&model, &config(1));
     let err = Trainer::new(
         &model,
         TrainConfig {
             seq_len: 4,
             ..config(1)
         },
+        &set,
     )
     .err()
     .unwrap();
@@ -170,6 +180,7 @@ fn bad_options_and_models_are_clear_errors() {
             lr: -1.0,
             ..config(1)
         },
+        &set,
     )
     .err()
     .unwrap();
@@ -180,8 +191,132 @@ fn bad_options_and_models_are_clear_errors() {
             seq_len: 5000,
             ..config(1)
         },
+        &set,
     )
     .err()
     .unwrap();
     assert!(err.to_string().contains("context"), "{err}");
+}
+
+#[test]
+fn a_draft_vocab_head_trains_saves_its_vocab_and_drafts_inside_it() {
+    let model = target();
+    let cfg = TrainConfig {
+        draft_vocab: 96,
+        ..config(120)
+    };
+    let mut trainer = Trainer::new(&model, cfg.clone(), &prompts(&model, &cfg)).unwrap();
+    let before = trainer.evaluate().unwrap();
+    let dir = out_dir("vocab");
+    let report = trainer.run(&dir, |_, _, _| {}).unwrap();
+    let after = report.evals.last().unwrap();
+    eprintln!(
+        "draft vocab 96: held-out loss {:.3} -> {:.3}, top-1 {:.3} -> {:.3}, coverage {:.3}, acceptance {:?}",
+        before.loss, after.loss, before.top1, after.top1, report.data.heldout_coverage, report.acceptance
+    );
+    assert_eq!(report.data.draft_vocab, 96);
+    assert!(report.data.heldout_coverage > 0.5 && report.data.heldout_coverage < 1.0);
+    assert!(
+        after.loss < before.loss - 1.0,
+        "{} -> {}",
+        before.loss,
+        after.loss
+    );
+    assert!(report.acceptance[0] > 0.2, "{:?}", report.acceptance);
+
+    // The saved head holds the vocabulary and drafts only inside it.
+    let mut head = MtpHead::from_dir(&model, &dir).unwrap();
+    assert_eq!(head.draft_vocab_len(), Some(96));
+    let saved = candle_core::safetensors::load(
+        dir.join(tandem::model::mtp::MTP_FILE),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let ids: Vec<u32> = saved[tandem::model::mtp::DRAFT_VOCAB_TENSOR]
+        .to_vec1()
+        .unwrap();
+    assert_eq!(ids.len(), 96);
+    let heldout = trainer.heldout();
+    let hidden = heldout.hidden.get(0).unwrap().narrow(0, 0, 1).unwrap();
+    head.admit(0, 64).unwrap();
+    let mut b = tandem::model::Batch::default();
+    b.push(
+        0,
+        0,
+        &[heldout.sequences[0][1]],
+        tandem::model::OutputRows::Last,
+    );
+    let row: Vec<f32> = head
+        .step(&model, &b, Some(&hidden))
+        .unwrap()
+        .get(0)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(row.len(), model.config().vocab_size);
+    for (id, x) in row.iter().enumerate() {
+        assert_eq!(
+            x.is_finite(),
+            ids.binary_search(&(id as u32)).is_ok(),
+            "id {id}: {x}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_data_scores_only_what_the_target_wrote() {
+    let model = target();
+    let cfg = config(1);
+    let set = prompts(&model, &cfg);
+    let trainer = Trainer::new(&model, cfg.clone(), &set).unwrap();
+    let h = trainer.heldout();
+    let mask: Vec<Vec<f32>> = h.mask.to_vec2().unwrap();
+    for (i, seq) in h.sequences.iter().enumerate() {
+        assert_eq!(seq.len(), cfg.seq_len);
+        let p = h.prompt_lens[i];
+        assert_eq!(&seq[..p], set.heldout[i].as_slice(), "the prompt leads");
+        for (j, &m) in mask[i].iter().enumerate() {
+            let want = j + 2 >= p && j + 1 < h.lens[i];
+            assert_eq!(m > 0.0, want, "sequence {i}, pair {j}");
+        }
+    }
+}
+
+#[cfg(feature = "server")]
+#[test]
+fn builtin_prompts_are_rendered_through_the_chat_template() {
+    use tandem::server::{ChatMessage, ChatTemplate};
+    use tandem::train::prompts::{builtin, render_chat};
+    let (_, tokenizer) = tiny_model_cpu(TinyPreset::Test).unwrap();
+    let texts = builtin(5);
+    assert_eq!(texts, builtin(5), "deterministic");
+    let ids = render_chat(&tokenizer, &texts).unwrap();
+    let template = ChatTemplate::from_tokenizer(&tokenizer).unwrap();
+    for (t, got) in texts.iter().zip(&ids) {
+        let text = template
+            .render(&[ChatMessage::text("user", t.clone())], true)
+            .unwrap();
+        assert!(text.ends_with("Assistant:"), "{text:?}");
+        assert_eq!(got, &tokenizer.encode(&text).unwrap());
+    }
+
+    // SmolLM2's own ChatML template, when the reference files are here.
+    let Some(dir) = tandem::testing::shared("models/smollm2-135m-instruct") else {
+        return;
+    };
+    let tokenizer = tandem::tokenizer::Tokenizer::from_dir(&dir).unwrap();
+    let ids = render_chat(&tokenizer, &texts).unwrap();
+    for (t, got) in texts.iter().zip(&ids) {
+        let text = tokenizer.decode(got).unwrap_or_default();
+        let raw = tokenizer.inner().decode(got, false).unwrap();
+        assert!(raw.starts_with("<|im_start|>system\n"), "{raw:?}");
+        assert!(
+            raw.ends_with(&format!(
+                "<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n"
+            )),
+            "{raw:?}"
+        );
+        assert!(text.contains(t.as_str()));
+    }
 }

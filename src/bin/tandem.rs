@@ -68,9 +68,15 @@ struct TrainArgs {
     /// Sequences per batch.
     #[arg(long, default_value_t = 16)]
     batch: usize,
-    /// Tokens per training sequence.
+    /// Tokens per training sequence, the chat prompt included (a sequence ends early at an EOS).
     #[arg(long, default_value_t = 64)]
     seq_len: usize,
+    /// Prompts to answer, one per line (`\n` for a newline), each rendered as a user turn through the model's chat template. Without it, the built-in set (questions, explanations, instructions, code, lists, summaries). The embedded models answer random token prompts instead.
+    #[arg(long, value_name = "FILE")]
+    prompts: Option<PathBuf>,
+    /// Unembed the head over the N most frequent training labels only (stored with the head as `mtp.draft_vocab`); 0 = the full vocabulary.
+    #[arg(long, default_value_t = 0)]
+    draft_vocab: usize,
     /// Adam learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
@@ -453,13 +459,15 @@ fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
         .into());
     }
     let f32_weights = tandem::model::LoadOptions::default();
-    let (model, name) = match &args.model {
+    let (model, tokenizer, name) = match &args.model {
         Some(file) if tandem::gguf::is_gguf_path(file) => (
             tandem::model::Model::from_gguf(file, &f32_weights)?,
+            Some(tandem::tokenizer::Tokenizer::from_gguf_path(file)?),
             file.display().to_string(),
         ),
         Some(dir) => (
             tandem::model::Model::from_dir(dir, &f32_weights)?,
+            Some(tandem::tokenizer::Tokenizer::from_dir(dir)?),
             dir.display().to_string(),
         ),
         None => {
@@ -470,10 +478,30 @@ fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
             };
             (
                 tandem::tiny::tiny_model_cpu(preset)?.0,
+                None,
                 preset.name().to_string(),
             )
         }
     };
+    let wanted = args.train_seqs + args.heldout_seqs;
+    let prompts = match (&tokenizer, &args.prompts) {
+        (None, Some(_)) => {
+            return Err(
+                "--prompts needs --model (the embedded models answer random token prompts)".into(),
+            )
+        }
+        (None, None) => {
+            tandem::train::prompts::random_token_prompts(model.config(), wanted, args.seed)
+        }
+        (Some(tok), file) => {
+            let texts = match file {
+                Some(path) => tandem::train::prompts::read_file(path)?,
+                None => tandem::train::prompts::builtin(wanted),
+            };
+            tandem::train::prompts::render_chat(tok, &texts)?
+        }
+    };
+    let prompts = tandem::train::PromptSet::split(prompts, args.heldout_seqs)?;
     let config = tandem::train::TrainConfig {
         steps: args.steps,
         batch: args.batch,
@@ -486,17 +514,35 @@ fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
         eval_every: args.eval_every,
         checkpoint_every: args.checkpoint_every,
         seed: args.seed,
+        draft_vocab: args.draft_vocab,
         ..Default::default()
     };
     eprintln!(
-        "{name}: generating {} training and {} held-out sequences of {} tokens",
-        config.train_seqs, config.heldout_seqs, config.seq_len
+        "{name}: generating {} training and {} held-out sequences of {} tokens from {} + {} prompts",
+        config.train_seqs,
+        config.heldout_seqs,
+        config.seq_len,
+        prompts.train.len(),
+        prompts.heldout.len()
     );
     let mut trainer = if args.resume {
-        tandem::train::Trainer::resume(&model, &args.out)?
+        tandem::train::Trainer::resume(&model, &args.out, &prompts)?
     } else {
-        tandem::train::Trainer::new(&model, config)?
+        tandem::train::Trainer::new(&model, config, &prompts)?
     };
+    let d = trainer.data();
+    eprintln!(
+        "data in {:.1} s: {} training sequences ({} labels, mean prompt {:.1} tokens, {} ended at an EOS), {} held-out ({} labels); draft vocabulary {} rows covering {:.4} of held-out labels",
+        d.seconds,
+        d.train_seqs,
+        d.train_tokens,
+        d.mean_prompt_tokens,
+        d.ended_early,
+        d.heldout_seqs,
+        d.heldout_tokens,
+        d.draft_vocab,
+        d.heldout_coverage
+    );
     let bar = ProgressBar::new(trainer.config().steps as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} steps {elapsed_precise} {msg}")

@@ -105,14 +105,18 @@ impl DraftHead for EarlyExitDraft {
 /// A trained DeepSeek-style MTP head ([`MtpHead`]) as a draft: round 0
 /// consumes every pending `(h_t, x_{t+1})` pair of the sequence (prompt,
 /// accepted tokens) so the head's own KV stays complete, later rounds feed
-/// back its projected hidden state.
+/// back its projected hidden state. A head with a draft vocabulary returns
+/// `-inf` outside it, so its drafts never leave it.
 pub struct MtpDraft {
     pub head: MtpHead,
 }
 
 impl DraftHead for MtpDraft {
     fn name(&self) -> String {
-        "mtp-head".into()
+        match self.head.draft_vocab_len() {
+            Some(n) => format!("mtp-head (draft vocabulary {n})"),
+            None => "mtp-head".into(),
+        }
     }
 
     fn needs_hidden(&self) -> bool {

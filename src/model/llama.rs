@@ -189,6 +189,15 @@ impl Model {
         Ok((w.embed.clone(), w.norm.clone(), w.lm_head.dense()?))
     }
 
+    /// Whether the projection weights are multiplied in GGML blocks (a
+    /// quantised GGUF kept as stored, or `--dtype q8_0` / `q4_k`): a draft
+    /// head then quantises its own projections too, so its cost scales
+    /// with the target's.
+    pub fn quantized_projections(&self) -> bool {
+        let q = |l: &super::linear::Linear| matches!(l, super::linear::Linear::Quantized(_));
+        q(&self.weights.lm_head) || self.weights.layers.first().is_some_and(|l| q(&l.down))
+    }
+
     /// The KV entry shape this model needs.
     pub fn kv_layout(&self) -> KvLayout {
         KvLayout {

@@ -79,6 +79,10 @@ pub enum ModelError {
     },
     #[error("{path}: {reason}")]
     Weights { path: PathBuf, reason: String },
+    /// A draft head's `mtp.draft_vocab` is not a sorted set of token ids of
+    /// the target's vocabulary (see [`mtp`]).
+    #[error("{path}: invalid `mtp.draft_vocab`: {reason}")]
+    DraftVocab { path: PathBuf, reason: String },
     #[error("unsupported dtype: {0}")]
     UnsupportedDType(String),
     #[error("invalid batch: {0}")]

@@ -22,9 +22,27 @@
 //! | `mtp.layers.0.self_attn.{q,k,v,o}_proj.weight` (+ `.bias` for q/k/v when the target has them) | as the target's layers |
 //! | `mtp.layers.0.mlp.{gate,up,down}_proj.weight` | as the target's layers |
 //!
+//! | `mtp.draft_vocab` (optional) | `[N]` u32: the draft vocabulary, strictly increasing token ids `< vocab` |
+//!
 //! The embedding, final norm and unembedding are the target's own (frozen,
 //! shared, not stored). The block uses the target's head counts, RoPE and
 //! norm epsilon.
+//!
+//! # Draft vocabulary (FR-Spec, EAGLE-3)
+//! With `mtp.draft_vocab` the head unembeds over those `N` rows of the
+//! target's unembedding only (gathered once at load into an `[N, H]`
+//! matrix), typically the most frequent tokens of the training labels: the
+//! unembedding is most of a draft token's cost, and `N = 8192` of SmolLM2's
+//! 49 152 rows cover nearly every label. [`MtpHead::step`] still returns
+//! logits over the full vocabulary, `-inf` outside the set, so a draft of a
+//! token outside it is simply never proposed and the rest of the engine is
+//! unchanged. Loading checks the ids ([`ModelError::DraftVocab`]).
+//!
+//! # Formats
+//! The block and the gathered unembedding run where the target's layers
+//! run (the lean CPU kernels on CPU) and are quantised to Q8_0 at load when
+//! the target's projections are quantised, so a draft token costs a fixed
+//! share of a target step whatever the target's format.
 //!
 //! # KV
 //! The block keeps its own one-layer KV cache per slot: entry `t` holds the
@@ -38,12 +56,15 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::{Batch, LoadOptions, Model, ModelConfig, ModelError, Weights};
+use super::{Batch, LoadOptions, Model, ModelConfig, ModelError, WeightFormat, Weights};
 use crate::kv::KvCache;
 use crate::slot::SlotId;
 
 /// File name of a head's weights.
 pub const MTP_FILE: &str = "mtp.safetensors";
+
+/// Name of the optional draft-vocabulary tensor (`[N]` u32).
+pub const DRAFT_VOCAB_TENSOR: &str = "mtp.draft_vocab";
 
 /// The head's tensors and shapes for a target config (the documented format).
 pub fn mtp_tensor_shapes(target: &ModelConfig) -> Vec<(String, Vec<usize>)> {
@@ -69,6 +90,69 @@ fn block_config(target: &ModelConfig) -> ModelConfig {
     }
 }
 
+/// Checks a draft vocabulary for a target of `vocab` tokens: non-empty,
+/// strictly increasing, every id `< vocab`.
+pub fn check_draft_vocab(ids: &[u32], vocab: usize) -> Result<(), String> {
+    if ids.is_empty() {
+        return Err("empty (leave the tensor out for the full vocabulary)".into());
+    }
+    if let Some(w) = ids.windows(2).find(|w| w[0] >= w[1]) {
+        return Err(format!(
+            "ids must be strictly increasing (sorted, unique); found {} then {}",
+            w[0], w[1]
+        ));
+    }
+    let last = ids[ids.len() - 1];
+    if last as usize >= vocab {
+        return Err(format!(
+            "token id {last} is outside the target's vocabulary of {vocab}"
+        ));
+    }
+    Ok(())
+}
+
+/// Takes and checks `mtp.draft_vocab` from a checkpoint, when present.
+fn take_draft_vocab(
+    tensors: &mut HashMap<String, Tensor>,
+    vocab: usize,
+    origin: &Path,
+) -> Result<Option<Vec<u32>>, ModelError> {
+    let Some(t) = tensors.remove(DRAFT_VOCAB_TENSOR) else {
+        return Ok(None);
+    };
+    let bad = |reason: String| ModelError::DraftVocab {
+        path: origin.to_path_buf(),
+        reason,
+    };
+    if t.dtype() != DType::U32 || t.rank() != 1 {
+        return Err(bad(format!(
+            "expected a [N] u32 tensor, found {:?} of shape {:?}",
+            t.dtype(),
+            t.dims()
+        )));
+    }
+    let ids: Vec<u32> = t.to_vec1()?;
+    check_draft_vocab(&ids, vocab).map_err(bad)?;
+    Ok(Some(ids))
+}
+
+/// A reduced draft vocabulary, ready to widen logits to the full vocabulary.
+struct DraftVocab {
+    /// `[N]` u32 ids on the target's device.
+    ids: Tensor,
+    vocab: usize,
+}
+
+impl DraftVocab {
+    /// `[rows, N]` logits → `[rows, vocab]`, `-inf` outside the set.
+    fn widen(&self, small: &Tensor) -> Result<Tensor, ModelError> {
+        let (rows, n) = small.dims2()?;
+        let idx = self.ids.unsqueeze(0)?.expand((rows, n))?.contiguous()?;
+        let full = Tensor::full(f32::NEG_INFINITY, (rows, self.vocab), small.device())?;
+        Ok(full.scatter(&idx, &small.to_dtype(DType::F32)?.contiguous()?, 1)?)
+    }
+}
+
 /// A loaded MTP head (see the module docs).
 pub struct MtpHead {
     enorm: Tensor,
@@ -81,6 +165,8 @@ pub struct MtpHead {
     kv: KvCache,
     /// Last projected hidden state per slot (input of the next draft round).
     projected: HashMap<SlotId, Tensor>,
+    /// `None`: the block unembeds over the full vocabulary.
+    draft_vocab: Option<DraftVocab>,
 }
 
 impl MtpHead {
@@ -110,6 +196,8 @@ impl MtpHead {
     ) -> Result<Self, ModelError> {
         let cfg = target.config();
         let (dtype, device) = (target.dtype(), target.device().clone());
+        let h = cfg.hidden_size;
+        let draft_ids = take_draft_vocab(&mut tensors, cfg.vocab_size, origin)?;
         let mut take = |name: &str, shape: &[usize]| -> Result<Tensor, ModelError> {
             let t = tensors
                 .remove(name)
@@ -127,27 +215,50 @@ impl MtpHead {
             }
             Ok(t.to_device(&device)?.to_dtype(dtype)?)
         };
-        let h = cfg.hidden_size;
         let enorm = take("mtp.enorm.weight", &[h])?;
         let hnorm = take("mtp.hnorm.weight", &[h])?;
         let eh_proj = take("mtp.eh_proj.weight", &[h, 2 * h])?;
-        let (embed, norm, lm_head) = target.shared_tensors()?;
+        let (_, norm, lm_head) = target.shared_tensors()?;
         let mut block_weights = HashMap::new();
         for (name, shape) in mtp_tensor_shapes(cfg).into_iter().skip(3) {
             let t = take(&name, &shape)?;
             block_weights.insert(name.replacen("mtp.", "model.", 1), t);
         }
-        block_weights.insert("model.embed_tokens.weight".into(), embed);
+        // The block is a one-layer model whose vocabulary is the draft
+        // vocabulary: its (tied) unembedding holds the gathered rows of the
+        // target's, in the block's weight format. It never embeds tokens
+        // (the head feeds `forward_embeddings`).
+        let (rows, draft_vocab) = match &draft_ids {
+            Some(ids) => {
+                let idx = Tensor::new(ids.as_slice(), lm_head.device())?;
+                let vocab = DraftVocab {
+                    ids: Tensor::new(ids.as_slice(), &device)?,
+                    vocab: cfg.vocab_size,
+                };
+                (lm_head.index_select(&idx, 0)?, Some(vocab))
+            }
+            None => (lm_head, None),
+        };
+        block_weights.insert("model.embed_tokens.weight".into(), rows);
         block_weights.insert("model.norm.weight".into(), norm);
-        if !cfg.tie_word_embeddings {
-            block_weights.insert("lm_head.weight".into(), lm_head);
-        }
+        let block_cfg = ModelConfig {
+            vocab_size: draft_ids.as_ref().map_or(cfg.vocab_size, Vec::len),
+            tie_word_embeddings: true,
+            ..block_config(cfg)
+        };
+        let weight_format = if target.quantized_projections() {
+            WeightFormat::Q8_0
+        } else {
+            WeightFormat::AsCompute
+        };
         let block = Model::load(
-            block_config(cfg),
+            block_cfg,
             &Weights::Memory(block_weights),
             &LoadOptions {
                 dtype,
                 device: device.clone(),
+                weight_format,
+                lean_cpu: target.is_lean(),
                 ..LoadOptions::default()
             },
         )?;
@@ -162,7 +273,13 @@ impl MtpHead {
             block,
             kv,
             projected: HashMap::new(),
+            draft_vocab,
         })
+    }
+
+    /// The draft vocabulary's size, `None` for the full vocabulary.
+    pub fn draft_vocab_len(&self) -> Option<usize> {
+        self.draft_vocab.as_ref().map(|d| d.ids.elem_count())
     }
 
     /// An untrained head with deterministic random weights (tests, and the
@@ -200,8 +317,9 @@ impl MtpHead {
     /// `x_{t+1}` of consecutive pairs starting at position `offset` (= the
     /// slot's head KV length); `hidden` holds the matching `h_t` rows, or
     /// `None` to use each slot's last projected hidden (one pair per slot).
-    /// Returns logits `[slots, vocab]` of each span's last pair and stores
-    /// its projected hidden for the next round.
+    /// Returns logits `[slots, vocab]` (f32) of each span's last pair,
+    /// `-inf` outside the draft vocabulary, and stores its projected hidden
+    /// for the next round.
     pub fn step(
         &mut self,
         target: &Model,
@@ -243,7 +361,11 @@ impl MtpHead {
         for (i, s) in batch.seqs.iter().enumerate() {
             self.projected.insert(s.slot, out.narrow(0, i, 1)?);
         }
-        target.unembed(&out)
+        let logits = self.block.unembed(&out)?;
+        match &self.draft_vocab {
+            Some(d) => d.widen(&logits),
+            None => Ok(logits),
+        }
     }
 }
 

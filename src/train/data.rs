@@ -18,10 +18,18 @@ pub struct Features {
     pub next_tokens: Tensor,
     /// `[N, T-1]` u32: `argmax target(x_{≤t+1})`.
     pub labels: Tensor,
-    /// The whole sequences (for acceptance measurement).
+    /// `[N, T-1]` f32: 1 where the label is trained on and scored — it
+    /// predicts a token the target wrote (not the prompt's) and `x_{t+1}`
+    /// is text (not the ending EOS or the padding after it).
+    pub mask: Tensor,
+    /// The whole sequences (for acceptance measurement), padded with EOS
+    /// to `T` after an early EOS.
     pub sequences: Vec<Vec<u32>>,
     /// Prompt length of each sequence (the rest is the target's).
     pub prompt_lens: Vec<usize>,
+    /// Tokens of text: up to (not including) the EOS that ended the
+    /// sequence, `T` when none did.
+    pub lens: Vec<usize>,
 }
 
 impl Features {
@@ -40,14 +48,32 @@ impl Features {
             hidden: self.hidden.index_select(&i, 0)?,
             next_tokens: self.next_tokens.index_select(&i, 0)?,
             labels: self.labels.index_select(&i, 0)?,
+            mask: self.mask.index_select(&i, 0)?,
             sequences: Vec::new(),
             prompt_lens: Vec::new(),
+            lens: Vec::new(),
         })
+    }
+
+    /// Trained-on labels (mask 1), in order.
+    pub fn scored_labels(&self) -> Result<Vec<u32>, TrainError> {
+        let labels: Vec<u32> = self.labels.flatten_all()?.to_vec1()?;
+        let mask: Vec<f32> = self.mask.flatten_all()?.to_vec1()?;
+        Ok(labels
+            .into_iter()
+            .zip(mask)
+            .filter(|(_, m)| *m > 0.0)
+            .map(|(l, _)| l)
+            .collect())
     }
 }
 
 /// Sequences written per forward pass while generating.
 const GEN_BATCH: usize = 32;
+
+/// Fewest tokens a prompt must leave the target to write: longer prompts
+/// are skipped.
+pub const MIN_CONTINUATION: usize = 8;
 
 fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;
@@ -59,32 +85,49 @@ fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
-/// `n` sequences of `seq_len` tokens: a short random prompt (BOS first when
-/// the model has one), continued by the target — sampled at `temperature`,
-/// or greedily when `None` — plus the target's features along them.
+/// `n` sequences of `seq_len` tokens: `prompts` in turn (repeated when
+/// there are fewer than `n`; prompts longer than `seq_len -
+/// MIN_CONTINUATION` are skipped), each continued by the target — sampled
+/// at `temperature`, or greedily when `None` — until `seq_len` tokens or an
+/// EOS (then padded with EOS, which the mask leaves out), plus the target's
+/// features along them.
 pub fn generate(
     target: &Model,
+    prompts: &[Vec<u32>],
     n: usize,
     seq_len: usize,
     temperature: Option<f32>,
     seed: u64,
 ) -> Result<Features, TrainError> {
     let cfg = target.config();
-    let vocab = cfg.vocab_size as u32;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let bos = cfg.bos_token_id;
-    let mut sequences = Vec::with_capacity(n);
-    let mut prompt_lens = Vec::with_capacity(n);
-    for _ in 0..n {
-        let len = rng.random_range(1..=4usize);
-        let mut p: Vec<u32> = bos.into_iter().collect();
-        // Avoid the special ids at the bottom of most vocabularies.
-        p.extend((0..len).map(|_| rng.random_range(3.min(vocab - 1)..vocab)));
-        prompt_lens.push(p.len());
-        sequences.push(p);
+    let usable: Vec<&Vec<u32>> = prompts
+        .iter()
+        .filter(|p| !p.is_empty() && p.len() + MIN_CONTINUATION <= seq_len)
+        .collect();
+    if usable.is_empty() {
+        return Err(TrainError::InvalidOption {
+            field: "seq_len",
+            reason: format!(
+                "no prompt leaves {MIN_CONTINUATION} tokens to write within {seq_len} tokens (of {} prompts)",
+                prompts.len()
+            ),
+        });
     }
+    let mut sequences: Vec<Vec<u32>> = (0..n).map(|i| usable[i % usable.len()].clone()).collect();
+    let prompt_lens: Vec<usize> = sequences.iter().map(Vec::len).collect();
+    let mut lens = vec![seq_len; n];
+    let (t, h) = (seq_len, cfg.hidden_size);
+    // Features are gathered while writing: the row the target outputs at
+    // position p is h_p (pair p's input, p ≤ T-2) and its argmax is the
+    // label of pair p-1. The prompt is prefilled with every row out; the
+    // last token is fed too, for its label. Padding rows stay zero.
+    let mut hidden = vec![0f32; n * (t - 1) * h];
+    let mut labels = vec![0u32; n * (t - 1)];
     let eos: Vec<u32> = cfg.eos_token_ids.clone();
-    for chunk in sequences.chunks_mut(GEN_BATCH) {
+    let pad = eos.first().copied().unwrap_or(0);
+    for (c, chunk) in sequences.chunks_mut(GEN_BATCH).enumerate() {
+        let base = c * GEN_BATCH;
         let mut kv = KvCache::new(
             target.kv_layout(),
             target.device().clone(),
@@ -93,38 +136,79 @@ pub fn generate(
         let mut batch = Batch::default();
         for (i, s) in chunk.iter().enumerate() {
             kv.allocate(i as u32, seq_len).map_err(ModelError::from)?;
-            batch.push(i as u32, 0, s, OutputRows::Last);
+            batch.push(i as u32, 0, s, OutputRows::All);
         }
         while !batch.is_empty() {
-            let logits: Vec<Vec<f32>> = target
-                .unembed(&target.forward(&batch, &mut kv)?)?
-                .to_vec2()?;
-            let fed: Vec<u32> = batch.seqs.iter().map(|s| s.slot).collect();
+            let out = target.forward(&batch, &mut kv)?.to_dtype(DType::F32)?;
+            let logits: Vec<Vec<f32>> = target.unembed(&out)?.to_vec2()?;
+            let out: Vec<f32> = out.flatten_all()?.to_vec1()?;
+            let spans: Vec<(u32, usize, usize)> = batch
+                .seqs
+                .iter()
+                .map(|s| (s.slot, s.offset, s.len))
+                .collect();
             batch = Batch::default();
-            for (&slot, row) in fed.iter().zip(&logits) {
-                let i = slot as usize;
-                let s = &mut chunk[i];
-                let mut next = match temperature {
-                    None => argmax(row),
-                    Some(t) => sample(row, t, &mut rng),
-                };
-                // Keep sequences full length: an EOS would end the text, so
-                // redraw greedily among the rest (rarely matters).
-                if eos.contains(&next) {
-                    let mut masked = row.clone();
-                    for &e in &eos {
-                        masked[e as usize] = f32::NEG_INFINITY;
+            let mut row = 0;
+            for (slot, offset, len) in spans {
+                let i = base + slot as usize;
+                for pos in offset..offset + len {
+                    if pos + 1 < t {
+                        let dst = (i * (t - 1) + pos) * h;
+                        hidden[dst..dst + h].copy_from_slice(&out[row * h..(row + 1) * h]);
                     }
-                    next = argmax(&masked);
+                    if pos >= 1 {
+                        labels[i * (t - 1) + pos - 1] = argmax(&logits[row]);
+                    }
+                    row += 1;
                 }
+                let s = &mut chunk[slot as usize];
+                if s.len() == seq_len {
+                    continue; // the last token, fed for its label
+                }
+                let last = &logits[row - 1];
+                let next = match temperature {
+                    None => argmax(last),
+                    Some(temp) => sample(last, temp, &mut rng),
+                };
                 s.push(next);
-                if s.len() < seq_len {
+                if eos.contains(&next) {
+                    lens[i] = s.len() - 1;
+                    s.resize(seq_len, pad);
+                } else {
                     batch.push(slot, s.len() - 1, &[next], OutputRows::Last);
                 }
             }
         }
     }
-    features(target, sequences, prompt_lens)
+    let mask = scored_mask(&prompt_lens, &lens, t);
+    Ok(Features {
+        hidden: Tensor::from_vec(hidden, (n, t - 1, h), &Device::Cpu)?,
+        next_tokens: Tensor::from_vec(
+            sequences
+                .iter()
+                .flat_map(|s| s[1..].to_vec())
+                .collect::<Vec<u32>>(),
+            (n, t - 1),
+            &Device::Cpu,
+        )?,
+        labels: Tensor::from_vec(labels, (n, t - 1), &Device::Cpu)?,
+        mask: Tensor::from_vec(mask, (n, t - 1), &Device::Cpu)?,
+        sequences,
+        prompt_lens,
+        lens,
+    })
+}
+
+/// [`Features::mask`] of sequences of `t` tokens: pair `j` (input
+/// `x_{j+1}`, label for position `j + 2`) counts when position `j + 2` is
+/// the target's to write (`j + 2 ≥ prompt_len`) and `x_{j+1}` is text, not
+/// the EOS that ended the sequence or padding (`j + 1 < lens`).
+fn scored_mask(prompt_lens: &[usize], lens: &[usize], t: usize) -> Vec<f32> {
+    prompt_lens
+        .iter()
+        .zip(lens)
+        .flat_map(|(&p, &l)| (0..t - 1).map(move |j| f32::from(u8::from(j + 2 >= p && j + 1 < l))))
+        .collect()
 }
 
 fn sample(row: &[f32], temperature: f32, rng: &mut ChaCha8Rng) -> u32 {
@@ -144,47 +228,6 @@ fn sample(row: &[f32], temperature: f32, rng: &mut ChaCha8Rng) -> u32 {
     (row.len() - 1) as u32
 }
 
-/// Runs the target over whole sequences (all the same length) for hidden
-/// states and greedy labels.
-pub fn features(
-    target: &Model,
-    sequences: Vec<Vec<u32>>,
-    prompt_lens: Vec<usize>,
-) -> Result<Features, TrainError> {
-    let t = sequences.first().map(Vec::len).unwrap_or(0);
-    if t < 2 || sequences.iter().any(|s| s.len() != t) {
-        return Err(TrainError::InvalidOption {
-            field: "seq_len",
-            reason: "sequences must share a length of at least 2".into(),
-        });
-    }
-    let (mut hidden, mut next_tokens, mut labels) = (Vec::new(), Vec::new(), Vec::new());
-    for chunk in sequences.chunks(GEN_BATCH) {
-        let mut kv = KvCache::new(target.kv_layout(), target.device().clone(), chunk.len() * t);
-        let mut batch = Batch::default();
-        for (i, s) in chunk.iter().enumerate() {
-            kv.allocate(i as u32, t).map_err(ModelError::from)?;
-            batch.push(i as u32, 0, s, OutputRows::All);
-        }
-        let h = target.forward(&batch, &mut kv)?.to_dtype(DType::F32)?; // [chunk·T, H]
-        let greedy: Vec<u32> = target.unembed(&h)?.argmax(1)?.to_vec1()?;
-        let h = h.reshape((chunk.len(), t, target.config().hidden_size))?;
-        hidden.push(h.narrow(1, 0, t - 1)?.contiguous()?);
-        for (i, s) in chunk.iter().enumerate() {
-            next_tokens.extend_from_slice(&s[1..]);
-            labels.extend_from_slice(&greedy[i * t + 1..(i + 1) * t]);
-        }
-    }
-    let n = sequences.len();
-    Ok(Features {
-        hidden: Tensor::cat(&hidden, 0)?,
-        next_tokens: Tensor::from_vec(next_tokens, (n, t - 1), &Device::Cpu)?,
-        labels: Tensor::from_vec(labels, (n, t - 1), &Device::Cpu)?,
-        sequences,
-        prompt_lens,
-    })
-}
-
 /// `result[i]`: fraction of positions where drafts 1..=i+1 all equal the
 /// greedy continuation (what greedy verification would accept), drafting
 /// recursively with the head as the engine does.
@@ -201,7 +244,7 @@ pub fn acceptance_by_position(
         let slot = n as u32;
         head.admit(slot, seq.len() + k)?;
         let hidden = h_all.get(n)?; // [T-1, H]
-        for t in 0..seq.len() - 1 {
+        for t in 0..heldout.lens[n].min(seq.len()) - 1 {
             let mut b = Batch::default();
             b.push(slot, t, &[seq[t + 1]], OutputRows::Last);
             let mut logits: Vec<f32> = head
@@ -209,7 +252,7 @@ pub fn acceptance_by_position(
                 .get(0)?
                 .to_vec1()?;
             // Draft only where the next k tokens are the target's greedy output.
-            let evaluable = t + 2 >= heldout.prompt_lens[n] && t + 1 + k < seq.len();
+            let evaluable = t + 2 >= heldout.prompt_lens[n] && t + 1 + k < heldout.lens[n];
             if !evaluable {
                 continue;
             }
@@ -236,4 +279,45 @@ pub fn acceptance_by_position(
         .iter()
         .map(|&h| h as f64 / trials.max(1) as f64)
         .collect())
+}
+
+/// The `n` most frequent of `labels` (ties: the lower id), as a draft
+/// vocabulary: sorted ids, `min(n, vocab)` of them (unseen ids fill up in
+/// id order when fewer than `n` are seen).
+pub fn top_labels(labels: &[u32], vocab: usize, n: usize) -> Vec<u32> {
+    let mut counts = vec![0u64; vocab];
+    for &l in labels {
+        if let Some(c) = counts.get_mut(l as usize) {
+            *c += 1;
+        }
+    }
+    let mut ids: Vec<u32> = (0..vocab as u32).collect();
+    ids.sort_by_key(|&i| (std::cmp::Reverse(counts[i as usize]), i));
+    ids.truncate(n.min(vocab));
+    ids.sort_unstable();
+    ids
+}
+
+/// Fraction of `labels` inside the sorted draft vocabulary `ids`.
+pub fn coverage(labels: &[u32], ids: &[u32]) -> f64 {
+    let hit = labels
+        .iter()
+        .filter(|l| ids.binary_search(l).is_ok())
+        .count();
+    hit as f64 / labels.len().max(1) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_labels_keeps_the_most_frequent_sorted() {
+        let labels = [5, 5, 5, 9, 9, 1, 7, 7, 7, 7];
+        assert_eq!(top_labels(&labels, 10, 3), vec![5, 7, 9]);
+        // A tie (1 and nothing else seen) goes to the lower unseen id.
+        assert_eq!(top_labels(&labels, 10, 5), vec![0, 1, 5, 7, 9]);
+        assert_eq!(top_labels(&labels, 4, 9), vec![0, 1, 2, 3]);
+        assert!((coverage(&labels, &[5, 7]) - 0.7).abs() < 1e-12);
+    }
 }

@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 
 use super::data::Features;
 use super::TrainError;
-use crate::model::mtp::random_tensors;
+use crate::model::mtp::{check_draft_vocab, random_tensors, DRAFT_VOCAB_TENSOR};
 use crate::model::{Model, ModelConfig};
 
 /// Trainable head parameters (checkpoint names) and the target's frozen parts.
@@ -18,7 +18,10 @@ pub struct TrainableHead {
     vars: HashMap<String, Var>,
     embed: Tensor,
     norm: Tensor,
+    /// The target's unembedding, or its draft-vocabulary rows `[N, H]`.
     lm_head: Tensor,
+    /// The draft vocabulary (sorted ids), `None` for the full vocabulary.
+    draft_vocab: Option<Vec<u32>>,
 }
 
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
@@ -35,20 +38,85 @@ fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 impl TrainableHead {
-    /// A fresh head for `target` with seeded random weights.
-    pub fn new(target: &Model, seed: u64) -> Result<Self, TrainError> {
+    /// A fresh head for `target` with seeded random weights, unembedding
+    /// over `draft_vocab` (sorted ids; `None`: the full vocabulary).
+    pub fn new(
+        target: &Model,
+        seed: u64,
+        draft_vocab: Option<Vec<u32>>,
+    ) -> Result<Self, TrainError> {
         let vars = random_tensors(target.config(), seed)?
             .into_iter()
             .map(|(name, t)| Ok((name, Var::from_tensor(&t.to_dtype(DType::F32)?)?)))
             .collect::<Result<HashMap<_, _>, TrainError>>()?;
         let (embed, norm, lm_head) = target.shared_tensors()?;
+        let lm_head = match &draft_vocab {
+            Some(ids) => {
+                check_draft_vocab(ids, target.config().vocab_size).map_err(|reason| {
+                    TrainError::InvalidOption {
+                        field: "draft_vocab",
+                        reason,
+                    }
+                })?;
+                let idx = Tensor::new(ids.as_slice(), lm_head.device())?;
+                lm_head.index_select(&idx, 0)?.to_dtype(DType::F32)?
+            }
+            None => lm_head.to_dtype(DType::F32)?,
+        };
         Ok(Self {
             cfg: target.config().clone(),
             vars,
             embed,
             norm,
             lm_head,
+            draft_vocab,
         })
+    }
+
+    /// The draft vocabulary, `None` for the full vocabulary.
+    pub fn draft_vocab(&self) -> Option<&[u32]> {
+        self.draft_vocab.as_deref()
+    }
+
+    /// The unembedding row of token `id`, `None` outside the draft vocabulary.
+    fn row_of(&self, id: u32) -> Option<u32> {
+        match &self.draft_vocab {
+            Some(ids) => ids.binary_search(&id).ok().map(|r| r as u32),
+            None => Some(id),
+        }
+    }
+
+    /// The token id of unembedding row `row`.
+    fn id_of(&self, row: u32) -> u32 {
+        match &self.draft_vocab {
+            Some(ids) => ids[row as usize],
+            None => row,
+        }
+    }
+
+    /// Rows of `labels` in the unembedding and their loss weights: `mask`,
+    /// and 0 for a label outside the draft vocabulary.
+    fn targets(&self, labels: &Tensor, mask: &Tensor) -> Result<(Tensor, Tensor), TrainError> {
+        let labels: Vec<u32> = labels.flatten_all()?.to_vec1()?;
+        let mask: Vec<f32> = mask.flatten_all()?.to_vec1()?;
+        let (mut rows, mut weights) = (Vec::with_capacity(labels.len()), Vec::new());
+        for (&l, &m) in labels.iter().zip(&mask) {
+            match self.row_of(l) {
+                Some(r) if m > 0.0 => {
+                    rows.push(r);
+                    weights.push(1f32);
+                }
+                _ => {
+                    rows.push(0);
+                    weights.push(0.0);
+                }
+            }
+        }
+        let n = rows.len();
+        Ok((
+            Tensor::from_vec(rows, n, &Device::Cpu)?,
+            Tensor::from_vec(weights, n, &Device::Cpu)?,
+        ))
     }
 
     pub fn vars(&self) -> impl Iterator<Item = (&String, &Var)> {
@@ -59,12 +127,21 @@ impl TrainableHead {
         &self.vars
     }
 
-    /// Detached copies of the parameters, in the checkpoint format.
+    /// Detached copies of the parameters, with the draft vocabulary, in the
+    /// checkpoint format.
     pub fn tensors(&self) -> Result<HashMap<String, Tensor>, TrainError> {
-        self.vars
+        let mut out = self
+            .vars
             .iter()
             .map(|(n, v)| Ok((n.clone(), v.as_tensor().detach().copy()?)))
-            .collect()
+            .collect::<Result<HashMap<_, _>, TrainError>>()?;
+        if let Some(ids) = &self.draft_vocab {
+            out.insert(
+                DRAFT_VOCAB_TENSOR.to_string(),
+                Tensor::new(ids.as_slice(), &Device::Cpu)?,
+            );
+        }
+        Ok(out)
     }
 
     fn w(&self, name: &str) -> Result<&Tensor, TrainError> {
@@ -83,8 +160,9 @@ impl TrainableHead {
         })
     }
 
-    /// Logits `[N·(T-1), vocab]` for every pair of the batch (one draft
-    /// step from the target's hidden states).
+    /// Logits `[N·(T-1), rows]` over the unembedding's rows (the draft
+    /// vocabulary) for every pair of the batch (one draft step from the
+    /// target's hidden states).
     pub fn logits(&self, f: &Features) -> Result<Tensor, TrainError> {
         Ok(self.forward(f, false)?.0)
     }
@@ -92,12 +170,12 @@ impl TrainableHead {
     /// Step one over every pair and, with `second`, step two: the head's own
     /// output fed back with the next token, as the second draft round runs at
     /// inference (its query sees the real pairs up to its base position and
-    /// itself). Returns logits of step one `[N·(T-1), V]` and of step two
-    /// `[N·(T-2), V]`.
+    /// itself). Returns logits over the unembedding's rows `R` of step one
+    /// `[N·(T-1), R]` and of step two `[N·(T-2), R]`.
     fn forward(&self, f: &Features, second: bool) -> Result<(Tensor, Option<Tensor>), TrainError> {
         let cfg = &self.cfg;
         let (n, t, h) = f.hidden.dims3()?;
-        let v = cfg.vocab_size;
+        let v = self.lm_head.dim(0)?;
         let emb = self
             .embed
             .index_select(&f.next_tokens.flatten_all()?, 0)?
@@ -232,44 +310,61 @@ impl TrainableHead {
     }
 
     /// Training loss: cross-entropy of step one, plus step two's when
-    /// `second` (so recursive drafts stay accurate).
+    /// `second` (so recursive drafts stay accurate), over the masked labels
+    /// inside the draft vocabulary.
     pub fn train_loss(&self, f: &Features, second: bool) -> Result<Tensor, TrainError> {
         let (l1, l2) = self.forward(f, second)?;
-        let labels = &f.labels;
-        let mut loss = candle_nn::loss::cross_entropy(&l1, &labels.flatten_all()?)?;
+        let (rows, weights) = self.targets(&f.labels, &f.mask)?;
+        let mut loss = masked_cross_entropy(&l1, &rows, &weights)?;
         if let Some(l2) = l2 {
-            let t = labels.dim(1)?;
-            loss = (loss
-                + candle_nn::loss::cross_entropy(
-                    &l2,
-                    &labels.narrow(1, 1, t - 1)?.flatten_all()?,
-                )?)?;
+            let t = f.labels.dim(1)?;
+            let (rows, weights) =
+                self.targets(&f.labels.narrow(1, 1, t - 1)?, &f.mask.narrow(1, 1, t - 1)?)?;
+            loss = (loss + masked_cross_entropy(&l2, &rows, &weights)?)?;
         }
         Ok(loss)
     }
 
-    /// Held-out loss and top-1 agreement, in chunks.
+    /// Held-out loss (over labels inside the draft vocabulary) and top-1
+    /// agreement (over every scored label: one outside the draft vocabulary
+    /// is a miss), in chunks.
     pub fn eval(&self, f: &Features) -> Result<(f64, f64), TrainError> {
         let n = f.hidden.dim(0)?;
-        let (mut loss, mut hits, mut count) = (0.0, 0usize, 0usize);
+        let (mut loss, mut weight) = (0.0, 0.0);
+        let (mut hits, mut count) = (0usize, 0usize);
         for start in (0..n).step_by(16) {
             let idx: Vec<u32> = (start..(start + 16).min(n)).map(|i| i as u32).collect();
             let chunk = f.select(&idx)?;
             let logits = self.logits(&chunk)?;
-            let labels = chunk.labels.flatten_all()?;
-            let rows = labels.dim(0)?;
-            loss += candle_nn::loss::cross_entropy(&logits, &labels)?.to_scalar::<f32>()? as f64
-                * rows as f64;
+            let (rows, weights) = self.targets(&chunk.labels, &chunk.mask)?;
+            let w = weights.sum_all()?.to_scalar::<f32>()? as f64;
+            loss += masked_cross_entropy(&logits, &rows, &weights)?.to_scalar::<f32>()? as f64 * w;
+            weight += w;
             let pred: Vec<u32> = logits.argmax(1)?.to_vec1()?;
-            let want: Vec<u32> = labels.to_vec1()?;
-            hits += pred.iter().zip(&want).filter(|(a, b)| a == b).count();
-            count += rows;
+            let want: Vec<u32> = chunk.labels.flatten_all()?.to_vec1()?;
+            let mask: Vec<f32> = chunk.mask.flatten_all()?.to_vec1()?;
+            for ((&p, &l), &m) in pred.iter().zip(&want).zip(&mask) {
+                if m > 0.0 {
+                    count += 1;
+                    hits += usize::from(self.id_of(p) == l);
+                }
+            }
         }
-        Ok((
-            loss / count.max(1) as f64,
-            hits as f64 / count.max(1) as f64,
-        ))
+        Ok((loss / weight.max(1.0), hits as f64 / count.max(1) as f64))
     }
+}
+
+/// Mean cross-entropy of `logits` `[R, C]` against class `rows` `[R]`,
+/// each row weighted by `weights` `[R]` (0: skipped).
+fn masked_cross_entropy(
+    logits: &Tensor,
+    rows: &Tensor,
+    weights: &Tensor,
+) -> Result<Tensor, TrainError> {
+    let logp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let picked = logp.gather(&rows.unsqueeze(1)?, 1)?.squeeze(1)?;
+    let total = weights.sum_all()?.to_scalar::<f32>()?.max(1.0) as f64;
+    Ok(((picked * weights)?.sum_all()? * (-1.0 / total))?)
 }
 
 /// Softmax attention of `q` `[n, h, tq, d]` over `k`, `v` `[n, h, tk, d]`

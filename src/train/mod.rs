@@ -3,12 +3,25 @@
 //! own outputs, with candle's autograd.
 //!
 //! # Data (self-distillation, no dataset)
-//! - Training sequences: short random prompts continued by the target with
-//!   temperature sampling (diversity). Labels are the target's own greedy
-//!   choices: for the pair `(h_t, x_{t+1})` the label is
-//!   `argmax target(x_{≤t+1})`, exactly what greedy verification accepts.
-//! - Held-out sequences: other prompts continued *greedily*, so draft
-//!   acceptance at positions 1..k can be measured against the continuation.
+//! - Prompts ([`prompts`]): chat prompts rendered through the model's chat
+//!   template (a built-in set of a few thousand, or a file), or random ids
+//!   for the embedded test models. The last `heldout_seqs` are held out.
+//! - Training sequences: the training prompts continued by the target with
+//!   temperature sampling (diversity), up to `seq_len` tokens or an EOS.
+//!   Labels are the target's own greedy choices: for the pair
+//!   `(h_t, x_{t+1})` the label is `argmax target(x_{≤t+1})`, exactly what
+//!   greedy verification accepts; only labels of tokens the target wrote
+//!   are trained on (not the prompt's).
+//! - Held-out sequences: the held-out prompts continued *greedily*, so
+//!   draft acceptance at positions 1..k can be measured against the
+//!   continuation.
+//!
+//! # Draft vocabulary
+//! With `draft_vocab = N` the head unembeds over the N most frequent
+//! training labels only (FR-Spec, EAGLE-3; stored with the head as
+//! `mtp.draft_vocab`, see [`crate::model::mtp`]): the loss runs over those
+//! rows and skips labels outside them. It makes a draft token and a
+//! training step several times cheaper for a large vocabulary.
 //!
 //! # Training
 //! Teacher forcing over whole sequences: the head's block sees the pairs of
@@ -20,12 +33,15 @@
 //! as an uninterrupted one.
 //!
 //! # Layout
-//! - [`data`]: generation of training / held-out sequences and target features.
+//! - [`prompts`]: the prompt sources.
+//! - [`data`]: generation of training / held-out sequences and target
+//!   features; the draft vocabulary's choice.
 //! - [`head`]: the differentiable head (the same math as inference).
 //! - this file: [`TrainConfig`], the loop, evaluation, checkpoints.
 
 pub mod data;
 pub mod head;
+pub mod prompts;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -38,6 +54,7 @@ use serde::{Deserialize, Serialize};
 use crate::model::mtp::MTP_FILE;
 use crate::model::{Model, ModelError, MtpHead};
 use data::Features;
+pub use prompts::PromptSet;
 
 /// Errors of a training run.
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +69,8 @@ pub enum TrainError {
     Tensor(#[from] candle_core::Error),
     #[error("{path}: {reason}")]
     Io { path: PathBuf, reason: String },
+    #[error("training prompts: {0}")]
+    Prompt(String),
 }
 
 /// Training settings (saved with the head).
@@ -81,6 +100,10 @@ pub struct TrainConfig {
     /// Write a resumable checkpoint every this many steps (0: only at the end).
     pub checkpoint_every: usize,
     pub seed: u64,
+    /// Rows of the head's unembedding: the N most frequent training labels
+    /// (0: the full vocabulary).
+    #[serde(default)]
+    pub draft_vocab: usize,
 }
 
 impl Default for TrainConfig {
@@ -98,6 +121,7 @@ impl Default for TrainConfig {
             eval_every: 50,
             checkpoint_every: 100,
             seed: 0,
+            draft_vocab: 0,
         }
     }
 }
@@ -164,6 +188,31 @@ pub struct TrainReport {
     pub acceptance: Vec<f64>,
     /// Expected tokens per speculative step for each draft length 1..=k.
     pub tokens_per_step: Vec<f64>,
+    /// The data the head was trained and measured on.
+    pub data: DataStats,
+    /// Seconds of the training loop, evaluations and acceptance measurement
+    /// (the data's time is in `data.seconds`).
+    pub seconds: f64,
+}
+
+/// What the training data was.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DataStats {
+    pub train_seqs: usize,
+    /// Labels trained on (tokens the target wrote), over all sequences.
+    pub train_tokens: usize,
+    pub heldout_seqs: usize,
+    pub heldout_tokens: usize,
+    /// Mean prompt length of the training sequences, in tokens.
+    pub mean_prompt_tokens: f64,
+    /// Training sequences that ended with an EOS before `seq_len`.
+    pub ended_early: usize,
+    /// Rows of the head's unembedding (the full vocabulary without a draft
+    /// vocabulary).
+    pub draft_vocab: usize,
+    /// Fraction of held-out labels inside the draft vocabulary (1 without one).
+    pub heldout_coverage: f64,
+    /// Seconds to generate both sets and their features.
     pub seconds: f64,
 }
 
@@ -228,6 +277,8 @@ pub struct Trainer<'a> {
     adam: Adam,
     train: Features,
     heldout: Features,
+    data: DataStats,
+    prompts_digest: u64,
     step: usize,
     losses: Vec<f64>,
     evals: Vec<EvalPoint>,
@@ -240,6 +291,9 @@ struct TrainState {
     losses: Vec<f64>,
     evals: Vec<EvalPoint>,
     config: TrainConfig,
+    /// [`PromptSet::digest`] of the prompts the data was made from.
+    #[serde(default)]
+    prompts_digest: u64,
 }
 
 const CHECKPOINT_FILE: &str = "checkpoint.safetensors";
@@ -247,8 +301,12 @@ const STATE_FILE: &str = "train_state.json";
 const REPORT_FILE: &str = "mtp_training.json";
 
 impl<'a> Trainer<'a> {
-    /// Generates the data and an untrained head (seeded).
-    pub fn new(target: &'a Model, config: TrainConfig) -> Result<Self, TrainError> {
+    /// Generates the data from `prompts` and an untrained head (seeded).
+    pub fn new(
+        target: &'a Model,
+        config: TrainConfig,
+        prompts: &PromptSet,
+    ) -> Result<Self, TrainError> {
         config.validate()?;
         if target.dtype() != DType::F32 {
             return Err(TrainError::Unsupported(format!(
@@ -265,8 +323,10 @@ impl<'a> Trainer<'a> {
                 ),
             });
         }
+        let start = std::time::Instant::now();
         let train = data::generate(
             target,
+            &prompts.train,
             config.train_seqs,
             config.seq_len,
             Some(config.temperature),
@@ -274,12 +334,32 @@ impl<'a> Trainer<'a> {
         )?;
         let heldout = data::generate(
             target,
+            &prompts.heldout,
             config.heldout_seqs,
             config.seq_len,
             None,
             config.seed ^ 0xdead_beef,
         )?;
-        let head = head::TrainableHead::new(target, config.seed)?;
+        let train_labels = train.scored_labels()?;
+        let heldout_labels = heldout.scored_labels()?;
+        let vocab = target.config().vocab_size;
+        let draft_vocab = (config.draft_vocab > 0 && config.draft_vocab < vocab)
+            .then(|| data::top_labels(&train_labels, vocab, config.draft_vocab));
+        let data = DataStats {
+            train_seqs: train.len(),
+            train_tokens: train_labels.len(),
+            heldout_seqs: heldout.len(),
+            heldout_tokens: heldout_labels.len(),
+            mean_prompt_tokens: train.prompt_lens.iter().sum::<usize>() as f64
+                / train.len().max(1) as f64,
+            ended_early: train.lens.iter().filter(|&&l| l < config.seq_len).count(),
+            draft_vocab: draft_vocab.as_ref().map_or(vocab, Vec::len),
+            heldout_coverage: draft_vocab
+                .as_ref()
+                .map_or(1.0, |ids| data::coverage(&heldout_labels, ids)),
+            seconds: start.elapsed().as_secs_f64(),
+        };
+        let head = head::TrainableHead::new(target, config.seed, draft_vocab)?;
         Ok(Self {
             target,
             config,
@@ -287,15 +367,18 @@ impl<'a> Trainer<'a> {
             adam: Adam::new(),
             train,
             heldout,
+            data,
+            prompts_digest: prompts.digest(),
             step: 0,
             losses: Vec::new(),
             evals: Vec::new(),
         })
     }
 
-    /// Like [`new`](Self::new), then restores a checkpoint written by
-    /// [`save_checkpoint`](Self::save_checkpoint) in `dir`.
-    pub fn resume(target: &'a Model, dir: &Path) -> Result<Self, TrainError> {
+    /// Like [`new`](Self::new) with the saved config, then restores a
+    /// checkpoint written by [`save_checkpoint`](Self::save_checkpoint) in
+    /// `dir`. `prompts` must be the ones the run started with.
+    pub fn resume(target: &'a Model, dir: &Path, prompts: &PromptSet) -> Result<Self, TrainError> {
         let state_path = dir.join(STATE_FILE);
         let text = std::fs::read_to_string(&state_path).map_err(|e| TrainError::Io {
             path: state_path.clone(),
@@ -305,7 +388,15 @@ impl<'a> Trainer<'a> {
             path: state_path.clone(),
             reason: e.to_string(),
         })?;
-        let mut trainer = Self::new(target, state.config)?;
+        if state.prompts_digest != prompts.digest() {
+            return Err(TrainError::Prompt(format!(
+                "{}: the checkpoint was made from other prompts (digest {:#x}, now {:#x})",
+                state_path.display(),
+                state.prompts_digest,
+                prompts.digest()
+            )));
+        }
+        let mut trainer = Self::new(target, state.config, prompts)?;
         let ckpt = dir.join(CHECKPOINT_FILE);
         let tensors =
             candle_core::safetensors::load(&ckpt, &candle_core::Device::Cpu).map_err(|e| {
@@ -341,6 +432,16 @@ impl<'a> Trainer<'a> {
 
     pub fn config(&self) -> &TrainConfig {
         &self.config
+    }
+
+    /// What the data is.
+    pub fn data(&self) -> &DataStats {
+        &self.data
+    }
+
+    /// The held-out set.
+    pub fn heldout(&self) -> &Features {
+        &self.heldout
     }
 
     /// One optimiser step; returns the batch loss.
@@ -419,6 +520,7 @@ impl<'a> Trainer<'a> {
             losses: self.losses.clone(),
             evals: self.evals.clone(),
             config: self.config.clone(),
+            prompts_digest: self.prompts_digest,
         };
         write_json(&dir.join(STATE_FILE), &state)
     }
@@ -475,6 +577,7 @@ impl<'a> Trainer<'a> {
             evals: self.evals.clone(),
             acceptance,
             tokens_per_step,
+            data: self.data.clone(),
             seconds: start.elapsed().as_secs_f64(),
         };
         self.save_head(out, &report)?;
