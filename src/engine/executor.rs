@@ -430,12 +430,17 @@ impl StepExecutor for Engine {
         if !planned.is_empty() {
             outcome.stats.batch_seqs = planned.len();
             let result = self.run_pass(&mut planned, &mut outcome.stats);
-            let stats = &outcome.stats;
-            let pass = start.elapsed().saturating_sub(stats.draft);
-            self.seqs
-                .policy
-                .cost_mut()
-                .record_pass(stats.batch_tokens, pass);
+            // Decode steps only: a prompt chunk's tokens are far cheaper at
+            // the margin than a decode's, and would skew the slope the
+            // policy prices drafts with.
+            if planned.iter().all(|p| p.tokens.len() == 1) {
+                let stats = &outcome.stats;
+                let pass = start.elapsed().saturating_sub(stats.draft);
+                self.seqs
+                    .policy
+                    .cost_mut()
+                    .record_pass(stats.batch_tokens, pass);
+            }
             self.report(&planned, result, &mut outcome.seqs);
         }
         outcome.stats.total = start.elapsed();

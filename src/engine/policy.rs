@@ -7,9 +7,10 @@
 //!   accepted given drafts `1..j` were, by position, from recent
 //!   verifications (decayed counts with a weak prior). A run of `k` drafts
 //!   then yields `1 + Σ_{j≤k} Π_{l≤j} a_l` tokens in expectation.
-//! - **Cost**: the time of the step's pass (forward, sampling,
-//!   verification, update) as a function of its tokens, `F(T) = f0 + f1·T`,
-//!   and one draft round's time as a function of its
+//! - **Cost**: the time of a decode step's pass (forward, sampling,
+//!   verification, update; steps with prompt chunks are left out, their
+//!   tokens are cheaper at the margin) as a function of its tokens,
+//!   `F(T) = f0 + f1·T`, and one draft round's time as a function of its
 //!   members, `R(M) = r0 + r1·M`, both fitted online (decayed least
 //!   squares) from the engine's own measurements. Prompt-lookup drafts cost
 //!   no round.
