@@ -99,6 +99,10 @@ struct Args {
     /// `--mtp` or alone.
     #[arg(long)]
     prompt_lookup: bool,
+    /// Draft exactly `--draft-max` tokens every step instead of the
+    /// engine's cost model (to measure a drafter's own acceptance).
+    #[arg(long)]
+    constant_drafts: bool,
     /// Run the workload twice, MTP off then with `--mtp` / `--prompt-lookup`, and print the ratio.
     #[arg(long)]
     mtp_compare: bool,
@@ -172,10 +176,13 @@ fn build_engine(
     let vocab = model.config().vocab_size as u32;
     let (head, config) = match spec {
         None => (None, SpecConfig::default()),
-        Some(s) => (
-            s.mtp.draft_head(&model)?,
-            MtpMode::spec_config(args.draft_max, s.prompt_lookup),
-        ),
+        Some(s) => {
+            let mut config = MtpMode::spec_config(args.draft_max, s.prompt_lookup);
+            if args.constant_drafts {
+                config.default = tandem::engine::SpecOptions::constant(args.draft_max);
+            }
+            (s.mtp.draft_head(&model)?, config)
+        }
     };
     let engine = Engine::new(
         model,

@@ -99,10 +99,10 @@ fn round_input(seqs: &Sequences, p: &Planned, round: usize) -> Result<DraftInput
 /// followed them.
 fn hidden_context(seq: &Sequence, p: &Planned) -> Result<HiddenContext, EngineError> {
     let slot_err = |what: String| EngineError::Model(format!("slot {}: {what}", p.slot));
-    let hidden = seq
-        .pending_hidden
-        .clone()
-        .ok_or_else(|| slot_err("no hidden state to draft from".into()))?;
+    if seq.pending_hidden.is_empty() {
+        return Err(slot_err("no hidden state to draft from".into()));
+    }
+    let hidden = Tensor::cat(&seq.pending_hidden, 0).map_err(tensor_err)?;
     let m = hidden.dim(0).map_err(tensor_err)?;
     if m == 0 || m > p.offset {
         return Err(slot_err(format!(
@@ -147,7 +147,7 @@ fn pick_drafts(
         if round == 0 && p.keep_hidden {
             // The head consumed these pairs into its own KV.
             if let Ok(seq) = seqs.get_mut(p.slot) {
-                seq.pending_hidden = None;
+                seq.pending_hidden.clear();
             }
         }
     }

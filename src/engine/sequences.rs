@@ -50,9 +50,11 @@ pub(crate) struct Sequence {
     pub generated: Vec<u32>,
     pub max_new_tokens: usize,
     pub sampling: SamplingOptions,
-    /// Target hidden states `[m, hidden]` of the last `m` fed positions not
-    /// yet consumed by the draft head (heads that need hidden only).
-    pub pending_hidden: Option<Tensor>,
+    /// Target hidden states of the last fed positions not yet consumed by
+    /// the draft head (heads that need hidden only), as the steps' chunks
+    /// (`[rows, hidden]` each, in order): joined once, when the head drafts,
+    /// so a long pause costs no copying per step.
+    pub pending_hidden: Vec<Tensor>,
     /// The grammar every sampled token follows: its state has accepted
     /// exactly `generated` (EOS and stop ids aside). Lent to the mask
     /// worker during the forward pass (`None` meanwhile, see
@@ -261,7 +263,7 @@ impl Sequences {
                 generated: Vec::new(),
                 max_new_tokens: a.max_new_tokens,
                 sampling: a.sampling,
-                pending_hidden: None,
+                pending_hidden: Vec::new(),
                 grammar: constraints.grammar,
                 stop_ids: constraints.stop_ids,
             },
@@ -318,7 +320,7 @@ impl Sequences {
         }
         self.policy.release(slot);
         if let Some(seq) = self.seqs.get_mut(&slot) {
-            seq.pending_hidden = None;
+            seq.pending_hidden.clear();
         }
     }
 
@@ -488,7 +490,7 @@ mod tests {
             generated,
             max_new_tokens,
             sampling: SamplingOptions::greedy(),
-            pending_hidden: None,
+            pending_hidden: Vec::new(),
             grammar: None,
             stop_ids: vec![9],
         };

@@ -102,10 +102,7 @@ pub(crate) fn update(
             .hidden
             .narrow(0, rows.hidden.start, kept_hidden_rows)
             .map_err(tensor_err)?;
-        seq.pending_hidden = Some(match seq.pending_hidden.take() {
-            Some(prev) => Tensor::cat(&[prev, new], 0).map_err(tensor_err)?,
-            None => new,
-        });
+        seq.pending_hidden.push(new);
     }
     let (emitted, grammar_done) = follow_grammar(seq, emitted, &info.eos_ids, p.slot)?;
     let (tokens, mut finish) = seq.append(emitted, &info.eos_ids, info.context_len);
