@@ -346,6 +346,61 @@ fn greedy_mtp_equals_plain_greedy_on_the_device() {
     }
 }
 
+/// On the device, an MTP head with a draft vocabulary (its widening to the
+/// full vocabulary runs there) beside prompt lookup: greedy and seeded
+/// sampled requests emit exactly their speculation-off tokens (the seeded
+/// ones' keyed uniforms cross to the sampling kernel and to verification
+/// alike).
+#[test]
+fn speculation_with_a_draft_vocab_head_and_lookup_is_exact_on_the_device() {
+    use tandem::engine::{MtpDraft, PromptLookup};
+    use tandem::model::mtp::{random_tensors, DRAFT_VOCAB_TENSOR};
+    use tandem::model::MtpHead;
+    let Some(Stories { dir, prompts, .. }) = stories260k() else {
+        return;
+    };
+    let device = test_device();
+    let model = || Model::from_dir(&dir, &options(&device, DType::F32)).unwrap();
+    let sampling = [
+        SamplingOptions::greedy(),
+        SamplingOptions {
+            temperature: 0.8,
+            seed: Some(3),
+            ..Default::default()
+        },
+    ];
+    let plain_reqs: Vec<Req> = (0..6)
+        .map(|i| Req::new(prompts[i % prompts.len()].clone(), sampling[i % 2], 24))
+        .collect();
+    let spec_reqs: Vec<Req> = plain_reqs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| Req {
+            spec: Some(SpecOptions::constant(1 + i % 4)),
+            ..r.clone()
+        })
+        .collect();
+    let plain = run_tokens(&mut engine_for(model()), &plain_reqs, 512);
+    let target = model();
+    let v = target.config().vocab_size as u32;
+    let kept: Vec<u32> = (0..v).filter(|i| i % 2 == 0).collect();
+    let mut tensors = random_tensors(target.config(), 3).unwrap();
+    tensors.insert(
+        DRAFT_VOCAB_TENSOR.into(),
+        Tensor::new(kept.as_slice(), &Device::Cpu).unwrap(),
+    );
+    let head = MtpHead::from_tensors(&target, tensors, std::path::Path::new("<random>")).unwrap();
+    let config = SpecConfig {
+        prompt_lookup: Some(PromptLookup::default()),
+        ..Default::default()
+    };
+    let mut spec = engine_for(target).with_draft(Box::new(MtpDraft { head }), config);
+    let got = run_tokens(&mut spec, &spec_reqs, 512);
+    for i in 0..plain.len() {
+        assert_eq!(ids(&got[i]), ids(&plain[i]), "request {i}");
+    }
+}
+
 /// Half-precision weights on a GPU: the run completes and its greedy
 /// tokens mostly agree with f32 (reported, loosely bounded: rounding may
 /// flip near-ties). On the CPU there is no bf16 compute, so this checks
