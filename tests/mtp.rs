@@ -592,7 +592,10 @@ fn drafting_backs_off_when_it_does_not_pay() {
         "random draft: {speculative_steps} speculative steps of {}",
         got.steps.len()
     );
-    assert!(speculative_steps >= 2, "it tried, and probed again");
+    // Whether it probes again depends on the measured costs (a probe is
+    // only worth it if a good draft would pay at this step's speed): the
+    // probe clock is the policy's unit tests' business.
+    assert!(speculative_steps >= 1, "it tried");
     assert!(
         speculative_steps * 8 < got.steps.len(),
         "a useless draft is off most of the time"
