@@ -292,8 +292,10 @@ async fn n_and_best_of_bad_values_are_400s_naming_the_field() {
 async fn n_a_disconnect_cancels_every_choice_and_frees_their_blocks() {
     let s = TestServer::ready();
     let c = client();
+    // Seeded, so no choice can meet an EOS by chance before the disconnect
+    // (an unseeded run is a different sample every time).
     let body = json!({"prompt": prompt_ids(), "max_tokens": 500, "n": 3, "stream": true,
-                      "temperature": 1.0});
+                      "temperature": 1.0, "seed": 11});
     let mut r = c
         .post(s.url("/v1/completions"))
         .json(&body)
