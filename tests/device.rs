@@ -673,3 +673,139 @@ fn device_sampler_reports_bad_rows_and_commits_nothing() {
         })
     );
 }
+
+/// Grammar masks and logit biases on the device: the same tokens,
+/// logprobs and histories as the host chain, with masks that allow a few
+/// tokens, most tokens, or only tokens the bias pushes down, beside
+/// unmasked rows in the same call; masks shorter than the row (the padding
+/// past a tokenizer's vocabulary is disallowed); a bias id outside the row
+/// fails the call with the host's error and commits nothing.
+#[test]
+fn device_sampler_applies_masks_and_biases_like_the_host() {
+    use tandem::sampler::{LogitBias, TokenMask};
+    let device = test_device();
+    let vocab = 3001;
+    let sampled = |seed: u64, top_k: i32, top_p: f32| SamplingOptions {
+        temperature: 0.9,
+        top_k,
+        top_p,
+        seed: Some(seed),
+        ..Default::default()
+    };
+    let options = [
+        SamplingOptions::greedy(),
+        sampled(1, 40, 1.0),
+        sampled(2, 0, 0.9),
+        SamplingOptions {
+            repeat_penalty: 1.3,
+            repeat_last_n: 8,
+            logprobs: true,
+            top_logprobs: 3,
+            ..sampled(3, 20, 0.95)
+        },
+        SamplingOptions::greedy(),
+        sampled(4, 0, 1.0),
+    ];
+    let biases = [
+        LogitBias::new([(7, 5.0), (2999, -100.0)]),
+        LogitBias::default(),
+        LogitBias::new([(11, 100.0), (12, 100.0)]),
+        LogitBias::new([(3000, 3.0)]),
+        LogitBias::new([(1, f32::MAX)]),
+        LogitBias::default(),
+    ];
+    let mut host = Sampler::with_seed(64, 5);
+    let mut dev = Sampler::with_seed(64, 5);
+    let slots: Vec<u32> = (0..options.len() as u32).collect();
+    for (i, (opt, bias)) in options.iter().zip(&biases).enumerate() {
+        for s in [&mut host, &mut dev] {
+            s.add(i as u32, *opt, &prompt(i as u32, 10, vocab as u32))
+                .unwrap();
+            s.set_logit_bias(i as u32, bias.clone()).unwrap();
+        }
+    }
+    let few = TokenMask::allowing(&[3, 11, 500, 2999, 3000]);
+    let most = TokenMask::allowing(&(0..vocab as u32).filter(|t| t % 7 != 0).collect::<Vec<_>>());
+    let short = TokenMask::allowing(&(0..40).collect::<Vec<_>>());
+    let pushed_down = TokenMask::allowing(&[2999]);
+    for step in 0..8u64 {
+        let masks: Vec<Option<&TokenMask>> = match step % 4 {
+            0 => vec![
+                Some(&few),
+                None,
+                Some(&most),
+                Some(&short),
+                None,
+                Some(&few),
+            ],
+            1 => vec![
+                Some(&pushed_down),
+                Some(&most),
+                None,
+                Some(&few),
+                Some(&most),
+                None,
+            ],
+            2 => vec![None; slots.len()],
+            _ => vec![
+                Some(&short),
+                Some(&short),
+                Some(&few),
+                Some(&most),
+                Some(&few),
+                Some(&most),
+            ],
+        };
+        let quantum = if step % 3 == 2 { 0.5 } else { 0.0 };
+        let cpu = Tensor::from_vec(
+            random_logits(100 + step, slots.len(), vocab, 6.0, quantum),
+            (slots.len(), vocab),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let want = host.sample_masked(&slots, &cpu, &masks).unwrap();
+        let got = dev
+            .sample_masked(&slots, &cpu.to_device(&device).unwrap(), &masks)
+            .unwrap();
+        assert_eq!(got.tokens, want.tokens, "step {step}: tokens");
+        for (row, mask) in masks.iter().enumerate() {
+            if let Some(mask) = mask {
+                assert!(mask.allows(got.tokens[row]), "step {step} row {row}");
+            }
+        }
+        let (g, w) = (got.logprobs.unwrap(), want.logprobs.unwrap());
+        assert!(max_abs_diff(&g, &w) < 1e-4, "step {step}: logprobs");
+        for &s in &slots {
+            assert_eq!(dev.history(s), host.history(s), "step {step}: slot {s}");
+        }
+    }
+
+    // A bias id past the row: the host's error, and nothing committed.
+    for s in [&mut host, &mut dev] {
+        s.set_logit_bias(
+            5,
+            LogitBias::new([(2, 1.0), (vocab as u32 + 9, 1.0), (vocab as u32 + 4, 1.0)]),
+        )
+        .unwrap();
+    }
+    let cpu = Tensor::from_vec(
+        random_logits(7, slots.len(), vocab, 6.0, 0.0),
+        (slots.len(), vocab),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let want_err = SamplerError::VocabMismatch {
+        slot: 5,
+        token: vocab as u32 + 4,
+        vocab,
+    };
+    assert_eq!(host.sample(&slots, &cpu), Err(want_err.clone()));
+    let on_device = cpu.to_device(&device).unwrap();
+    assert_eq!(dev.sample(&slots, &on_device), Err(want_err));
+    for s in [&mut host, &mut dev] {
+        s.set_logit_bias(5, LogitBias::default()).unwrap();
+    }
+    let want = host.sample(&slots, &cpu).unwrap();
+    let got = dev.sample(&slots, &on_device).unwrap();
+    assert_eq!(got.tokens, want.tokens, "after the failed call");
+}

@@ -96,7 +96,8 @@ struct CallCtx<'a> {
 
 /// Where a call runs (see the module docs' *Where the work happens*).
 enum Site {
-    /// Logits on a CUDA GPU: one kernel launch for every row.
+    /// Logits on a CUDA GPU: one kernel launch for every row, grammar masks
+    /// and logit biases included.
     CudaKernel,
     /// Logits on another GPU and no logprob request: plain greedy rows take
     /// their argmax there; the `others` (row indices of the call) go to the
@@ -497,13 +498,10 @@ impl Sampler {
     /// Where this call's work runs, from where the logits live and what
     /// the named rows need; decided once, at the top of the call.
     fn site(&self, idx: &[usize], logits: &Tensor, masks: &[Option<&TokenMask>]) -> Site {
-        let masked = |i: usize| masks.get(i).is_some_and(Option::is_some);
-        let adjusted = (0..idx.len()).any(|i| masked(i) || !self.slots[idx[i]].bias.is_empty());
-        // NOTE: the CUDA kernel knows neither masks nor biases yet; a call
-        // with any reads its logits to the host (correct, slower).
-        if logits.device().is_cuda() && !adjusted {
+        if logits.device().is_cuda() {
             return Site::CudaKernel;
         }
+        let masked = |i: usize| masks.get(i).is_some_and(Option::is_some);
         if self.any_logprobs || !host::on_device(logits) {
             return Site::Host;
         }
@@ -529,7 +527,7 @@ impl Sampler {
             return Ok(SampleResult::empty(path));
         }
         match self.site(idx, logits, masks) {
-            Site::CudaKernel => self.run_on_device(idx, logits, vocab, path),
+            Site::CudaKernel => self.run_on_device(idx, logits, vocab, masks, path),
             Site::DeviceArgmax { others } => {
                 self.run_split(idx, logits, vocab, &others, masks, path)
             }
@@ -657,6 +655,7 @@ impl Sampler {
         idx: &[usize],
         logits: &Tensor,
         vocab: usize,
+        masks: &[Option<&TokenMask>],
         path: SamplePath,
     ) -> Result<SampleResult, SamplerError> {
         let top_k = if self.any_logprobs {
@@ -664,13 +663,14 @@ impl Sampler {
         } else {
             0
         };
-        let mut params = Vec::with_capacity(idx.len() * device::PARAM_WIDTH);
-        for &r in idx {
+        let mut block = device::ParamBlock::new(idx.len(), vocab);
+        for (i, &r) in idx.iter().enumerate() {
             let slot = &self.slots[r];
             let uniform = (!slot.plan.is_greedy()).then(|| slot.stream_at(0).random::<f64>());
             let row = device::row_params(&slot.plan, slot.len, r, uniform, self.any_logprobs);
-            params.extend_from_slice(&row);
+            block.push(row, masks.get(i).copied().flatten(), slot.bias.pairs());
         }
+        let params = block.finish();
         let history =
             DeviceHistory::synced(self.device_history.take(), &self.pool, logits.device())?;
         let launch = match device::sample(logits, &params, &history, top_k) {

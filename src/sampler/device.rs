@@ -3,9 +3,12 @@
 //! cross to the host.
 //!
 //! The kernel (`cuda/sampling.cu`) runs the host chain of `transform.rs`
-//! (penalties, top-p with top-k folded in or top-k alone, min-p, greedy or
-//! temperature and an inverse-CDF draw in id order) with one block per row
-//! and no sort; see its header for how the cut-off is found. The host still
+//! (logit bias and grammar mask, penalties, top-p with top-k folded in or
+//! top-k alone, min-p, greedy or temperature and an inverse-CDF draw in id
+//! order) with one block per row and no sort; see its header for how the
+//! cut-off is found. A row's mask bitset and bias pairs travel in the
+//! launch's parameter block ([`ParamBlock`]), so a constrained batch is
+//! still one upload and one launch. The host still
 //! owns the randomness: each non-greedy row's uniform comes from its slot's
 //! RNG exactly as on the host path, and travels in the row's parameters.
 //!
@@ -24,6 +27,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::adjust::TokenMask;
 use super::history::HistoryPool;
 use super::host::tensor_err;
 use super::transform::Plan;
@@ -44,10 +48,14 @@ const P_PRESENCE: usize = 9;
 const P_FREQUENCY: usize = 10;
 const P_U_LO: usize = 11;
 const P_U_HI: usize = 12;
+const P_MASK_OFF: usize = 13;
+const P_BIAS_OFF: usize = 14;
+const P_BIAS_LEN: usize = 15;
 
 const F_GREEDY: u32 = 1;
 const F_HISTORY: u32 = 2;
 const F_LOGPROBS: u32 = 4;
+const F_MASK: u32 = 8;
 
 /// Per-row status the kernel reports (field 1 of each output row).
 pub(crate) const S_OK: u32 = 0;
@@ -155,6 +163,69 @@ pub(crate) fn greedy_params(rows: usize) -> Vec<u32> {
     row.repeat(rows)
 }
 
+/// The parameter block of one launch: `rows` rows of [`PARAM_WIDTH`]
+/// fields, then each adjusted row's mask words (`ceil(V / 32)` of them,
+/// zero-padded: tokens past a mask's words are disallowed, as on the host)
+/// and bias pairs (id, bias bits), which the row's fields address by their
+/// offset in the whole block.
+pub(crate) struct ParamBlock {
+    words: Vec<u32>,
+    rows: usize,
+    pushed: usize,
+    mask_words: usize,
+}
+
+impl ParamBlock {
+    pub(crate) fn new(rows: usize, vocab: usize) -> Self {
+        Self {
+            words: vec![0; rows * PARAM_WIDTH],
+            rows,
+            pushed: 0,
+            mask_words: vocab.div_ceil(32),
+        }
+    }
+
+    /// Adds the next row: its fields from [`row_params`], this call's mask
+    /// for it and its slot's bias (ids ascending, unique).
+    pub(crate) fn push(
+        &mut self,
+        mut row: [u32; PARAM_WIDTH],
+        mask: Option<&TokenMask>,
+        bias: &[(u32, f32)],
+    ) {
+        assert!(
+            self.pushed < self.rows,
+            "ParamBlock: more rows than sized for"
+        );
+        if let Some(mask) = mask {
+            row[P_FLAGS] |= F_MASK;
+            row[P_MASK_OFF] = self.offset();
+            let given = &mask.words()[..mask.words().len().min(self.mask_words)];
+            self.words.extend_from_slice(given);
+            self.words
+                .resize(self.words.len() + self.mask_words - given.len(), 0);
+        }
+        if !bias.is_empty() {
+            row[P_BIAS_OFF] = self.offset();
+            row[P_BIAS_LEN] = bias.len() as u32;
+            self.words
+                .extend(bias.iter().flat_map(|&(t, b)| [t, b.to_bits()]));
+        }
+        let at = self.pushed * PARAM_WIDTH;
+        self.words[at..at + PARAM_WIDTH].copy_from_slice(&row);
+        self.pushed += 1;
+    }
+
+    fn offset(&self) -> u32 {
+        u32::try_from(self.words.len()).expect("a parameter block under 2^32 words")
+    }
+
+    pub(crate) fn finish(self) -> Vec<u32> {
+        assert_eq!(self.pushed, self.rows, "ParamBlock: rows missing");
+        self.words
+    }
+}
+
 /// One launch's results: the output rows on the host, and what the history
 /// write needs on the device.
 pub(crate) struct Launch {
@@ -169,7 +240,8 @@ pub(crate) struct Launch {
 }
 
 /// Samples every row of `logits` (`[rows, V]` on a CUDA device) with the
-/// parameter rows `params` (`rows × PARAM_WIDTH`).
+/// parameter block `params` (its first `rows × PARAM_WIDTH` words are the
+/// rows' fields; see [`ParamBlock`]).
 #[cfg(feature = "cuda")]
 pub(crate) fn sample(
     logits: &Tensor,
@@ -180,7 +252,7 @@ pub(crate) fn sample(
     let rows = logits.dims()[0];
     let run = || -> candle_core::Result<Launch> {
         let logits = logits.to_dtype(DType::F32)?.contiguous()?;
-        let params = Tensor::from_slice(params, (rows, PARAM_WIDTH), logits.device())?;
+        let params = Tensor::from_slice(params, params.len(), logits.device())?;
         let op = kernel::SampleOp {
             history_width: history.width(),
             top_logprobs,
@@ -299,7 +371,7 @@ mod kernel {
             contiguous("params", pl)?;
             contiguous("history", hl)?;
             let (rows, vocab) = ll.shape().dims2()?;
-            if pl.shape().dims2()? != (rows, PARAM_WIDTH) {
+            if pl.shape().elem_count() < rows * PARAM_WIDTH {
                 candle_core::bail!("device sampler: params {:?} for {rows} rows", pl.shape());
             }
             let dev = logits.device().clone();

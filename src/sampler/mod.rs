@@ -11,7 +11,9 @@
 //! # Where the work happens
 //! - **Logits on a CUDA GPU**: the whole call is one kernel launch
 //!   (`device.rs`, `cuda/sampling.cu`, one block per row, no sort) over
-//!   every row whatever its options; the penalty rings have a copy on the
+//!   every row whatever its options, grammar masks and logit biases
+//!   included (their bitsets and pairs ride in the parameter upload); the
+//!   penalty rings have a copy on the
 //!   device, and only the output rows (token, status, requested logprobs)
 //!   cross to the host. The host still draws each row's uniform from the
 //!   slot's RNG, so seeds mean the same thing on both sides, and the kernel

@@ -3,7 +3,8 @@
 // logprobs) cross to the host.
 //
 // Semantics (the host sampler's, see `src/sampler/mod.rs`):
-//   penalties (repeat and presence once per distinct window token, frequency
+//   logit bias added (capped at FLT_MAX) and grammar mask applied (disallowed
+//   tokens to -inf) -> penalties (repeat and presence once per distinct window token, frequency
 //   once per occurrence) -> top-p with positional top-k folded in, or top-k
 //   alone; ranks by (score descending, id ascending), so exactly K survive and
 //   ties go to the lower ids -> min-p against the row maximum -> greedy (first
@@ -23,7 +24,10 @@
 // Layouts (all row-major):
 //   logits  [B, V] f32       raw scores
 //   scratch [B, V] f32       penalised scores, then draw weights
-//   params  [B, PARAM_WIDTH] u32, fields below (floats as bits)
+//   params  [B, PARAM_WIDTH] u32, fields below (floats as bits), then the
+//           adjusted rows' mask words (ceil(V / 32) each; bit t % 32 of word
+//           t / 32 allows token t) and bias pairs (id, bias bits; ids
+//           ascending, unique), at the offsets the rows' fields give
 //   history [rows, W] u32    the sampler's penalty rings (pool row per slot)
 //   out     [B, 4 + 2 * top_logprobs] u32:
 //           token, status, detail, logprob bits, then (id, logprob bits) pairs
@@ -48,11 +52,15 @@
 #define P_FREQUENCY 10
 #define P_U_LO 11
 #define P_U_HI 12
+#define P_MASK_OFF 13
+#define P_BIAS_OFF 14
+#define P_BIAS_LEN 15
 #define PARAM_WIDTH 16
 
 #define F_GREEDY 1u
 #define F_HISTORY 2u
 #define F_LOGPROBS 4u
+#define F_MASK 8u
 
 #define S_OK 0u
 #define S_NON_FINITE 1u
@@ -213,11 +221,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
     uint32_t* o = out + (size_t)row * (4 + 2 * top_logprobs);
     const uint32_t flags = p[P_FLAGS];
 
-    // Raw maximum, NaN / +inf check, working copy (which a greedy row
-    // without penalties does not need: it reads the raw row).
+    // Raw maximum, NaN / +inf check, working copy with the mask applied
+    // (which a plain greedy row does not need: it reads the raw row).
     const uint32_t filled = p[P_FILLED];
     const bool penalised = (flags & F_HISTORY) && filled > 0;
-    const bool copy = penalised || !(flags & F_GREEDY);
+    const bool masked = (flags & F_MASK) != 0;
+    const uint32_t* mask = params + p[P_MASK_OFF];
+    const uint32_t bias_len = p[P_BIAS_LEN];
+    const uint32_t* bias = params + p[P_BIAS_OFF];
+    const bool adjusted = masked || bias_len > 0;
+    const bool copy = penalised || adjusted || !(flags & F_GREEDY);
     float local_max = -INFINITY;
     uint32_t bad = 0;
 #pragma unroll 8
@@ -225,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         float x = raw[i];
         bad |= (isnan(x) || x == INFINITY) ? 1u : 0u;
         local_max = fmaxf(local_max, x);
-        if (copy) s[i] = x;
+        if (copy) s[i] = (masked && !((mask[i >> 5] >> (i & 31)) & 1u)) ? -INFINITY : x;
     }
     bad = block_reduce(bad, OpMaxU(), 0u, red);
     const float raw_max = block_reduce(local_max, OpMax(), -INFINITY, red);
@@ -234,8 +247,41 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         return;
     }
 
-    // Penalties over the filled part of the slot's ring.
     float m = raw_max;
+    if (adjusted) {
+        if (bias_len > 0) {
+            // The host reports the first biased id outside the row.
+            uint32_t outside = 0xffffffffu;
+            for (uint32_t j = tid; j < bias_len; j += nt) {
+                const uint32_t t = bias[2 * j];
+                if (t >= vocab) outside = min(outside, t);
+            }
+            outside = block_reduce(outside, OpMinU(), 0xffffffffu, red);
+            if (outside != 0xffffffffu) {
+                if (tid == 0) {
+                    o[1] = S_TOKEN_OUT_OF_VOCAB;
+                    o[2] = outside;
+                }
+                return;
+            }
+            // Adding before masking (the host's order) leaves a masked
+            // token at -inf, so only allowed ones take their bias. Ids are
+            // unique: no two threads write one score.
+            for (uint32_t j = tid; j < bias_len; j += nt) {
+                const uint32_t t = bias[2 * j];
+                if (!masked || ((mask[t >> 5] >> (t & 31)) & 1u)) {
+                    s[t] = fminf(s[t] + __uint_as_float(bias[2 * j + 1]), FLT_MAX);
+                }
+            }
+            __syncthreads();
+        }
+        local_max = -INFINITY;
+#pragma unroll 8
+        for (uint32_t i = tid; i < vocab; i += nt) local_max = fmaxf(local_max, s[i]);
+        m = block_reduce(local_max, OpMax(), -INFINITY, red);
+    }
+
+    // Penalties over the filled part of the slot's ring.
     if (penalised) {
         const uint32_t* h = history + (size_t)p[P_POOL_ROW] * history_width;
         unsigned long long worst = 0;
