@@ -250,20 +250,6 @@ impl KvCache {
         })
     }
 
-    /// When the slot's first `upto` positions lie in consecutive blocks, the
-    /// pool row of its position 0 (kernels that read one contiguous range
-    /// per sequence use it; others gather through the table).
-    pub fn contiguous_base(&self, slot: SlotId, upto: usize) -> Option<usize> {
-        let s = self.slots.get(&slot)?;
-        let n = blocks_for(upto, self.block_size);
-        let t = s.table.get(..n.max(1))?;
-        let first = t[0];
-        t.iter()
-            .enumerate()
-            .all(|(i, &b)| b == first + i as BlockId)
-            .then_some(first as usize * self.block_size)
-    }
-
     pub fn layout(&self) -> KvLayout {
         self.layout
     }

@@ -51,8 +51,6 @@ fn writes_and_views_go_through_a_scattered_table() {
         kv.segments(1, 2, 8).unwrap(),
         vec![(22, 0, 2), (8, 2, 4), (28, 6, 2)]
     );
-    assert_eq!(kv.contiguous_base(1, 4), Some(20));
-    assert_eq!(kv.contiguous_base(1, 5), None);
     assert!(matches!(
         kv.set_table(1, vec![8], None),
         Err(KvError::BadBlock { block: 8, .. })

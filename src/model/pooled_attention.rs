@@ -6,7 +6,8 @@
 //! (RoPE) on the way, one the V rows; the third runs one thread block per
 //! query token and query head, rotates and scales the token's q as it loads
 //! it, and reads the token's keys and values straight from the layer's pool
-//! at its sequence's range: no gather, no padding, no mask, whatever mix of
+//! through its sequence's block table: no gather, no padding, no mask,
+//! whatever mix of
 //! decodes, draft verifications and prefill chunks the batch holds. All
 //! three read the `[n, (heads + 2·kv_heads)·head_dim]` projection rows as
 //! they are, so the q/k/v split copies and the RoPE launches of the candle
@@ -15,15 +16,13 @@
 //! of contexts too long for a block's shared memory). candle's own scatter
 //! could do the write, but it walks a batch's rows one after the other.
 //!
-//! The per-pass plan (per query token: its pool base and visible
-//! positions) is built on the host once per forward pass and shared by
-//! every layer.
-//!
-//! Paged KV: the kernels address a sequence as one range of pool rows, so
-//! they run only when every sequence of the batch has its blocks at
-//! consecutive ids ([`KvCache::contiguous_base`]); any other batch goes
-//! through [`super::batched_attention`], which gathers keys and scatters
-//! new rows through the block tables.
+//! The per-pass plan (per query token: where its sequence's block table
+//! starts and its visible positions; the tables themselves) is built on
+//! the host once per forward pass, uploaded once, and shared by every
+//! layer. Position `p` of a sequence is pool row `table[p / block_size] ·
+//! block_size + p % block_size`, as in [`KvCache::row`]; the kernels take
+//! power-of-two block sizes (the default 16 is one), others go through
+//! [`super::batched_attention`].
 
 use candle_core::{Device, Tensor};
 
@@ -40,20 +39,25 @@ const WARPS: usize = 4;
 /// Largest head dimension the kernel covers (8 per lane).
 const MAX_HEAD_DIM: usize = 256;
 
-/// Shared bytes a block needs for a query that sees `keys` keys: the
-/// query, reduction scratch, one partial output row per warp and one score
-/// per key.
-fn shared_bytes(cfg: &ModelConfig, keys: usize) -> usize {
-    4 * (cfg.head_dim + 32 + WARPS * cfg.head_dim + keys)
+/// Shared bytes a block needs for a query that sees `keys` keys in blocks
+/// of `block_size`: the query, reduction scratch, one partial output row
+/// per warp, one score per key and the table entries the keys span.
+fn shared_bytes(cfg: &ModelConfig, keys: usize, block_size: usize) -> usize {
+    4 * (cfg.head_dim + 32 + WARPS * cfg.head_dim + keys + keys / block_size + 2)
 }
 
 /// The per-pass part: where each query token's keys are.
 pub(super) struct PooledAttention {
-    /// `[3, n]` u32: per query token, the pool row of its sequence's
-    /// position 0, its first visible position (sliding window) and its own
-    /// position (the last it sees).
+    /// u32, `3·n` words then the batch's block tables: per query token, the
+    /// offset in this tensor of its sequence's block table, its first
+    /// visible position (sliding window) and its own position (the last it
+    /// sees); then each sequence's table up to the block of its last
+    /// position.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     meta: Tensor,
+    /// log2 of the KV block size.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    block_shift: u32,
     /// Most keys any query sees (sizes the kernel's shared memory).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     max_keys: usize,
@@ -70,38 +74,46 @@ impl PooledAttention {
         device: &Device,
     ) -> Result<Option<Self>, ModelError> {
         let head_fits = cfg.head_dim <= MAX_HEAD_DIM && cfg.head_dim.is_multiple_of(2);
-        if !device.is_cuda() || !kv.is_pooled() || !head_fits {
+        if !device.is_cuda() || !kv.is_pooled() || !head_fits || !kv.block_size().is_power_of_two()
+        {
             return Ok(None);
         }
         let n = batch.tokens.len();
+        let block_size = kv.block_size();
         let mut meta = vec![0u32; 3 * n];
+        let mut tables: Vec<u32> = Vec::new();
         let mut max_keys = 0;
         let mut at = 0;
         for s in &batch.seqs {
-            // The kernels read one contiguous range per sequence: they take
-            // the batch only when every sequence's blocks are consecutive
-            // in the pool; otherwise the gather path (batched attention
-            // through the block tables) runs.
-            let Some(base) = kv.contiguous_base(s.slot, s.offset + s.len) else {
-                return Ok(None);
-            };
-            for pos in s.offset..s.offset + s.len {
+            let end = s.offset + s.len;
+            if s.len == 0 {
+                continue;
+            }
+            // A typed error when the table does not reach the last position.
+            kv.row(s.slot, end - 1)?;
+            let table_at = u32::try_from(3 * n + tables.len())
+                .map_err(|_| ModelError::InvalidBatch("block tables past 2^32 words".into()))?;
+            tables.extend_from_slice(&kv.table(s.slot)?[..end.div_ceil(block_size)]);
+            for pos in s.offset..end {
                 let first = match cfg.sliding_window {
                     Some(w) if pos + 1 > w => pos + 1 - w,
                     _ => 0,
                 };
-                if shared_bytes(cfg, pos + 1 - first) > SHARED_BYTES {
+                if shared_bytes(cfg, pos + 1 - first, block_size) > SHARED_BYTES {
                     return Ok(None);
                 }
                 max_keys = max_keys.max(pos + 1 - first);
-                meta[at] = base as u32;
+                meta[at] = table_at;
                 meta[n + at] = first as u32;
                 meta[2 * n + at] = pos as u32;
                 at += 1;
             }
         }
+        meta.extend_from_slice(&tables);
+        let len = meta.len();
         Ok(Some(Self {
-            meta: Tensor::from_vec(meta, (3, n), device)?,
+            meta: Tensor::from_vec(meta, len, device)?,
+            block_shift: block_size.trailing_zeros(),
             max_keys,
         }))
     }
@@ -146,6 +158,7 @@ fn run_kernels(
         heads: cfg.num_heads,
         first_head,
         rope,
+        block_shift: plan.block_shift,
     };
     k_pool.inplace_op3(&qkv, &plan.meta, &write(cfg.num_heads, true))?;
     v_pool.inplace_op3(
@@ -158,9 +171,10 @@ fn run_kernels(
         cos,
         sin,
         q_scale,
-        shared_bytes: shared_bytes(cfg, plan.max_keys),
+        shared_bytes: shared_bytes(cfg, plan.max_keys, 1 << plan.block_shift),
         heads: cfg.num_heads,
         kv_heads: cfg.num_kv_heads,
+        block_shift: plan.block_shift,
     };
     Ok(qkv.apply_op3_no_bwd(k_pool, v_pool, &op)?)
 }
@@ -204,6 +218,7 @@ mod kernel {
         pub(super) shared_bytes: usize,
         pub(super) heads: usize,
         pub(super) kv_heads: usize,
+        pub(super) block_shift: u32,
     }
 
     /// The K (rotated) or V heads of the projection rows into a pool, in
@@ -215,6 +230,7 @@ mod kernel {
         /// Head index within a qkv row where the written heads start.
         pub(super) first_head: usize,
         pub(super) rope: bool,
+        pub(super) block_shift: u32,
     }
 
     /// A device slice of a storage at its layout's offset.
@@ -295,6 +311,7 @@ mod kernel {
                 head_dim,
                 self.first_head,
                 self.rope as usize,
+                self.block_shift as usize,
             ]
             .map(|x| x as u32);
             let total = n * kv_heads * head_dim / 2;
@@ -313,8 +330,8 @@ mod kernel {
                 for a in &args {
                     b.arg(a);
                 }
-                // SAFETY: argument types match the kernel; the plan keeps
-                // every row inside its slot's range of the pool.
+                // SAFETY: argument types match the kernel; every row comes
+                // from a block table the plan checked against the slot's.
                 unsafe { b.launch(cfg) }.w()?;
                 Ok(())
             })
@@ -387,7 +404,7 @@ mod kernel {
                 .w()?;
             }
             debug_assert_eq!(kv_heads, self.kv_heads);
-            let dims = [n, heads, kv_heads, head_dim].map(|x| x as u32);
+            let dims = [n, heads, kv_heads, head_dim, self.block_shift as usize].map(|x| x as u32);
             let cfg = LaunchConfig {
                 grid_dim: (dims[0], dims[1], 1),
                 block_dim: (THREADS, 1, 1),
@@ -403,10 +420,11 @@ mod kernel {
                 b.arg(&cos);
                 b.arg(&sin);
                 b.arg(&out);
-                for d in &dims {
+                for d in &dims[..4] {
                     b.arg(d);
                 }
                 b.arg(&self.q_scale);
+                b.arg(&dims[4]);
                 // SAFETY: argument types and counts match the kernel's
                 // signature; the metadata keeps every read inside the pools.
                 unsafe { b.launch(cfg) }.w()?;

@@ -2,11 +2,14 @@
 // src/model/pooled_attention.rs).
 //
 // Each query token reads its own sequence's keys straight from the pool:
-// rows base + first ..= base + last of the layer's K and V buffers
-// ([rows, kv_heads, head_dim], token-major), where `last` is the token's
-// own position (causal) and `first` the start of its sliding window. No
-// gather, no padding, no mask: the batch may be any mix of decodes, draft
-// verifications and prefill chunks. Scores live in shared memory (the
+// positions first ..= last of the layer's K and V buffers ([rows, kv_heads,
+// head_dim], token-major), where `last` is the token's own position
+// (causal) and `first` the start of its sliding window, through the
+// sequence's block table (position p is row table[p >> shift] << shift |
+// p & (2^shift - 1): block sizes are powers of two here). A block first
+// copies the table entries its keys span into shared memory, so the row of
+// a key costs no dependent global load. No gather, no padding, no mask: the batch
+// may be any mix of decodes, draft verifications and prefill chunks. Scores live in shared memory (the
 // caller keeps keys within its budget).
 //
 // q, k and v come straight from the fused projection's rows `qkv`
@@ -61,10 +64,17 @@ __device__ __forceinline__ void rope_pair(const T *x, const T *cos, const T *sin
     *o2 = x1 * s + x2 * c;
 }
 
+// The pool row of position `pos` through a block table of 2^shift-token
+// blocks.
+__device__ __forceinline__ size_t pool_row(const uint32_t *table, uint32_t pos, uint32_t shift) {
+    return ((size_t)table[pos >> shift] << shift) | (pos & ((1u << shift) - 1));
+}
+
 // One block per (query token, query head). qkv as above; out: [n, heads,
-// head_dim]; k, v: [rows, kv_heads, head_dim]; meta: [3, n] u32 = (pool
-// row of the sequence's position 0, first visible position, last visible
-// position, which is the token's own) per query token.
+// head_dim]; k, v: [rows, kv_heads, head_dim]; meta: u32, [3, n] = (offset
+// in meta of the sequence's block table, first visible position, last
+// visible position, which is the token's own) per query token, then the
+// tables.
 //
 // Scores: one warp per key, lanes across dimensions. Softmax over the
 // block. Output: warps split the keys, lanes the dimensions, and the
@@ -72,16 +82,24 @@ __device__ __forceinline__ void rope_pair(const T *x, const T *cos, const T *sin
 template <typename T>
 __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uint32_t *meta,
                                  const T *cos, const T *sin, T *out, uint32_t n, uint32_t heads,
-                                 uint32_t kv_heads, uint32_t head_dim, float q_scale) {
+                                 uint32_t kv_heads, uint32_t head_dim, float q_scale,
+                                 uint32_t shift) {
     extern __shared__ float smem[];
     const uint32_t tok = blockIdx.x, h = blockIdx.y;
     const uint32_t kvh = h / (heads / kv_heads);
-    const uint32_t base = meta[tok], first = meta[n + tok], last = meta[2 * n + tok];
+    const uint32_t *table = meta + meta[tok];
+    const uint32_t first = meta[n + tok], last = meta[2 * n + tok];
     const uint32_t keys = last + 1 - first;
     float *qs = smem;                             // head_dim
     float *red = qs + head_dim;                   // 32
     float *partial = red + 32;                    // warps * head_dim
     float *scores = partial + (blockDim.x >> 5) * head_dim;  // keys
+    // The table entries of blocks first >> shift ..= last >> shift.
+    uint32_t *blocks = (uint32_t *)(scores + keys);
+    const uint32_t first_block = first >> shift;
+    for (uint32_t b = threadIdx.x; b <= (last >> shift) - first_block; b += blockDim.x) {
+        blocks[b] = table[first_block + b];
+    }
 
     const T *qrow = qkv + (size_t)tok * (heads + 2 * kv_heads) * head_dim + (size_t)h * head_dim;
     const uint32_t half = head_dim / 2;
@@ -94,8 +112,8 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
     __syncthreads();
 
     const size_t stride = (size_t)kv_heads * head_dim;
-    const T *kbase = k + (size_t)(base + first) * stride + (size_t)kvh * head_dim;
-    const T *vbase = v + (size_t)(base + first) * stride + (size_t)kvh * head_dim;
+    const T *kbase = k + (size_t)kvh * head_dim;
+    const T *vbase = v + (size_t)kvh * head_dim;
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const uint32_t warps = blockDim.x >> 5;
     const uint32_t per_lane = (head_dim + 31) / 32;  // <= MAX_DIMS_PER_LANE
@@ -105,7 +123,7 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
     float local = -INFINITY;
 #pragma unroll 4
     for (uint32_t c = warp; c < keys; c += warps) {
-        const T *krow = kbase + (size_t)c * stride;
+        const T *krow = kbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
         float acc = 0.f;
 #pragma unroll
         for (uint32_t j = 0; j < MAX_DIMS_PER_LANE; ++j) {
@@ -133,7 +151,7 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
 #pragma unroll
     for (uint32_t j = 0; j < MAX_DIMS_PER_LANE; ++j) acc[j] = 0.f;
     for (uint32_t c = warp; c < keys; c += warps) {
-        const T *vrow = vbase + (size_t)c * stride;
+        const T *vrow = vbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
         const float p = scores[c];
 #pragma unroll
         for (uint32_t j = 0; j < MAX_DIMS_PER_LANE; ++j) {
@@ -156,12 +174,13 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
 }
 
 // Writes the batch's new K (rotated) or V rows into the pool ([rows,
-// kv_heads, head_dim]) at row base + position of each token (meta as
+// kv_heads, head_dim]) at the row of each token's position (meta as
 // above): heads `first_head ..` of each qkv row, one thread per pair.
 template <typename T>
 __device__ void pooled_write(T *pool, const T *qkv, const uint32_t *meta, const T *cos,
                              const T *sin, uint32_t n, uint32_t heads, uint32_t kv_heads,
-                             uint32_t head_dim, uint32_t first_head, uint32_t rope) {
+                             uint32_t head_dim, uint32_t first_head, uint32_t rope,
+                             uint32_t shift) {
     const uint32_t half = head_dim / 2;
     const size_t total = (size_t)n * kv_heads * half;
     const size_t qkv_stride = (size_t)(heads + 2 * kv_heads) * head_dim;
@@ -172,7 +191,8 @@ __device__ void pooled_write(T *pool, const T *qkv, const uint32_t *meta, const 
         const size_t t = i / ((size_t)half * kv_heads);
         const uint32_t pos = meta[2 * n + t];
         const T *src = qkv + t * qkv_stride + (size_t)(first_head + kvh) * head_dim;
-        T *dst = pool + ((size_t)meta[t] + pos) * kv_heads * head_dim + (size_t)kvh * head_dim;
+        T *dst = pool + pool_row(meta + meta[t], pos, shift) * kv_heads * head_dim +
+                 (size_t)kvh * head_dim;
         if (rope) {
             float o1, o2;
             rope_pair(src, cos, sin, pos, half, d, &o1, &o2);
@@ -189,16 +209,16 @@ __device__ void pooled_write(T *pool, const T *qkv, const uint32_t *meta, const 
     extern "C" __global__ void pooled_attention_##SUFFIX(                                     \
         const T *qkv, const T *k, const T *v, const uint32_t *meta, const T *cos, const T *sin, \
         T *out, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim,             \
-        float q_scale) {                                                                      \
+        float q_scale, uint32_t shift) {                                                      \
         pooled_attention<T>(qkv, k, v, meta, cos, sin, out, n, heads, kv_heads, head_dim,     \
-                            q_scale);                                                         \
+                            q_scale, shift);                                                  \
     }                                                                                         \
     extern "C" __global__ void pooled_write_##SUFFIX(                                         \
         T *pool, const T *qkv, const uint32_t *meta, const T *cos, const T *sin, uint32_t n,  \
         uint32_t heads, uint32_t kv_heads, uint32_t head_dim, uint32_t first_head,            \
-        uint32_t rope) {                                                                      \
+        uint32_t rope, uint32_t shift) {                                                      \
         pooled_write<T>(pool, qkv, meta, cos, sin, n, heads, kv_heads, head_dim, first_head,  \
-                        rope);                                                                \
+                        rope, shift);                                                         \
     }
 
 POOLED_KERNELS(f32, float)
