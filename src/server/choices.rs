@@ -195,15 +195,17 @@ pub fn total_usage<'a>(usages: impl IntoIterator<Item = &'a Usage>) -> UsageJson
     UsageJson::from(total.unwrap_or_default())
 }
 
-/// The completions choices of a whole answer, re-indexed in response order.
+/// The completions choices of a whole answer, re-indexed in response
+/// order, each after `echo` (the prompt's text, or empty).
 pub fn completion_choices(
     collected: &Collected,
     logprobs: bool,
     tokenizer: &Tokenizer,
+    echo: &str,
 ) -> Vec<CompletionChoice> {
     let build = |(index, out): (usize, &ChoiceOutput)| {
         let mut lp = CompletionLogprobs::default();
-        let mut offset = 0;
+        let mut offset = echo.chars().count();
         for (text, tokens) in &out.chunks {
             if logprobs {
                 lp.extend(tokenizer, tokens, offset, text);
@@ -212,7 +214,7 @@ pub fn completion_choices(
         }
         CompletionChoice {
             index,
-            text: out.text(),
+            text: format!("{echo}{}", out.text()),
             logprobs: logprobs.then_some(lp),
             finish_reason: Some(finish_reason(out.finished.reason)),
         }
@@ -221,10 +223,13 @@ pub fn completion_choices(
 }
 
 /// The chat choices of a whole answer, re-indexed in response order.
+/// `call_prefix(index)` is the call ids' prefix of each choice when the
+/// request has tools to call (`None`: the text is all content).
 pub fn chat_choices(
     collected: &Collected,
     logprobs: bool,
     tokenizer: &Tokenizer,
+    call_prefix: impl Fn(usize) -> Option<String>,
 ) -> Vec<ChatChoice> {
     let build = |(index, out): (usize, &ChoiceOutput)| {
         let mut lp = ChatLogprobs::default();
@@ -233,16 +238,23 @@ pub fn chat_choices(
                 lp.extend(tokenizer, tokens, text);
             }
         }
+        let mut finish = finish_reason(out.finished.reason);
+        let (content, calls) = match call_prefix(index) {
+            Some(prefix) => super::tools::parse_calls(&out.text(), &prefix),
+            None => (Some(out.text()), Vec::new()),
+        };
+        if !calls.is_empty() {
+            finish = "tool_calls";
+        }
         ChatChoice {
             index,
             message: ChatMessageOut {
                 role: "assistant",
-                content: Some(out.text()),
-                // Several choices do not parse tool calls (refused above).
-                tool_calls: None,
+                content,
+                tool_calls: (!calls.is_empty()).then_some(calls),
             },
             logprobs: logprobs.then_some(lp),
-            finish_reason: Some(finish_reason(out.finished.reason)),
+            finish_reason: Some(finish),
         }
     };
     collected.chosen.iter().enumerate().map(build).collect()

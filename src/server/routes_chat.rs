@@ -78,12 +78,6 @@ async fn handle(
     )?;
     let (stream, include_usage, choices) = (common.stream, common.include_usage, common.choices);
     let parses_calls = tools.as_ref().is_some_and(ToolRequest::parses_calls);
-    if parses_calls && !choices.is_single() {
-        return Err(ApiError::unsupported(
-            "n",
-            "several choices with tool calls are not supported yet (n and best_of must be 1)",
-        ));
-    }
     let request = common.into_request(Prompt::Text(prompt), None);
     if !choices.is_single() {
         let created = unix_now();
@@ -94,7 +88,7 @@ async fn handle(
             logprobs,
             include_usage,
             index,
-            calls: None,
+            calls: parses_calls.then(|| CallStream::new(choice_call_prefix(id, index))),
         };
         return several_choices(&ready, request, choices, stream, format, &f).await;
     }
@@ -196,10 +190,28 @@ async fn several_choices(
         created: first.created,
         model: ready.model_name.clone(),
         system_fingerprint: SYSTEM_FINGERPRINT,
-        choices: choices::chat_choices(&collected, first.logprobs, ready.handle.tokenizer()),
+        choices: choices::chat_choices(
+            &collected,
+            first.logprobs,
+            ready.handle.tokenizer(),
+            |index| {
+                first
+                    .calls
+                    .is_some()
+                    .then(|| choice_call_prefix(&first.id, index))
+            },
+        ),
         usage: collected.usage,
     };
     Ok(HttpResponse::Ok().json(response))
+}
+
+/// The call ids' prefix of choice `index` of the response `id`
+/// (`chatcmpl-{request}`): ids are `call_{request}_{index}_{n}`, the same
+/// streamed or whole.
+fn choice_call_prefix(id: &str, index: usize) -> String {
+    let request = id.strip_prefix("chatcmpl-").unwrap_or(id);
+    format!("call_{request}_{index}")
 }
 
 /// A chat body, checked (the prompt is rendered from `messages` later).

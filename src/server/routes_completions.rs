@@ -4,7 +4,7 @@
 //! list of token ids; a one-element list of either is accepted too),
 //! `logprobs` (an integer: report the sampled token's log-probability and
 //! that many alternatives, at most 20), `echo` (the prompt's text before
-//! the completion; logprobs cover the completion only; one choice only),
+//! the completion, in every choice; logprobs cover the completion only),
 //! `suffix` (only empty). `n` and `best_of` ([`choices`]) go through their
 //! own path. `max_tokens` defaults to 16, as in OpenAI's API.
 
@@ -70,26 +70,6 @@ async fn handle(
         echo,
         choices,
     } = parse(&f)?;
-    if !choices.is_single() {
-        if echo {
-            return Err(ApiError::unsupported(
-                "echo",
-                "echo with several choices is not supported yet (n and best_of must be 1)",
-            ));
-        }
-        let created = unix_now();
-        let format = |id: &str, index| CompletionFormat {
-            id: id.to_string(),
-            created,
-            ready: ready.clone(),
-            logprobs: logprobs.is_some(),
-            include_usage,
-            offset: 0,
-            index,
-            echo: None,
-        };
-        return several_choices(&ready, request, choices, stream, format).await;
-    }
     let echoed = match (&request.prompt, echo) {
         (_, false) => String::new(),
         (Prompt::Text(text), true) => text.clone(),
@@ -99,6 +79,20 @@ async fn handle(
             .decode(ids)
             .map_err(|e| ApiError::invalid_field("prompt", e))?,
     };
+    if !choices.is_single() {
+        let created = unix_now();
+        let format = |id: &str, index| CompletionFormat {
+            id: id.to_string(),
+            created,
+            ready: ready.clone(),
+            logprobs: logprobs.is_some(),
+            include_usage,
+            offset: 0,
+            index,
+            echo: Some(echoed.clone()).filter(|e| !e.is_empty()),
+        };
+        return several_choices(&ready, request, choices, stream, format, &echoed).await;
+    }
     let mut events = ready
         .handle
         .generate(request)
@@ -152,6 +146,7 @@ async fn several_choices(
     choices: ChoiceParams,
     stream: bool,
     format: impl Fn(&str, usize) -> CompletionFormat,
+    echoed: &str,
 ) -> Result<HttpResponse, ApiError> {
     let events = ready
         .handle
@@ -169,7 +164,7 @@ async fn several_choices(
     let first = format(&id, 0);
     let tokenizer = ready.handle.tokenizer();
     let body = first.response(
-        choices::completion_choices(&collected, first.logprobs, tokenizer),
+        choices::completion_choices(&collected, first.logprobs, tokenizer, echoed),
         Some(Some(collected.usage)),
     );
     Ok(HttpResponse::Ok().json(body))
@@ -310,7 +305,7 @@ impl ChunkFormatter for CompletionFormat {
         };
         self.offset = text.chars().count();
         let choice = CompletionChoice {
-            index: 0,
+            index: self.index,
             text,
             logprobs: None,
             finish_reason: None,

@@ -285,43 +285,271 @@ fn parse_call_body(body: &str) -> Option<(String, String)> {
     Some((name, args))
 }
 
-/// A whole answer split into its text and its calls. Call ids are
+/// A whole answer split into its text and its calls: the streamed
+/// splitter run over the whole text, its deltas joined per call, so both
+/// forms of a response carry the same arguments text. Call ids are
 /// `call_{request}_{n}`. Text outside the blocks (trimmed) is the content;
 /// a block that does not parse stays in the content.
 pub fn parse_calls(text: &str, id_prefix: &str) -> (Option<String>, Vec<Value>) {
-    let mut content = String::new();
-    let mut calls = Vec::new();
-    let mut rest = text;
-    while let Some(open) = rest.find(CALL_OPEN) {
-        let after = &rest[open + CALL_OPEN.len()..];
-        let Some(close) = after.find(CALL_CLOSE) else {
-            break;
-        };
-        match parse_call_body(&after[..close]) {
-            Some((name, args)) => {
-                content.push_str(&rest[..open]);
-                let n = calls.len();
-                calls.push(call_json(n, format!("{id_prefix}_{n}"), &name, args));
-            }
-            None => content.push_str(&rest[..open + CALL_OPEN.len() + close + CALL_CLOSE.len()]),
+    let mut stream = CallStream::new(id_prefix.to_string());
+    let (mut content, deltas) = stream.push(text);
+    content.push_str(&stream.finish());
+    let mut calls: Vec<Value> = Vec::new();
+    for delta in deltas {
+        match calls.iter_mut().find(|c| c["index"] == delta["index"]) {
+            Some(call) => append_arguments(call, &delta["function"]["arguments"]),
+            None => calls.push(delta),
         }
-        rest = &after[close + CALL_CLOSE.len()..];
     }
-    content.push_str(rest);
     let content = content.trim();
     let content = (!content.is_empty() || calls.is_empty()).then(|| content.to_string());
     (content, calls)
 }
 
-/// Splits a streamed answer into content deltas and call deltas. Text that
-/// could still be the start of a call block is held back until it is
-/// known; a whole block becomes one `tool_calls` delta (id, name and the
-/// complete arguments string), shaped like OpenAI's.
+/// Adds a fragment's arguments text to a call's (or an earlier delta's).
+fn append_arguments(call: &mut Value, fragment: &Value) {
+    let fragment = fragment.as_str().unwrap_or_default();
+    if let Some(Value::String(args)) = call.pointer_mut("/function/arguments") {
+        args.push_str(fragment);
+    }
+}
+
+/// Splits a streamed answer into content deltas and `tool_calls` deltas
+/// shaped like OpenAI's. Text that could still be the start of a call
+/// block is held back until it is known. A block whose body starts
+/// `{"name": "…", "arguments": {` (the order the generic format's grammar
+/// enforces) streams: one delta with the call's index, id, type, name and
+/// empty arguments as soon as the name is complete, then the arguments
+/// object's text as it arrives, up to the brace that closes it. Any other
+/// body is parsed whole at `</tool_call>` and becomes one complete delta
+/// (or content, when it is not a call).
 #[derive(Debug, Default)]
 pub struct CallStream {
+    /// Text not yet sent: after an open tag, the block's body so far.
     pending: String,
+    /// The block being read, when an open tag has been seen.
+    open: Option<OpenCall>,
     calls: usize,
     id_prefix: String,
+}
+
+/// The call block being read.
+#[derive(Debug)]
+struct OpenCall {
+    index: usize,
+    /// Where the arguments object starts in the body, once the header has
+    /// been read and sent.
+    args_start: Option<usize>,
+    /// The body does not start like a streamable call: parse it whole.
+    whole: bool,
+    /// The body's bytes sent as arguments so far (from `args_start`).
+    sent_to: usize,
+    scan: JsonDepth,
+}
+
+/// Where a scan of JSON text stands: nesting depth, inside a string, after
+/// a backslash. Depth 0 after the first byte means the value is closed.
+#[derive(Debug, Default)]
+struct JsonDepth {
+    depth: usize,
+    in_string: bool,
+    escaped: bool,
+    closed: bool,
+}
+
+impl JsonDepth {
+    /// Feeds one byte; structural characters are ASCII, so bytes suffice.
+    fn feed(&mut self, b: u8) {
+        if self.in_string {
+            match (self.escaped, b) {
+                (true, _) => self.escaped = false,
+                (false, b'\\') => self.escaped = true,
+                (false, b'"') => self.in_string = false,
+                _ => {}
+            }
+            return;
+        }
+        match b {
+            b'"' => self.in_string = true,
+            b'{' | b'[' => self.depth += 1,
+            b'}' | b']' => {
+                self.depth = self.depth.saturating_sub(1);
+                self.closed = self.depth == 0;
+            }
+            _ => {}
+        }
+    }
+}
+
+impl OpenCall {
+    fn new(index: usize) -> Self {
+        Self {
+            index,
+            args_start: None,
+            whole: false,
+            sent_to: 0,
+            scan: JsonDepth::default(),
+        }
+    }
+
+    /// Reads the body so far: sends the header once it is known, then the
+    /// arguments text that arrived since the last call.
+    fn advance(&mut self, body: &str, id_prefix: &str, deltas: &mut Vec<Value>) {
+        if self.whole || self.scan.closed {
+            return;
+        }
+        if self.args_start.is_none() {
+            match read_header(body) {
+                Header::Partial => return,
+                Header::Other => {
+                    self.whole = true;
+                    return;
+                }
+                Header::Streamable { name, args_start } => {
+                    self.args_start = Some(args_start);
+                    self.sent_to = args_start;
+                    deltas.push(json!({
+                        "index": self.index,
+                        "id": format!("{id_prefix}_{}", self.index),
+                        "type": "function",
+                        "function": {"name": name, "arguments": ""},
+                    }));
+                }
+            }
+        }
+        let from = self.sent_to;
+        let mut to = body.len();
+        for (i, b) in body.bytes().enumerate().skip(from) {
+            self.scan.feed(b);
+            if self.scan.closed {
+                to = i + 1;
+                break;
+            }
+        }
+        if to > from {
+            push_arguments(deltas, self.index, &body[from..to]);
+            self.sent_to = to;
+        }
+    }
+
+    fn streamed(&self) -> bool {
+        self.args_start.is_some()
+    }
+}
+
+/// Appends an arguments fragment to this push's delta for the call, or
+/// starts one.
+fn push_arguments(deltas: &mut Vec<Value>, index: usize, text: &str) {
+    match deltas.last_mut() {
+        Some(last) if last["index"] == index => append_arguments(last, &json!(text)),
+        _ => deltas.push(json!({"index": index, "function": {"arguments": text}})),
+    }
+}
+
+/// What the start of a call block's body says so far.
+enum Header {
+    /// Not enough text yet.
+    Partial,
+    /// `{"name": "…", "arguments": {`: the arguments object starts at
+    /// `args_start`.
+    Streamable { name: String, args_start: usize },
+    /// Some other shape.
+    Other,
+}
+
+fn read_header(body: &str) -> Header {
+    use Header::{Other, Partial};
+    let mut c = Cursor { s: body, at: 0 };
+    macro_rules! step {
+        ($e:expr) => {
+            match $e {
+                Step::More => return Partial,
+                Step::No => return Other,
+                Step::Yes(v) => v,
+            }
+        };
+    }
+    step!(c.literal("{"));
+    if step!(c.string()) != "name" {
+        return Other;
+    }
+    step!(c.literal(":"));
+    let name = step!(c.string());
+    step!(c.literal(","));
+    if step!(c.string()) != "arguments" {
+        return Other;
+    }
+    step!(c.literal(":"));
+    c.skip_whitespace();
+    match body[c.at..].bytes().next() {
+        None => Partial,
+        Some(b'{') => Header::Streamable {
+            name,
+            args_start: c.at,
+        },
+        Some(_) => Other,
+    }
+}
+
+enum Step<T> {
+    More,
+    No,
+    Yes(T),
+}
+
+/// A position in incomplete JSON text.
+struct Cursor<'a> {
+    s: &'a str,
+    at: usize,
+}
+
+impl Cursor<'_> {
+    fn skip_whitespace(&mut self) {
+        let rest = &self.s[self.at..];
+        self.at += rest.len() - rest.trim_start().len();
+    }
+
+    fn literal(&mut self, lit: &str) -> Step<()> {
+        self.skip_whitespace();
+        let rest = &self.s[self.at..];
+        if rest.starts_with(lit) {
+            self.at += lit.len();
+            Step::Yes(())
+        } else if lit.starts_with(rest) {
+            Step::More
+        } else {
+            Step::No
+        }
+    }
+
+    /// A whole JSON string, unescaped.
+    fn string(&mut self) -> Step<String> {
+        self.skip_whitespace();
+        let rest = &self.s[self.at..];
+        match rest.bytes().next() {
+            None => return Step::More,
+            Some(b'"') => {}
+            Some(_) => return Step::No,
+        }
+        let mut escaped = false;
+        for (i, b) in rest.bytes().enumerate().skip(1) {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => {
+                    return match serde_json::from_str(&rest[..=i]) {
+                        Ok(s) => {
+                            self.at += i + 1;
+                            Step::Yes(s)
+                        }
+                        Err(_) => Step::No,
+                    };
+                }
+                _ => {}
+            }
+        }
+        Step::More
+    }
 }
 
 impl CallStream {
@@ -332,55 +560,66 @@ impl CallStream {
         }
     }
 
-    /// Whether any call was sent (the finish reason is then `tool_calls`).
+    /// Whether any call was completed (the finish reason is then
+    /// `tool_calls`).
     pub fn called(&self) -> bool {
         self.calls > 0
     }
 
-    /// New text in; the content to send now and the finished calls.
+    /// New text in; the content to send now and the `tool_calls` deltas.
     pub fn push(&mut self, text: &str) -> (String, Vec<Value>) {
         self.pending.push_str(text);
         let mut content = String::new();
-        let mut calls = Vec::new();
+        let mut deltas = Vec::new();
         loop {
-            if let Some(open) = self.pending.find(CALL_OPEN) {
-                let after = open + CALL_OPEN.len();
-                let Some(close) = self.pending[after..].find(CALL_CLOSE) else {
-                    // Inside a block: send what came before it, keep the rest.
-                    content.push_str(&self.pending[..open]);
-                    self.pending.drain(..open);
+            let Some(mut call) = self.open.take() else {
+                let Some(open) = self.pending.find(CALL_OPEN) else {
+                    // No block start: keep only a tail that may begin one.
+                    let keep = partial_open_len(&self.pending);
+                    let send = self.pending.len() - keep;
+                    content.push_str(&self.pending[..send]);
+                    self.pending.drain(..send);
                     break;
                 };
-                let end = after + close + CALL_CLOSE.len();
                 content.push_str(&self.pending[..open]);
-                match parse_call_body(&self.pending[after..after + close]) {
-                    Some((name, args)) => {
-                        let n = self.calls;
-                        self.calls += 1;
-                        calls.push(call_json(n, format!("{}_{n}", self.id_prefix), &name, args));
-                    }
-                    None => content.push_str(&self.pending[open..end]),
-                }
-                self.pending.drain(..end);
+                self.pending.drain(..open + CALL_OPEN.len());
+                self.open = Some(OpenCall::new(self.calls));
                 continue;
+            };
+            let close = self.pending.find(CALL_CLOSE);
+            let body = &self.pending[..close.unwrap_or(self.pending.len())];
+            call.advance(body, &self.id_prefix, &mut deltas);
+            let Some(close) = close else {
+                self.open = Some(call);
+                break;
+            };
+            if call.streamed() {
+                self.calls += 1;
+            } else if let Some((name, args)) = parse_call_body(body) {
+                let n = self.calls;
+                self.calls += 1;
+                deltas.push(call_json(n, format!("{}_{n}", self.id_prefix), &name, args));
+            } else {
+                content.push_str(&format!("{CALL_OPEN}{body}{CALL_CLOSE}"));
             }
-            // No block start: keep only a tail that may begin one.
-            let keep = partial_open_len(&self.pending);
-            let send = self.pending.len() - keep;
-            content.push_str(&self.pending[..send]);
-            self.pending.drain(..send);
-            break;
+            self.pending.drain(..close + CALL_CLOSE.len());
         }
         if self.calls > 0 {
             // Whitespace between calls is not content.
             content = content.trim().to_string();
         }
-        (content, calls)
+        (content, deltas)
     }
 
-    /// The end of the answer: whatever is held back is content.
+    /// The end of the answer: whatever is held back is content (a block
+    /// cut short whose arguments were streamed has nothing left to send).
     pub fn finish(&mut self) -> String {
-        std::mem::take(&mut self.pending)
+        let rest = std::mem::take(&mut self.pending);
+        match self.open.take() {
+            Some(call) if call.streamed() => String::new(),
+            Some(_) => format!("{CALL_OPEN}{rest}"),
+            None => rest,
+        }
     }
 }
 
@@ -501,27 +740,105 @@ mod tests {
         assert!(content.unwrap().contains("not json"));
     }
 
+    /// Streams `text` in pieces of `size` characters: the content and the
+    /// deltas in order.
+    fn stream_in_pieces(text: &str, size: usize) -> (String, Vec<Value>) {
+        let mut s = CallStream::new("c".into());
+        let (mut content, mut deltas) = (String::new(), Vec::new());
+        let chars: Vec<char> = text.chars().collect();
+        for piece in chars.chunks(size) {
+            let (c, d) = s.push(&piece.iter().collect::<String>());
+            content.push_str(&c);
+            deltas.extend(d);
+        }
+        content.push_str(&s.finish());
+        (content, deltas)
+    }
+
+    /// Joins deltas per index, as OpenAI's clients do: (id, name, arguments).
+    fn reassemble(deltas: &[Value]) -> Vec<(String, String, String)> {
+        let mut calls: Vec<(String, String, String)> = Vec::new();
+        for d in deltas {
+            let i = d["index"].as_u64().unwrap() as usize;
+            if i == calls.len() {
+                assert_eq!(d["type"], "function", "a call's first delta: {d}");
+                calls.push(Default::default());
+            }
+            let call = &mut calls[i];
+            if let Some(id) = d["id"].as_str() {
+                call.0 = id.to_string();
+            }
+            if let Some(name) = d["function"]["name"].as_str() {
+                call.1.push_str(name);
+            }
+            call.2
+                .push_str(d["function"]["arguments"].as_str().unwrap());
+        }
+        calls
+    }
+
     #[test]
     fn streamed_answers_split_at_any_chunking() {
-        let text =
-            "Hi <b> <tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": [1, 2]}}\n</tool_call>";
-        for size in 1..text.len() {
-            let mut s = CallStream::new("c".into());
-            let (mut content, mut calls) = (String::new(), Vec::new());
-            let bytes: Vec<char> = text.chars().collect();
-            for piece in bytes.chunks(size) {
-                let (c, k) = s.push(&piece.iter().collect::<String>());
-                content.push_str(&c);
-                calls.extend(k);
-            }
-            content.push_str(&s.finish());
-            assert_eq!(calls.len(), 1, "size {size}");
+        let text = "Hi <b> <tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": [1, \"}\\\"é\"], \"y\": {}}}\n</tool_call>\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>";
+        let (whole_content, whole) = parse_calls(text, "c");
+        assert_eq!(whole_content.as_deref(), Some("Hi <b>"));
+        for size in 1..text.chars().count() {
+            let (content, deltas) = stream_in_pieces(text, size);
+            let calls = reassemble(&deltas);
             assert_eq!(
-                calls[0]["function"]["arguments"], "{\"x\":[1,2]}",
+                calls,
+                vec![
+                    (
+                        "c_0".into(),
+                        "f".into(),
+                        "{\"x\": [1, \"}\\\"é\"], \"y\": {}}".into()
+                    ),
+                    ("c_1".into(), "g".into(), "{}".into()),
+                ],
                 "size {size}"
             );
-            assert!(content.starts_with("Hi <b>"), "size {size}: {content:?}");
+            assert_eq!(content.trim(), "Hi <b>", "size {size}");
+            for (call, (id, name, args)) in whole.iter().zip(&calls) {
+                assert_eq!(call["id"], id.as_str());
+                assert_eq!(call["function"]["name"], name.as_str());
+                assert_eq!(call["function"]["arguments"], args.as_str());
+            }
         }
+        // Character by character the arguments arrive in many deltas.
+        let (_, deltas) = stream_in_pieces(text, 1);
+        assert!(deltas.len() > 10, "{deltas:?}");
+    }
+
+    /// Bodies of another shape (arguments first, arguments as a string)
+    /// are parsed whole at the close; a block cut short whose arguments
+    /// were streamed leaves no content behind; one that was not streamed
+    /// comes back as content.
+    #[test]
+    fn other_call_shapes_and_cut_blocks() {
+        for body in [
+            "{\"arguments\": {\"a\": 1}, \"name\": \"f\"}",
+            "{\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}",
+        ] {
+            let text = format!("<tool_call>\n{body}\n</tool_call>");
+            for size in [1, 3, 1000] {
+                let (content, deltas) = stream_in_pieces(&text, size);
+                assert_eq!(deltas.len(), 1, "{body}, size {size}: {deltas:?}");
+                assert_eq!(deltas[0]["function"]["name"], "f");
+                let args: Value =
+                    serde_json::from_str(deltas[0]["function"]["arguments"].as_str().unwrap())
+                        .unwrap();
+                assert_eq!(args, json!({"a": 1}));
+                assert!(content.trim().is_empty(), "{content:?}");
+            }
+        }
+        let mut s = CallStream::new("c".into());
+        let (_, deltas) = s.push("<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": ");
+        assert_eq!(reassemble(&deltas)[0].2, "{\"a\": ");
+        assert_eq!(s.finish(), "");
+        assert!(!s.called());
+        let mut s = CallStream::new("c".into());
+        assert!(s.push("<tool_call>\n{\"nam").1.is_empty());
+        assert_eq!(s.finish(), "<tool_call>\n{\"nam");
     }
 
     #[test]

@@ -453,8 +453,23 @@ async fn grammar_tool_calls_follow_the_function_schemas() {
             .flatten()
             .cloned()
             .collect();
-        assert_eq!(deltas.len(), calls.len(), "{chunks:?}");
-        for (d, call) in deltas.iter().zip(calls) {
+        // Joined per index as OpenAI's clients do, the deltas are the
+        // whole response's calls; the arguments came in several pieces.
+        let mut joined: Vec<Value> = Vec::new();
+        for d in &deltas {
+            let i = d["index"].as_u64().unwrap() as usize;
+            if i == joined.len() {
+                assert!(d["id"].is_string() && d["type"] == "function", "{d}");
+                joined.push(d.clone());
+            } else {
+                let args = d["function"]["arguments"].as_str().unwrap();
+                let whole = joined[i]["function"]["arguments"].as_str().unwrap();
+                joined[i]["function"]["arguments"] = json!(format!("{whole}{args}"));
+            }
+        }
+        assert_eq!(joined.len(), calls.len(), "{chunks:?}");
+        assert!(deltas.len() > calls.len(), "arguments streamed: {deltas:?}");
+        for (d, call) in joined.iter().zip(calls) {
             assert_eq!(d["function"], call["function"]);
         }
         let last = chunks
@@ -537,6 +552,28 @@ async fn grammar_echo_prepends_the_prompt() {
         .map(|c| c["choices"][0]["text"].as_str().unwrap_or(""))
         .collect();
     assert_eq!(text, format!("the quick brown fox{completion}"));
+    // Several choices each start with the prompt, whole and streamed.
+    let several = json!({"prompt": "the quick brown fox", "max_tokens": 5, "temperature": 1.0,
+        "seed": 2, "n": 2, "echo": true});
+    let (status, v) = post_json(&c, &url, &several).await;
+    assert_eq!(status, 200, "{v}");
+    let whole: Vec<String> = (0..2)
+        .map(|i| v["choices"][i]["text"].as_str().unwrap().to_string())
+        .collect();
+    for text in &whole {
+        assert!(text.starts_with("the quick brown fox"), "{v}");
+    }
+    let mut stream = several.clone();
+    stream["stream"] = json!(true);
+    let chunks = sse_chunks(&post_stream(&c, &url, &stream).await);
+    for (i, want) in whole.iter().enumerate() {
+        let text: String = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == i)
+            .map(|c| c["choices"][0]["text"].as_str().unwrap_or(""))
+            .collect();
+        assert_eq!(&text, want, "choice {i}");
+    }
 }
 
 /// A grammar the vocabulary cannot follow (the embedded words have no
@@ -564,7 +601,7 @@ async fn grammar_a_failing_grammar_fails_only_its_request() {
 }
 
 /// `n` choices under one `response_format`: each choice follows the schema
-/// on its own grammar state; tool calls are single-choice for now.
+/// on its own grammar state; each choice's tool calls are its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grammar_several_choices_each_follow_the_schema() {
     let s = TestServer::ready();
@@ -583,12 +620,47 @@ async fn grammar_several_choices_each_follow_the_schema() {
         assert_eq!(choice["finish_reason"], "stop", "{choice}");
         validates(&schema, choice["text"].as_str().unwrap()).unwrap();
     }
-    let tools = json!([weather_tool()]);
-    let body = json!({"messages": [{"role": "user", "content": "x"}], "tools": tools, "n": 2});
-    let (status, v) = post_json(&c, &s.url("/v1/chat/completions"), &body).await;
-    assert_eq!(
-        (status, v["error"]["param"].as_str()),
-        (400, Some("n")),
-        "{v}"
-    );
+    // Tool calls in several choices: each choice's calls are parsed and
+    // valid for the schema, under ids of their own, whole and streamed.
+    let tools = vec![weather_tool()];
+    let url = s.url("/v1/chat/completions");
+    let body = json!({"messages": [{"role": "user", "content": "weather?"}], "tools": tools,
+        "tool_choice": "required", "n": 2, "max_tokens": 300, "temperature": 1.0, "seed": 5});
+    let (status, v) = post_json(&c, &url, &body).await;
+    assert_eq!(status, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2, "{v}");
+    let mut ids = std::collections::HashSet::new();
+    for choice in choices {
+        assert_eq!(choice["finish_reason"], "tool_calls", "{choice}");
+        let calls = choice["message"]["tool_calls"].as_array().unwrap();
+        assert_calls_valid(calls, &tools);
+        for call in calls {
+            assert!(ids.insert(call["id"].to_string()), "{v}");
+        }
+    }
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = sse_chunks(&post_stream(&c, &url, &streamed).await);
+    for (index, choice) in choices.iter().enumerate() {
+        let of_choice = |c: &&Value| c["choices"][0]["index"] == index;
+        let mut arguments = String::new();
+        for chunk in chunks.iter().filter(of_choice) {
+            for d in chunk["choices"][0]["delta"]["tool_calls"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                assert_eq!(d["index"], 0, "one call per choice: {d}");
+                arguments.push_str(d["function"]["arguments"].as_str().unwrap());
+            }
+        }
+        let want = &choice["message"]["tool_calls"][0]["function"]["arguments"];
+        assert_eq!(arguments, want.as_str().unwrap(), "choice {index}");
+        let finish = chunks
+            .iter()
+            .filter(of_choice)
+            .find_map(|c| c["choices"][0]["finish_reason"].as_str());
+        assert_eq!(finish, Some("tool_calls"), "choice {index}");
+    }
 }
