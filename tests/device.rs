@@ -326,23 +326,37 @@ fn greedy_mtp_equals_plain_greedy_on_the_device() {
             ..Default::default()
         },
     ];
+    let layers = model().config().num_layers / 2;
+    let mtp =
+        engine_for(model()).with_draft(Box::new(EarlyExitDraft { layers }), SpecConfig::default());
+    assert_speculation_exact(engine_for(model()), mtp, &prompts, sampling, |_| spec);
+}
+
+/// Six requests over `prompts`, alternating `sampling`, 24 tokens each:
+/// `spec` (request `i` asking for `spec_of(i)`) emits exactly the tokens
+/// of `plain`.
+fn assert_speculation_exact(
+    mut plain: Engine,
+    mut spec: Engine,
+    prompts: &[Vec<u32>],
+    sampling: [SamplingOptions; 2],
+    spec_of: impl Fn(usize) -> SpecOptions,
+) {
     let plain_reqs: Vec<Req> = (0..6)
         .map(|i| Req::new(prompts[i % prompts.len()].clone(), sampling[i % 2], 24))
         .collect();
     let spec_reqs: Vec<Req> = plain_reqs
         .iter()
-        .map(|r| Req {
-            spec: Some(spec),
+        .enumerate()
+        .map(|(i, r)| Req {
+            spec: Some(spec_of(i)),
             ..r.clone()
         })
         .collect();
-    let plain = run_tokens(&mut engine_for(model()), &plain_reqs, 512);
-    let layers = model().config().num_layers / 2;
-    let mut mtp =
-        engine_for(model()).with_draft(Box::new(EarlyExitDraft { layers }), SpecConfig::default());
-    let got = run_tokens(&mut mtp, &spec_reqs, 512);
-    for i in 0..plain.len() {
-        assert_eq!(ids(&got[i]), ids(&plain[i]), "request {i}");
+    let want = run_tokens(&mut plain, &plain_reqs, 512);
+    let got = run_tokens(&mut spec, &spec_reqs, 512);
+    for i in 0..want.len() {
+        assert_eq!(ids(&got[i]), ids(&want[i]), "request {i}");
     }
 }
 
@@ -369,18 +383,6 @@ fn speculation_with_a_draft_vocab_head_and_lookup_is_exact_on_the_device() {
             ..Default::default()
         },
     ];
-    let plain_reqs: Vec<Req> = (0..6)
-        .map(|i| Req::new(prompts[i % prompts.len()].clone(), sampling[i % 2], 24))
-        .collect();
-    let spec_reqs: Vec<Req> = plain_reqs
-        .iter()
-        .enumerate()
-        .map(|(i, r)| Req {
-            spec: Some(SpecOptions::constant(1 + i % 4)),
-            ..r.clone()
-        })
-        .collect();
-    let plain = run_tokens(&mut engine_for(model()), &plain_reqs, 512);
     let target = model();
     let v = target.config().vocab_size as u32;
     let kept: Vec<u32> = (0..v).filter(|i| i % 2 == 0).collect();
@@ -394,11 +396,10 @@ fn speculation_with_a_draft_vocab_head_and_lookup_is_exact_on_the_device() {
         prompt_lookup: Some(PromptLookup::default()),
         ..Default::default()
     };
-    let mut spec = engine_for(target).with_draft(Box::new(MtpDraft { head }), config);
-    let got = run_tokens(&mut spec, &spec_reqs, 512);
-    for i in 0..plain.len() {
-        assert_eq!(ids(&got[i]), ids(&plain[i]), "request {i}");
-    }
+    let spec = engine_for(target).with_draft(Box::new(MtpDraft { head }), config);
+    assert_speculation_exact(engine_for(model()), spec, &prompts, sampling, |i| {
+        SpecOptions::constant(1 + i % 4)
+    });
 }
 
 /// Half-precision weights on a GPU: the run completes and its greedy
