@@ -408,12 +408,8 @@ impl OpenCall {
                 Header::Streamable { name, args_start } => {
                     self.args_start = Some(args_start);
                     self.sent_to = args_start;
-                    deltas.push(json!({
-                        "index": self.index,
-                        "id": format!("{id_prefix}_{}", self.index),
-                        "type": "function",
-                        "function": {"name": name, "arguments": ""},
-                    }));
+                    let id = format!("{id_prefix}_{}", self.index);
+                    deltas.push(call_json(self.index, id, &name, String::new()));
                 }
             }
         }
