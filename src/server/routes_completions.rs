@@ -91,7 +91,7 @@ async fn handle(
             index,
             echo: Some(echoed.clone()).filter(|e| !e.is_empty()),
         };
-        return several_choices(&ready, request, choices, stream, format, &echoed).await;
+        return several_choices(&ready, request, choices, stream, format).await;
     }
     let mut events = ready
         .handle
@@ -146,7 +146,6 @@ async fn several_choices(
     choices: ChoiceParams,
     stream: bool,
     format: impl Fn(&str, usize) -> CompletionFormat,
-    echoed: &str,
 ) -> Result<HttpResponse, ApiError> {
     let events = ready
         .handle
@@ -164,7 +163,12 @@ async fn several_choices(
     let first = format(&id, 0);
     let tokenizer = ready.handle.tokenizer();
     let body = first.response(
-        choices::completion_choices(&collected, first.logprobs, tokenizer, echoed),
+        choices::completion_choices(
+            &collected,
+            first.logprobs,
+            tokenizer,
+            first.echo.as_deref().unwrap_or(""),
+        ),
         Some(Some(collected.usage)),
     );
     Ok(HttpResponse::Ok().json(body))
