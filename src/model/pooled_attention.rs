@@ -65,8 +65,9 @@ pub(super) struct PooledAttention {
 
 impl PooledAttention {
     /// The plan for `batch`, or `None` off CUDA, without pooled KV, for
-    /// head shapes beyond the kernel's bounds, or when some query sees more
-    /// keys than a block's shared memory holds scores for.
+    /// head shapes beyond the kernel's bounds or a block size that is not a
+    /// power of two, or when some query sees more keys than a block's
+    /// shared memory holds scores for.
     pub(super) fn plan(
         batch: &Batch,
         kv: &KvCache,
@@ -74,12 +75,11 @@ impl PooledAttention {
         device: &Device,
     ) -> Result<Option<Self>, ModelError> {
         let head_fits = cfg.head_dim <= MAX_HEAD_DIM && cfg.head_dim.is_multiple_of(2);
-        if !device.is_cuda() || !kv.is_pooled() || !head_fits || !kv.block_size().is_power_of_two()
-        {
+        let block_size = kv.block_size();
+        if !device.is_cuda() || !kv.is_pooled() || !head_fits || !block_size.is_power_of_two() {
             return Ok(None);
         }
         let n = batch.tokens.len();
-        let block_size = kv.block_size();
         let mut meta = vec![0u32; 3 * n];
         let mut tables: Vec<u32> = Vec::new();
         let mut max_keys = 0;
