@@ -21,6 +21,8 @@
 //!   `candle-f16` for the candle-op reference path);
 //! - `TANDEM_BENCH_REPS=3`, `TANDEM_BENCH_STEPS=128`;
 //! - `TANDEM_BENCH_THREADS=N` caps the lean kernels' threads;
+//! - `TANDEM_BENCH_ACTIVATIONS=int16` runs quantised weights with 15-bit
+//!   activations instead of the default 8-bit ones;
 //! - `TANDEM_BENCH_PROFILE=1` adds a per-phase breakdown of one more
 //!   decode run per configuration;
 //! - `TANDEM_BENCH_DEVICE=cuda` runs on GPU 0 (a `--features cuda`
@@ -121,6 +123,9 @@ fn load(name: &str, weights: &Weights, cfg: &ModelConfig, device: &Device) -> Co
         threads: std::env::var("TANDEM_BENCH_THREADS")
             .ok()
             .and_then(|v| v.parse().ok()),
+        activation_quant: std::env::var("TANDEM_BENCH_ACTIVATIONS")
+            .map(|v| v.parse().expect("TANDEM_BENCH_ACTIVATIONS: int8 or int16"))
+            .unwrap_or_default(),
     };
     let model = Model::load(cfg.clone(), weights, &opts).expect("model loads");
     Config {
@@ -494,9 +499,10 @@ fn main() {
     drop(weights);
     let on = if device.is_cpu() {
         format!(
-            "CPU, ISA {:?}, threads {}",
+            "CPU, ISA {:?}, threads {}, quantised activations {}",
             Isa::detect(),
-            candle_core::utils::get_num_threads()
+            candle_core::utils::get_num_threads(),
+            std::env::var("TANDEM_BENCH_ACTIVATIONS").unwrap_or_else(|_| "int8".into())
         )
     } else {
         format!("{device:?}")

@@ -1,11 +1,16 @@
 //! SmolLM2's GGUF run quantised, against its own float32 run and against
 //! llama.cpp on the same file, teacher-forced over the first positions of
-//! every reference continuation: the quantised next-token distribution must
-//! pick the float32 argmax at least as often as llama.cpp's does, and its
-//! top-1/top-2 log-probability gap error against the float32 gap, median
-//! and largest, must be no larger than llama.cpp's against its own float32
-//! run. (Tandem's quantised kernels keep activations at 15 bits where ggml
-//! keeps 8, so they are usually well below: BENCHMARKS.md.)
+//! every reference continuation, with each activation scheme:
+//! - 15-bit activations (`ActivationQuant::Int16`): the quantised
+//!   next-token distribution must pick the float32 argmax at least as often
+//!   as llama.cpp's does, and its top-1/top-2 log-probability gap error
+//!   against the float32 gap, median and largest, must be no larger than
+//!   llama.cpp's against its own float32 run;
+//! - 8-bit activations (the default, ggml's scheme): the same figures
+//!   within the spread two implementations of one scheme show (their
+//!   rounding differs in the last bits, and at a near-tie that flips an
+//!   argmax): agreement at most three positions below llama.cpp's, gap
+//!   errors at most 1.5× its own.
 //!
 //! llama.cpp's figures are `bench/llama_cpp/smollm2_teacher_forced_*.json`,
 //! made by `bench/llama_cpp/teacher_forced.py` from the shipped Q4_1 file,
@@ -17,7 +22,7 @@ mod support;
 use candle_core::{IndexOp, Tensor};
 use support::reference::{smollm2, SmolPrompt};
 use tandem::kv::KvCache;
-use tandem::model::{Batch, LoadOptions, Model, OutputRows, WeightFormat};
+use tandem::model::{ActivationQuant, Batch, LoadOptions, Model, OutputRows, WeightFormat};
 
 /// Positions per prompt (as in the llama.cpp files).
 const POSITIONS: usize = 16;
@@ -100,52 +105,83 @@ fn llama_cpp(kind: &str, prompts: &[SmolPrompt]) -> Vec<Vec<Top2>> {
         .collect()
 }
 
-fn run(path: &std::path::Path, format: WeightFormat, prompts: &[SmolPrompt]) -> Vec<Vec<Top2>> {
+fn run(
+    path: &std::path::Path,
+    format: WeightFormat,
+    activation_quant: ActivationQuant,
+    prompts: &[SmolPrompt],
+) -> Vec<Vec<Top2>> {
     let opts = LoadOptions {
         weight_format: format,
+        activation_quant,
         ..LoadOptions::default()
     };
     let model = Model::from_gguf(path, &opts).unwrap();
     prompts.iter().map(|p| teacher_forced(&model, p)).collect()
 }
 
-#[test]
-fn gguf_quantised_logprobs_are_no_worse_than_llama_cpp() {
+/// How much worse than llama.cpp a figure may be: argmax agreements
+/// fewer, and the factor on the gap errors.
+struct Slack {
+    agreements: usize,
+    factor: f32,
+}
+
+fn compare_with_llama_cpp(quant: ActivationQuant, slack: Slack) {
     let Some((path, prompts)) = smollm2() else {
         return;
     };
-    let f32_run = run(&path, WeightFormat::AsCompute, &prompts);
+    let f32_run = run(&path, WeightFormat::AsCompute, quant, &prompts);
     let reference_f32 = llama_cpp("f32", &prompts);
     let mut worse = Vec::new();
     for (format, kind) in [
         (WeightFormat::AsStored, "q4_1"),
         (WeightFormat::Q8_0, "q8_0"),
     ] {
-        let ours = compare(&f32_run, &run(&path, format, &prompts));
+        let ours = compare(&f32_run, &run(&path, format, quant, &prompts));
         let theirs = compare(&reference_f32, &llama_cpp(kind, &prompts));
         eprintln!(
-            "{kind}: Tandem argmax {}/{}, gap error median {:.3} max {:.3}; llama.cpp {}/{}, median {:.3} max {:.3}",
+            "{kind} {quant:?}: Tandem argmax {}/{}, gap error median {:.3} max {:.3}; \
+             llama.cpp {}/{}, median {:.3} max {:.3}",
             ours.0, ours.1, ours.2, ours.3, theirs.0, theirs.1, theirs.2, theirs.3
         );
         assert_eq!(ours.1, theirs.1, "{kind}: the same positions");
-        if ours.0 < theirs.0 {
+        if ours.0 + slack.agreements < theirs.0 {
             worse.push(format!(
                 "{kind}: argmax agreement {} < llama.cpp's {}",
                 ours.0, theirs.0
             ));
         }
-        if ours.3 > theirs.3 {
+        if ours.3 > theirs.3 * slack.factor {
             worse.push(format!(
                 "{kind}: max gap error {:.3} > llama.cpp's {:.3}",
                 ours.3, theirs.3
             ));
         }
-        if ours.2 > theirs.2 {
+        if ours.2 > theirs.2 * slack.factor {
             worse.push(format!(
                 "{kind}: median gap error {:.3} > llama.cpp's {:.3}",
                 ours.2, theirs.2
             ));
         }
     }
-    assert!(worse.is_empty(), "{worse:?}");
+    assert!(worse.is_empty(), "{quant:?}: {worse:?}");
+}
+
+#[test]
+fn gguf_quantised_logprobs_with_15_bit_activations_are_no_worse_than_llama_cpp() {
+    let exact = Slack {
+        agreements: 0,
+        factor: 1.0,
+    };
+    compare_with_llama_cpp(ActivationQuant::Int16, exact);
+}
+
+#[test]
+fn gguf_quantised_logprobs_with_8_bit_activations_match_llama_cpps() {
+    let spread = Slack {
+        agreements: 3,
+        factor: 1.5,
+    };
+    compare_with_llama_cpp(ActivationQuant::Int8, spread);
 }

@@ -120,6 +120,9 @@ struct ModelArgs {
     /// `auto`: f32 compute, and a GGUF file's quantised weights stay quantised on the CPU. Or a compute dtype for every weight, f32, f16 or bf16 (bf16 needs a GPU; a GGUF's weights are dequantised at load), or weights quantised at load to q8_0 / q4_k (f32 activations).
     #[arg(long, default_value = "auto")]
     dtype: String,
+    /// How the CPU multiplies quantised weights: `int8` activations (llama.cpp's scheme, the fastest) or `int16` (15-bit: nearly the dequantised weights' f32 result, about half the prompt speed).
+    #[arg(long, default_value = "int8", value_parser = ["int8", "int16"])]
+    activations: String,
     /// Compute device: cpu, cuda or metal (GPU backends need a build with `--features cuda` / `metal`).
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -256,6 +259,7 @@ fn load_spec(args: &ModelArgs) -> Result<LoadSpec, BoxError> {
         source,
         dtype,
         weight_format,
+        activation_quant: args.activations.parse()?,
         device: args.device.parse::<DeviceKind>()?.open()?,
         kv_tokens: args.kv_tokens,
         kv_block_size: args.kv_block_size,

@@ -31,7 +31,9 @@ use half::f16;
 use super::kernels::attention::{attention, Heads, SeqAttn};
 use super::kernels::math::{narrow, rms_norm, rope, silu_mul};
 use super::kernels::pool::{for_each_range, threads, SharedMut};
+use super::kernels::qformat::ActivationQuant;
 use super::kernels::Isa;
+use super::linear::CpuCall;
 use super::llama_weights::{LayerWeights, ModelWeights};
 use super::{Batch, ModelConfig, ModelError};
 use crate::kv::KvCache;
@@ -76,6 +78,8 @@ pub(crate) struct Lean {
     dtype: DType,
     isa: Isa,
     threads: usize,
+    /// How the quantised projections quantise activations.
+    quant: ActivationQuant,
     layers: Vec<LayerVecs>,
     final_norm: Vec<f32>,
     /// `[max_positions, head_dim / 2]` rotary tables.
@@ -103,6 +107,15 @@ const ROW_GRAIN: usize = 8;
 const PARALLEL_ELEMENTS: usize = 1 << 17;
 
 impl Lean {
+    /// How a projection call runs.
+    fn call(&self) -> CpuCall {
+        CpuCall {
+            isa: self.isa,
+            threads: self.threads,
+            quant: self.quant,
+        }
+    }
+
     /// Converts the weights' norms and biases and the rotary tables (f32,
     /// from `rope_tables`) to f32 buffers, the tables rounded to `dtype`
     /// first as the candle path rounds them, to stay within rounding of it.
@@ -111,6 +124,7 @@ impl Lean {
         (cos, sin): (Vec<f32>, Vec<f32>),
         dtype: DType,
         thread_cap: Option<usize>,
+        quant: ActivationQuant,
     ) -> candle_core::Result<Self> {
         let mut layers = Vec::with_capacity(weights.layers.len());
         for l in &weights.layers {
@@ -130,6 +144,7 @@ impl Lean {
             dtype,
             isa: Isa::detect(),
             threads: threads(thread_cap),
+            quant,
             layers,
             final_norm: to_f32_vec(&weights.norm)?,
             cos: round(&cos)?,
@@ -389,7 +404,7 @@ impl Lean {
         ws: &mut Workspace,
         times: &mut StepTimes,
     ) -> Result<(), ModelError> {
-        let (isa, threads, n) = (self.isa, self.threads, batch.tokens.len());
+        let n = batch.tokens.len();
         let LayerRef {
             index: l,
             weights: w,
@@ -400,7 +415,7 @@ impl Lean {
         self.norm_rows(x, &vecs.attn_norm, d.eps, h, n);
         times.tick(1);
         let qkv = grow(&mut ws.qkv, n * d.ldqkv);
-        w.qkv.forward_cpu(isa, threads, h, n, qkv, false)?;
+        w.qkv.forward_cpu(self.call(), h, n, qkv, false)?;
         if let Some(b) = &vecs.qkv_bias {
             for row in qkv.chunks_exact_mut(d.ldqkv) {
                 for (v, b) in row.iter_mut().zip(b) {
@@ -430,7 +445,7 @@ impl Lean {
         let attn = grow(&mut ws.attn, n * d.qw);
         self.attend(d, batch, &cache, kv.layout().dtype, qkv, attn)?;
         times.tick(4);
-        w.o_proj.forward_cpu(isa, threads, attn, n, x, true)?;
+        w.o_proj.forward_cpu(self.call(), attn, n, x, true)?;
         times.tick(5);
         Ok(())
     }
@@ -445,7 +460,7 @@ impl Lean {
         ws: &mut Workspace,
         times: &mut StepTimes,
     ) -> Result<(), ModelError> {
-        let (isa, threads, inter) = (self.isa, self.threads, d.inter);
+        let (isa, inter) = (self.isa, d.inter);
         let LayerRef {
             weights: w, vecs, ..
         } = layer;
@@ -454,7 +469,7 @@ impl Lean {
         self.norm_rows(x, &vecs.mlp_norm, d.eps, h, n);
         times.tick(1);
         let gu = grow(&mut ws.gu, n * 2 * inter);
-        w.gate_up.forward_cpu(isa, threads, h, n, gu, false)?;
+        w.gate_up.forward_cpu(self.call(), h, n, gu, false)?;
         times.tick(6);
         let act = grow(&mut ws.act, n * inter);
         let (gu, a) = (&*gu, SharedMut(act.as_mut_ptr()));
@@ -465,7 +480,7 @@ impl Lean {
             silu_mul(isa, &row[..inter], &row[inter..], dst);
         });
         times.tick(7);
-        w.down.forward_cpu(isa, threads, act, n, x, true)?;
+        w.down.forward_cpu(self.call(), act, n, x, true)?;
         times.tick(8);
         Ok(())
     }
@@ -508,7 +523,7 @@ impl Lean {
         let mut logits = vec![0f32; rows * vocab];
         weights
             .lm_head
-            .forward_cpu(self.isa, self.threads, &normed, rows, &mut logits, false)?;
+            .forward_cpu(self.call(), &normed, rows, &mut logits, false)?;
         let mut ws = self.ws.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = ws.profile.as_mut() {
             p[PHASES.len() - 1] += start.elapsed();

@@ -4,7 +4,9 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device};
 
-use super::{Batch, LoadOptions, Model, ModelConfig, OutputRows, WeightFormat, Weights};
+use super::{
+    ActivationQuant, Batch, LoadOptions, Model, ModelConfig, OutputRows, WeightFormat, Weights,
+};
 use crate::kv::KvCache;
 
 fn config(arch: &str, window: Option<usize>, bias: bool, head_dim: usize) -> ModelConfig {
@@ -20,10 +22,21 @@ fn config(arch: &str, window: Option<usize>, bias: bool, head_dim: usize) -> Mod
 }
 
 fn load(cfg: &ModelConfig, w: &Weights, dtype: DType, format: WeightFormat, lean: bool) -> Model {
+    load_quantised(cfg, w, (dtype, format), lean, ActivationQuant::default())
+}
+
+fn load_quantised(
+    cfg: &ModelConfig,
+    w: &Weights,
+    (dtype, format): (DType, WeightFormat),
+    lean: bool,
+    activation_quant: ActivationQuant,
+) -> Model {
     let opts = LoadOptions {
         dtype,
         weight_format: format,
         lean_cpu: lean,
+        activation_quant,
         ..LoadOptions::default()
     };
     Model::load(cfg.clone(), w, &opts).expect("model loads")
@@ -169,9 +182,10 @@ fn lean_unembeds_zero_rows() {
 
 #[test]
 fn lean_quantized_step_computes_its_dequantised_weights() {
-    // The lean step multiplies Q8_0 blocks with 15-bit activations: it
+    // The lean step multiplies Q8_0 blocks with quantised activations: it
     // must give what the candle step gives in f32 over the same weights
-    // dequantised, up to that activation rounding.
+    // dequantised, up to that activation rounding (15-bit: ~1/128 of
+    // 8-bit's).
     let json = serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 64,
         "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -203,12 +217,18 @@ fn lean_quantized_step_computes_its_dequantised_weights() {
         WeightFormat::AsCompute,
         false,
     ));
-    let got = schedule_logits(&load(&cfg, &w, DType::F32, WeightFormat::Q8_0, true));
-    let d = max_rel_diff(&got, &want);
-    assert!(
-        d <= 1e-3,
-        "lean Q8_0 differs from its dequantised weights in f32 by {d:e}"
-    );
+    for (quant, tol) in [
+        (ActivationQuant::Int16, 1e-3),
+        (ActivationQuant::Int8, 2e-2),
+    ] {
+        let model = load_quantised(&cfg, &w, (DType::F32, WeightFormat::Q8_0), true, quant);
+        let d = max_rel_diff(&schedule_logits(&model), &want);
+        eprintln!("{quant:?}: lean Q8_0 against its dequantised weights in f32: {d:e}");
+        assert!(
+            d <= tol,
+            "lean Q8_0 ({quant:?}) differs from its dequantised weights in f32 by {d:e}"
+        );
+    }
 }
 
 #[test]

@@ -15,8 +15,9 @@
 //!   of the block size cannot be quantised and stays in the compute dtype
 //!   (llama.cpp does the same).
 //!
-//! Blocks are multiplied by Tandem's own kernels (`kernels::quant`: 8-bit
-//! activations, as llama.cpp) for every format `kernels::qformat` decodes,
+//! Blocks are multiplied by Tandem's own kernels (`kernels::quant8`: 8-bit
+//! activations, as llama.cpp, by default; `kernels::quant`: 15-bit ones,
+//! [`ActivationQuant::Int16`]) for every format `kernels::qformat` decodes,
 //! and by candle's quantized kernels for the rest (Q2_K, Q3_K) and on GPUs.
 //!
 //! Accuracy cost, measured by greedy agreement with f32 (BENCHMARKS.md):
@@ -29,9 +30,18 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 use half::f16;
 
-use super::kernels::qformat::QFormat;
+use super::kernels::qformat::{ActivationQuant, QFormat};
 use super::kernels::quant::{self, QMatrix};
 use super::kernels::{dot, Isa};
+
+/// How the lean path runs a projection: the kernels' tier, the most
+/// threads, and how the quantised linear quantises activations.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CpuCall {
+    pub(crate) isa: Isa,
+    pub(crate) threads: usize,
+    pub(crate) quant: ActivationQuant,
+}
 
 /// How projection weights (attention, MLP, unembedding) are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -272,8 +282,7 @@ impl Linear {
     /// `r < rows`. `x` holds `rows · k` floats, `out` at least `rows · n`.
     pub(crate) fn forward_cpu(
         &self,
-        isa: Isa,
-        threads: usize,
+        call: CpuCall,
         x: &[f32],
         rows: usize,
         out: &mut [f32],
@@ -282,6 +291,11 @@ impl Linear {
         if rows == 0 {
             return Ok(());
         }
+        let CpuCall {
+            isa,
+            threads,
+            quant,
+        } = call;
         match self {
             Self::Dense(w) => {
                 let (n, k) = w.dims2()?;
@@ -312,7 +326,7 @@ impl Linear {
                         n,
                         k,
                     };
-                    quant::qmatmul_t(isa, threads, x, rows, w, out, accumulate);
+                    quant::qmatmul_t(isa, threads, quant, x, rows, w, out, accumulate);
                     return Ok(());
                 }
                 let xt = Tensor::from_slice(&x[..rows * k], (rows, k), &Device::Cpu)?;
@@ -396,9 +410,7 @@ mod tests {
         );
         let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
         let mut out = [0f32; 8];
-        stacked
-            .forward_cpu(Isa::detect(), 1, &x, 1, &mut out, false)
-            .unwrap();
+        stacked.forward_cpu(solo(), &x, 1, &mut out, false).unwrap();
         let want = Tensor::from_slice(&x, (1, 64), &Device::Cpu)
             .unwrap()
             .matmul(&dense.t().unwrap())
@@ -415,6 +427,15 @@ mod tests {
             Linear::from_blocks(&[&qa, &q8]).unwrap().is_none(),
             "mixed types do not stack"
         );
+    }
+
+    /// One thread on this CPU's tier, 8-bit activations.
+    fn solo() -> CpuCall {
+        CpuCall {
+            isa: Isa::detect(),
+            threads: 1,
+            quant: ActivationQuant::Int8,
+        }
     }
 
     /// The address of a CPU tensor view's first element.
@@ -447,7 +468,7 @@ mod tests {
         // The lean path reads the view, not the buffer's start.
         let lin = Linear::Dense(pb);
         let mut out = [0f32; 5];
-        lin.forward_cpu(Isa::detect(), 1, &[1.0, 1.0], 1, &mut out, false)
+        lin.forward_cpu(solo(), &[1.0, 1.0], 1, &mut out, false)
             .unwrap();
         assert_eq!(out, [201.0, 205.0, 209.0, 213.0, 217.0]);
     }

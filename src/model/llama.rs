@@ -35,6 +35,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, IndexOp, Tensor};
 
 use super::candle_step::CandleStep;
+use super::kernels::qformat::ActivationQuant;
 use super::lean::Lean;
 use super::linear::WeightFormat;
 use super::llama_weights::{rope_tables, ModelWeights, QScale, WeightLoader};
@@ -57,6 +58,9 @@ pub struct LoadOptions {
     /// Most threads a CPU step uses (`None`: one per physical core, or
     /// `CANDLE_NUM_THREADS`, which sizes the shared pool once per process).
     pub threads: Option<usize>,
+    /// How the lean CPU path quantises activations for quantised weights:
+    /// 8-bit, as llama.cpp (the default), or 15-bit, closer to f32.
+    pub activation_quant: ActivationQuant,
 }
 
 impl Default for LoadOptions {
@@ -67,6 +71,7 @@ impl Default for LoadOptions {
             weight_format: WeightFormat::AsCompute,
             lean_cpu: true,
             threads: None,
+            activation_quant: ActivationQuant::default(),
         }
     }
 }
@@ -131,7 +136,13 @@ impl Model {
         let weights = ModelWeights::load(&loader, &cfg, q_scale)?;
         let tables = rope_tables(&cfg);
         let step = if use_lean {
-            Step::Lean(Box::new(Lean::new(&weights, tables, dtype, opts.threads)?))
+            Step::Lean(Box::new(Lean::new(
+                &weights,
+                tables,
+                dtype,
+                opts.threads,
+                opts.activation_quant,
+            )?))
         } else {
             Step::Candle(CandleStep::new(&cfg, tables, q_scale, dtype, dev)?)
         };

@@ -49,6 +49,7 @@ use std::path::PathBuf;
 pub use batch::{Batch, OutputRows, SeqSpan};
 pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use kernels::pool::fit_cpu_threads_to_affinity;
+pub use kernels::qformat::ActivationQuant;
 pub use kernels::Isa;
 pub use lean::PHASES;
 pub use linear::WeightFormat;

@@ -13,7 +13,7 @@ use candle_core::{DType, Device};
 
 use super::chat_template::{ChatTemplate, TemplateError};
 use crate::engine::{Engine, EngineConfig};
-use crate::model::{LoadOptions, Model, ModelError, WeightFormat};
+use crate::model::{ActivationQuant, LoadOptions, Model, ModelError, WeightFormat};
 use crate::tiny::{tiny_model, TinyError, TinyPreset};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -132,6 +132,8 @@ pub struct LoadSpec {
     pub kv_block_size: usize,
     /// Storage of the projection weights (`--dtype q8_0` / `q4_k` quantise at load).
     pub weight_format: WeightFormat,
+    /// How the CPU quantises activations for quantised weights.
+    pub activation_quant: ActivationQuant,
     /// Speculative decoding: the draft head, and the longest draft.
     pub mtp: super::mtp::MtpMode,
     pub draft_max: usize,
@@ -156,6 +158,7 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, LoadError> {
         dtype: spec.dtype,
         device: spec.device.clone(),
         weight_format: spec.weight_format,
+        activation_quant: spec.activation_quant,
         ..LoadOptions::default()
     };
     let mut root = None;

@@ -1,5 +1,6 @@
 //! CPU kernels of the lean step: the decode-fast linear (`dot`) and its
-//! quantised twin for GGML blocks (`quant`, formats in `qformat`), the
+//! quantised twin for GGML blocks (`quant`, with 15-bit activations, and
+//! `quant8`, with 8-bit ones; formats in `qformat`), the
 //! element-wise math (`math`), attention (`attention`) and the parallel
 //! split they share (`pool`).
 //!
@@ -7,8 +8,8 @@
 //! - Every kernel exists for three instruction-set tiers ([`Isa`]): AVX-512,
 //!   AVX2 + FMA + F16C, and portable Rust (which the compiler vectorises for
 //!   whatever the target has). AVX-512 with VNNI is a fourth tier for the
-//!   quantised linear (`vpdpwssd`); every other kernel runs its AVX-512
-//!   code there. The tier is detected at run time, once, and can only be
+//!   quantised linear (`vpdpwssd`, `vpdpbusd`); every other kernel runs its
+//!   AVX-512 code there. The tier is detected at run time, once, and can only be
 //!   lowered (`TANDEM_CPU_ISA=avx512|avx2|portable`), never raised past
 //!   what the CPU reports, so a binary built for generic x86-64 still runs
 //!   the widest kernels the machine has.
@@ -25,6 +26,7 @@ pub(crate) mod math;
 pub(crate) mod pool;
 pub(crate) mod qformat;
 pub(crate) mod quant;
+mod quant8;
 
 #[cfg(test)]
 mod quant_tests;

@@ -27,9 +27,11 @@
 use super::pool::{for_each_range, SharedMut};
 #[cfg(target_arch = "x86_64")]
 use super::qformat::k4_scales;
-use super::qformat::{DecodedRow, QFormat, QuantisedRows};
+use super::qformat::{ActivationQuant, DecodedRow, QFormat, QuantisedRows, QuantisedRows8};
+use super::quant8;
 use super::Isa;
 use std::cell::RefCell;
+use std::ops::Range;
 
 /// Weight rows per work unit.
 const UNIT: usize = 8;
@@ -39,8 +41,9 @@ const MR: usize = 4;
 thread_local! {
     /// Each worker's decoded weight row (workers are persistent threads).
     static DECODED: RefCell<DecodedRow> = RefCell::default();
-    /// The calling thread's quantised activations.
+    /// The calling thread's quantised activations (15-bit, 8-bit).
     static ACTS: RefCell<QuantisedRows> = RefCell::default();
+    static ACTS8: RefCell<QuantisedRows8> = RefCell::default();
 }
 
 /// A `[n, k]` weight matrix in GGML blocks, borrowed.
@@ -53,23 +56,23 @@ pub(crate) struct QMatrix<'a> {
 }
 
 impl QMatrix<'_> {
-    fn row(&self, j: usize) -> &[u8] {
+    pub(crate) fn row(&self, j: usize) -> &[u8] {
         let len = self.k / self.format.group() * self.format.block_bytes();
         &self.bytes[j * len..(j + 1) * len]
     }
 }
 
-/// What one unit of work reads and writes.
-struct Job<'a> {
-    w: QMatrix<'a>,
-    acts: &'a QuantisedRows,
-    rows: usize,
+/// What one unit of work reads and writes; `A` is the activations' form.
+pub(crate) struct Job<'a, A = QuantisedRows> {
+    pub(crate) w: QMatrix<'a>,
+    pub(crate) acts: &'a A,
+    pub(crate) rows: usize,
     out: SharedMut<f32>,
     accumulate: bool,
 }
 
 // SAFETY: workers only read `w` and `acts`, and write disjoint columns of `out`.
-unsafe impl Sync for Job<'_> {}
+unsafe impl<A: Sync> Sync for Job<'_, A> {}
 
 /// Activation rows `r0..r0 + R` as a SIMD tile reads them: each row's
 /// levels, its scales (one per group of the weight format) and its sums
@@ -96,13 +99,16 @@ impl<const R: usize> ActRows<R> {
 }
 
 /// `out[r·n + j] = Σ_e x[r·k + e] · W[j, e]` (or `+=` when `accumulate`)
-/// for `r < rows`, `j < n`, on up to `threads` threads.
+/// for `r < rows`, `j < n`, on up to `threads` threads, the activations
+/// quantised as `quant` says.
 ///
 /// Panics if a slice is shorter than its shape says or `k` is not a whole
 /// number of the format's groups (caller bugs: loading checks both).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn qmatmul_t(
     isa: Isa,
     threads: usize,
+    quant: ActivationQuant,
     x: &[f32],
     rows: usize,
     w: QMatrix<'_>,
@@ -123,34 +129,85 @@ pub(crate) fn qmatmul_t(
     if rows == 0 || n == 0 {
         return;
     }
-    ACTS.with_borrow_mut(|acts| {
-        match isa {
-            // SAFETY: the tier was detected on this CPU.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni => unsafe {
-                x86::quantise_avx2(acts, x, rows, k, w.format.group())
-            },
-            _ => acts.quantise(x, rows, k, w.format.group()),
-        }
-        let job = Job {
-            w,
-            acts,
-            rows,
-            out: SharedMut(out.as_mut_ptr()),
-            accumulate,
-        };
-        let units = n.div_ceil(UNIT);
-        let grain = (units / (threads * 8)).max(1);
-        for_each_range(units, grain, threads, |range| {
-            DECODED.with_borrow_mut(|dec| {
-                for j in range.start * UNIT..(range.end * UNIT).min(n) {
-                    // SAFETY: column `j` belongs to this worker alone, and
-                    // the shapes were checked above.
-                    unsafe { dispatch(isa, &job, dec, j) };
-                }
+    let group = w.format.group();
+    let out = SharedMut(out.as_mut_ptr());
+    match quant {
+        ActivationQuant::Int16 => ACTS.with_borrow_mut(|acts| {
+            quantise(
+                isa,
+                |a: &mut QuantisedRows| a.quantise(x, rows, k, group),
+                acts,
+            );
+            let job = Job {
+                w,
+                acts: &*acts,
+                rows,
+                out,
+                accumulate,
+            };
+            // SAFETY (both arms): the tier was detected on this CPU, and
+            // each column belongs to one worker.
+            run(threads, &job, |dec, js| {
+                js.for_each(|j| unsafe { dispatch(isa, &job, dec, j) })
             });
-        });
+        }),
+        ActivationQuant::Int8 => ACTS8.with_borrow_mut(|acts| {
+            quantise(
+                isa,
+                |a: &mut QuantisedRows8| a.quantise(x, rows, k, group),
+                acts,
+            );
+            let job = Job {
+                w,
+                acts: &*acts,
+                rows,
+                out,
+                accumulate,
+            };
+            run(threads, &job, |dec, js| unsafe {
+                dispatch8(isa, &job, dec, js)
+            });
+        }),
+    }
+}
+
+/// Runs `quantise` on `acts`, compiled for the tier's vector width.
+fn quantise<A>(isa: Isa, quantise: impl FnOnce(&mut A), acts: &mut A) {
+    match isa {
+        // SAFETY: the tier was detected on this CPU.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni => unsafe { x86::with_avx2(|| quantise(acts)) },
+        _ => quantise(acts),
+    }
+}
+
+/// Weight rows of `job` in units of [`UNIT`] across `threads`, `rows`
+/// multiplying a run of them against every activation row.
+fn run<A: Sync>(
+    threads: usize,
+    job: &Job<'_, A>,
+    rows: impl Fn(&mut DecodedRow, Range<usize>) + Sync,
+) {
+    let n = job.w.n;
+    let units = n.div_ceil(UNIT);
+    let grain = (units / (threads * 8)).max(1);
+    for_each_range(units, grain, threads, |range| {
+        DECODED.with_borrow_mut(|dec| rows(dec, range.start * UNIT..(range.end * UNIT).min(n)));
     });
+}
+
+/// Weight rows `js` against every activation row, through the 8-bit
+/// scheme's kernels for `isa` (`quant8`; AVX-512 without VNNI runs the
+/// AVX2 ones, whose 256-bit byte products it has).
+#[inline(always)]
+unsafe fn dispatch8(isa: Isa, job: &Job<'_, QuantisedRows8>, w: &mut DecodedRow, js: Range<usize>) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => quant8::x86::rows_vnni(job, js),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx2 => quant8::x86::rows_avx2(job, js),
+        _ => js.for_each(|j| quant8::row_portable(job, w, j)),
+    }
 }
 
 /// Decodes weight row `j` into `w` and multiplies it by every activation row.
@@ -175,7 +232,7 @@ unsafe fn dispatch(isa: Isa, job: &Job<'_>, w: &mut DecodedRow, j: usize) {
 
 /// Writes (or adds) `v` at output element `(r, j)`.
 #[inline(always)]
-unsafe fn store(job: &Job<'_>, r: usize, j: usize, v: f32) {
+pub(crate) unsafe fn store<A>(job: &Job<'_, A>, r: usize, j: usize, v: f32) {
     let o = job.out.at(r * job.w.n + j);
     if job.accumulate {
         *o += v;
@@ -187,7 +244,7 @@ unsafe fn store(job: &Job<'_>, r: usize, j: usize, v: f32) {
 /// `Σ_b min[b] · sum[b]`: the min term of one output, 8 lanes reduced
 /// pairwise (the same order on every tier).
 #[inline(always)]
-fn min_term(min: &[f32], sum: &[f32]) -> f32 {
+pub(crate) fn min_term(min: &[f32], sum: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
     let full = min.len() / 8 * 8;
     for (m, s) in min[..full].chunks_exact(8).zip(sum[..full].chunks_exact(8)) {
@@ -237,13 +294,13 @@ unsafe fn row_portable(job: &Job<'_>, w: &DecodedRow, j: usize) {
 mod avx512;
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{k4_scales, min_term, store, ActRows, DecodedRow, Job, QFormat, QuantisedRows, MR};
+    use super::{k4_scales, min_term, store, ActRows, DecodedRow, Job, QFormat, MR};
 
     #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(crate) unsafe fn hsum(v: __m256) -> f32 {
         // The portable tier's pairwise order: (0+4, 2+6), (1+5, 3+7).
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -294,19 +351,15 @@ mod x86 {
         }
     }
 
+    /// Runs `f` (inlined into it) with AVX2 enabled, so its loops
+    /// vectorise 8 wide.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn quantise_avx2(
-        acts: &mut QuantisedRows,
-        x: &[f32],
-        rows: usize,
-        k: usize,
-        group: usize,
-    ) {
-        acts.quantise(x, rows, k, group);
+    pub(super) unsafe fn with_avx2(f: impl FnOnce()) {
+        f()
     }
 
     #[inline(always)]
-    unsafe fn f16_at(p: *const u8) -> f32 {
+    pub(crate) unsafe fn f16_at(p: *const u8) -> f32 {
         let h = std::ptr::read_unaligned(p as *const u16);
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
     }
@@ -338,7 +391,7 @@ mod x86 {
     /// `b`, as four vectors of 32 `i8`s in element order: `ql: [u8; 128]`
     /// (low 4 bits), `qh: [u8; 64]` (high 2 bits), as ggml lays them out.
     #[inline(always)]
-    pub(super) unsafe fn q6k_levels(b: *const u8, h: usize) -> [__m256i; 4] {
+    pub(crate) unsafe fn q6k_levels(b: *const u8, h: usize) -> [__m256i; 4] {
         let (m4, m2) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
         let ql0 = _mm256_loadu_si256(b.add(64 * h) as *const __m256i);
         let ql1 = _mm256_loadu_si256(b.add(64 * h + 32) as *const __m256i);
@@ -409,11 +462,11 @@ mod x86 {
     /// Formats whose blocks a tile decodes in registers as it goes (one
     /// 32-element block at a time, no scratch row): the `F` of
     /// [`tile_direct`] and of the AVX-512 tier's twin.
-    pub(super) const Q4_0: u8 = 0;
-    pub(super) const Q4_1: u8 = 1;
-    pub(super) const Q8_0: u8 = 2;
-    pub(super) const Q5_0: u8 = 3;
-    pub(super) const Q5_1: u8 = 4;
+    pub(crate) const Q4_0: u8 = 0;
+    pub(crate) const Q4_1: u8 = 1;
+    pub(crate) const Q8_0: u8 = 2;
+    pub(crate) const Q5_0: u8 = 3;
+    pub(crate) const Q5_1: u8 = 4;
 
     /// Bytes `e` of the result are `0xFF` where bit `e` of `bits` is set
     /// (ggml's `bytes_from_bits_32`).
@@ -438,7 +491,7 @@ mod x86 {
     /// low nibble of byte `j` and element `j + 16` in the high one; the
     /// 5-bit ones take bit `e` of `qh` as element `e`'s fifth bit.
     #[inline(always)]
-    pub(super) unsafe fn block_levels<const F: u8>(b: *const u8) -> __m256i {
+    pub(crate) unsafe fn block_levels<const F: u8>(b: *const u8) -> __m256i {
         if F == Q8_0 {
             return _mm256_loadu_si256(b.add(2) as *const __m256i);
         }
@@ -492,7 +545,7 @@ mod x86 {
 
     /// Block `b`'s scale and min (0 without one) of direct format `F`.
     #[inline(always)]
-    pub(super) unsafe fn block_scales<const F: u8>(b: *const u8) -> (f32, f32) {
+    pub(crate) unsafe fn block_scales<const F: u8>(b: *const u8) -> (f32, f32) {
         if F == Q4_1 || F == Q5_1 {
             // d and m side by side: one conversion for both.
             let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(b as *const i32)));

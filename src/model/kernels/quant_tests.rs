@@ -1,16 +1,29 @@
 //! Tests of the quantised linear: decoding equals candle's (llama.cpp's)
-//! dequantisation exactly, products stay within the bound that 8-bit
-//! activations allow of an f64 reference, on every ISA tier this CPU runs,
-//! and batching or threading never changes a bit.
+//! dequantisation exactly, products stay within the bound that the
+//! activations' levels (8-bit or 15-bit) allow of an f64 reference, on
+//! every ISA tier this CPU runs (forced lower tiers included), and
+//! batching or threading never changes a bit.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::qformat::{DecodedRow, QFormat, QuantisedRows, LEVELS};
+use super::qformat::{
+    ActivationQuant, DecodedRow, QFormat, QuantisedRows, QuantisedRows8, LEVELS, LEVELS8,
+};
 use super::quant::{qmatmul_t, QMatrix};
 use super::Isa;
+
+const QUANTS: [ActivationQuant; 2] = [ActivationQuant::Int8, ActivationQuant::Int16];
+
+/// The most an activation level may be: `x ≈ d · q`, `|q| ≤ levels`.
+fn levels(quant: ActivationQuant) -> f32 {
+    match quant {
+        ActivationQuant::Int8 => LEVELS8,
+        ActivationQuant::Int16 => LEVELS,
+    }
+}
 
 const FORMATS: [(GgmlDType, QFormat); 8] = [
     (GgmlDType::Q4_0, QFormat::Q4_0),
@@ -80,16 +93,16 @@ fn reference(
     x: &[f32],
     rows: usize,
     w: &[f32],
-    n: usize,
-    k: usize,
+    (n, k): (usize, usize),
     group: usize,
+    levels: f32,
 ) -> Vec<(f64, f64)> {
     let mut out = Vec::new();
     for r in 0..rows {
         let xr = &x[r * k..(r + 1) * k];
         let level: Vec<f64> = xr
             .chunks(group)
-            .map(|g| g.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / LEVELS as f64)
+            .map(|g| g.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / levels as f64)
             .collect();
         for j in 0..n {
             let (mut s, mut bound, mut mag) = (0f64, 0f64, 0f64);
@@ -114,25 +127,27 @@ fn products_are_within_the_activation_rounding_bound_on_every_tier() {
             let x: Vec<f32> = (0..rows * k)
                 .map(|i| rng.random_range(-1.0f32..1.0) * if i % 50 == 0 { 8.0 } else { 1.0 })
                 .collect();
-            let want = reference(&x, rows, &values, n, k, format.group());
             let w = QMatrix {
                 format,
                 bytes: &bytes,
                 n,
                 k,
             };
-            for isa in Isa::supported() {
-                for threads in [1, 2] {
-                    for accumulate in [false, true] {
-                        let mut out = vec![0.5f32; rows * n];
-                        qmatmul_t(isa, threads, &x, rows, w, &mut out, accumulate);
-                        for (i, (&got, &(s, bound))) in out.iter().zip(&want).enumerate() {
-                            let s = if accumulate { s + 0.5 } else { s };
-                            assert!(
-                                (got as f64 - s).abs() <= bound,
-                                "{format:?} {isa:?} rows {rows} k {k} n {n} out {i}: \
-                                 {got} vs {s} (bound {bound})"
-                            );
+            for quant in QUANTS {
+                let want = reference(&x, rows, &values, (n, k), format.group(), levels(quant));
+                for isa in Isa::supported() {
+                    for threads in [1, 2] {
+                        for accumulate in [false, true] {
+                            let mut out = vec![0.5f32; rows * n];
+                            qmatmul_t(isa, threads, quant, &x, rows, w, &mut out, accumulate);
+                            for (i, (&got, &(s, bound))) in out.iter().zip(&want).enumerate() {
+                                let s = if accumulate { s + 0.5 } else { s };
+                                assert!(
+                                    (got as f64 - s).abs() <= bound,
+                                    "{format:?} {quant:?} {isa:?} rows {rows} k {k} n {n} \
+                                     out {i}: {got} vs {s} (bound {bound})"
+                                );
+                            }
                         }
                     }
                 }
@@ -148,18 +163,29 @@ fn exact_reference(
     x: &[f32],
     rows: usize,
     w: &[f32],
-    n: usize,
-    k: usize,
+    (n, k): (usize, usize),
     group: usize,
+    quant: ActivationQuant,
 ) -> Vec<(f64, f64)> {
-    let mut acts = QuantisedRows::default();
-    acts.quantise(x, rows, k, group);
+    // The activations as the kernel sees them: `d · q` per element.
+    let (d, q): (Vec<f32>, Vec<f64>) = match quant {
+        ActivationQuant::Int16 => {
+            let mut acts = QuantisedRows::default();
+            acts.quantise(x, rows, k, group);
+            (acts.d, acts.q.iter().map(|&q| q as f64).collect())
+        }
+        ActivationQuant::Int8 => {
+            let mut acts = QuantisedRows8::default();
+            acts.quantise(x, rows, k, group);
+            (acts.d, acts.q.iter().map(|&q| q as f64).collect())
+        }
+    };
     let mut out = Vec::new();
     for r in 0..rows {
         for j in 0..n {
             let (mut s, mut mag) = (0f64, 0f64);
             for e in 0..k {
-                let xq = acts.d[(r * k + e) / group] as f64 * acts.q[r * k + e] as f64;
+                let xq = d[(r * k + e) / group] as f64 * q[r * k + e];
                 let t = w[j * k + e] as f64 * xq;
                 s += t;
                 mag += t.abs();
@@ -179,21 +205,23 @@ fn products_equal_the_quantised_activations_product_up_to_f32_rounding() {
         let x: Vec<f32> = (0..rows * k)
             .map(|_| rng.random_range(-1.0f32..1.0))
             .collect();
-        let want = exact_reference(&x, rows, &values, n, k, format.group());
         let w = QMatrix {
             format,
             bytes: &bytes,
             n,
             k,
         };
-        for isa in Isa::supported() {
-            let mut out = vec![0f32; rows * n];
-            qmatmul_t(isa, 2, &x, rows, w, &mut out, false);
-            for (i, (&got, &(s, tol))) in out.iter().zip(&want).enumerate() {
-                assert!(
-                    (got as f64 - s).abs() <= tol,
-                    "{format:?} {isa:?} out {i}: {got} vs {s} (tolerance {tol})"
-                );
+        for quant in QUANTS {
+            let want = exact_reference(&x, rows, &values, (n, k), format.group(), quant);
+            for isa in Isa::supported() {
+                let mut out = vec![0f32; rows * n];
+                qmatmul_t(isa, 2, quant, &x, rows, w, &mut out, false);
+                for (i, (&got, &(s, tol))) in out.iter().zip(&want).enumerate() {
+                    assert!(
+                        (got as f64 - s).abs() <= tol,
+                        "{format:?} {quant:?} {isa:?} out {i}: {got} vs {s} (tolerance {tol})"
+                    );
+                }
             }
         }
     }
@@ -222,6 +250,24 @@ fn quantised_activations_are_within_half_a_level() {
             let s: i32 = acts.q[32 * b..32 * b + 32].iter().map(|&q| q as i32).sum();
             assert_eq!(acts.sum[b], acts.d[32 * b / group] * s as f32, "block {b}");
         }
+        let mut acts8 = QuantisedRows8::default();
+        acts8.quantise(&x, rows, k, group);
+        for (e, &v) in x.iter().enumerate() {
+            let (d, q) = (acts8.d[e / group], acts8.q[e]);
+            assert!(
+                (q as f32 * d - v).abs() <= 0.5001 * d,
+                "8-bit element {e}: {q}·{d} vs {v}"
+            );
+        }
+        for b in 0..rows * k / 32 {
+            let s: i32 = acts8.q[32 * b..32 * b + 32].iter().map(|&q| q as i32).sum();
+            assert_eq!(acts8.qsum[b] as i32, s, "8-bit block {b}");
+            assert_eq!(
+                acts8.sum[b],
+                acts8.d[32 * b / group] * s as f32,
+                "8-bit block {b}"
+            );
+        }
     }
 }
 
@@ -240,19 +286,31 @@ fn batching_and_threads_never_change_a_bit() {
         let x: Vec<f32> = (0..rows * k)
             .map(|_| rng.random_range(-2.0f32..2.0))
             .collect();
-        for isa in Isa::supported() {
+        for (quant, isa) in QUANTS
+            .into_iter()
+            .flat_map(|q| Isa::supported().into_iter().map(move |i| (q, i)))
+        {
             let mut batched = vec![0f32; rows * n];
-            qmatmul_t(isa, 2, &x, rows, w, &mut batched, false);
+            qmatmul_t(isa, 2, quant, &x, rows, w, &mut batched, false);
             for r in 0..rows {
                 let mut solo = vec![0f32; n];
-                qmatmul_t(isa, 1, &x[r * k..(r + 1) * k], 1, w, &mut solo, false);
+                qmatmul_t(
+                    isa,
+                    1,
+                    quant,
+                    &x[r * k..(r + 1) * k],
+                    1,
+                    w,
+                    &mut solo,
+                    false,
+                );
                 assert_eq!(
                     solo.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                     batched[r * n..(r + 1) * n]
                         .iter()
                         .map(|v| v.to_bits())
                         .collect::<Vec<_>>(),
-                    "{format:?} {isa:?}: row {r} alone differs from the batch"
+                    "{format:?} {quant:?} {isa:?}: row {r} alone differs from the batch"
                 );
             }
         }
@@ -269,8 +327,49 @@ fn zero_activations_give_exact_zeros_and_accumulate_adds_nothing() {
         k: 64,
     };
     for isa in Isa::supported() {
-        let mut out = vec![1.5f32; 10];
-        qmatmul_t(isa, 1, &[0.0; 128], 2, w, &mut out, true);
-        assert_eq!(out, vec![1.5; 10], "{isa:?}");
+        for quant in QUANTS {
+            let mut out = vec![1.5f32; 10];
+            qmatmul_t(isa, 1, quant, &[0.0; 128], 2, w, &mut out, true);
+            assert_eq!(out, vec![1.5; 10], "{quant:?} {isa:?}");
+        }
+    }
+}
+
+#[test]
+fn the_simd_tiers_form_the_same_8_bit_sums() {
+    // `vpdpbusd` (VNNI) and `vpmaddubsw` + `vpmaddwd` (AVX2) give the same
+    // integers, converted at the same points: the same bits.
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    let (rows, k, n) = (9, 768, 10);
+    let simd: Vec<Isa> = Isa::supported()
+        .into_iter()
+        .filter(|&i| i > Isa::Portable)
+        .collect();
+    for (dtype, format) in FORMATS {
+        let (bytes, _) = quantised(dtype, n, k, 6);
+        let w = QMatrix {
+            format,
+            bytes: &bytes,
+            n,
+            k,
+        };
+        let x: Vec<f32> = (0..rows * k)
+            .map(|_| rng.random_range(-2.0f32..2.0))
+            .collect();
+        let outs: Vec<Vec<u32>> = simd
+            .iter()
+            .map(|&isa| {
+                let mut out = vec![0f32; rows * n];
+                qmatmul_t(isa, 2, ActivationQuant::Int8, &x, rows, w, &mut out, false);
+                out.iter().map(|v| v.to_bits()).collect()
+            })
+            .collect();
+        for (isa, out) in simd.iter().zip(&outs) {
+            assert_eq!(
+                out, &outs[0],
+                "{format:?}: {isa:?} differs from {:?}",
+                simd[0]
+            );
+        }
     }
 }

@@ -1,0 +1,318 @@
+//! The quantised linear with 8-bit activations (`ActivationQuant::Int8`,
+//! the default): ggml's arithmetic, Tandem's loop order.
+//!
+//! # Scheme
+//! Activations are quantised once per call to 8-bit levels in the weight
+//! format's groups ([`QuantisedRows8`]: a scale per 32 elements, or per
+//! 256 for the K-quants, as ggml's `q8_0` / `q8_K`). A worker takes runs of
+//! weight rows and multiplies each row, decoded in registers block by
+//! block, against every activation row, `MR` rows at a time, so a weight
+//! is read from memory once per call however many rows there are.
+//!
+//! Per 32 elements a tier forms unsigned × signed byte products: weights
+//! with a fixed zero point (Q4_0, Q5_0, Q8_0, Q6_K) as `|w|` times the
+//! activation with `w`'s sign (`vpsignb`), weights with a min (Q4_1, Q5_1,
+//! Q4_K, Q5_K) as their raw unsigned levels. AVX2 sums them in pairs
+//! (`vpmaddubsw`, exact: every pair is below 2¹⁵ in magnitude) and then in
+//! fours (`vpmaddwd` by ones, or by the K-quants' sub-block scales); the
+//! VNNI tier does the same in one instruction (`vpdpbusd`, or `vpdpwssd`
+//! for the scaled pairs), so both give the same integers. The 32-element
+//! formats convert once per block, scaled by `d_w · d_x`; the K-quants
+//! once per 256-element super-block, with the sub-block scales and mins
+//! applied in integers (`Σ_j m_j Σ q_x` over the sub-blocks, as ggml's
+//! `bsums`).
+//!
+//! # Numerics
+//! Integer sums are exact; each output's float sum runs over its blocks in
+//! an order that depends only on `k`, so batching and threading never
+//! change a result (the invariant of `kernels`). The portable tier is the
+//! scalar reference: the same integers over the decoded row, converted per
+//! group.
+
+use super::qformat::{DecodedRow, QuantisedRows8};
+use super::quant::{min_term, store, Job};
+
+/// Activation rows `r0..r0 + R` as a tile reads them: levels, scales (one
+/// per group of the weight format), and per 32 elements the integer and
+/// scaled sums.
+pub(super) struct ActRows8<const R: usize> {
+    pub(super) q: [*const i8; R],
+    pub(super) d: [*const f32; R],
+    pub(super) qsum: [*const i16; R],
+    pub(super) sum: [*const f32; R],
+}
+
+impl<const R: usize> ActRows8<R> {
+    /// # Safety
+    /// Rows `r0..r0 + R` must be inside `job.acts`, quantised in groups of
+    /// `group` elements.
+    #[inline(always)]
+    pub(super) unsafe fn new(job: &Job<'_, QuantisedRows8>, r0: usize, group: usize) -> Self {
+        let (a, k) = (job.acts, job.w.k);
+        Self {
+            q: std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k)),
+            d: std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * (k / group))),
+            qsum: std::array::from_fn(|i| a.qsum.as_ptr().add((r0 + i) * (k / 32))),
+            sum: std::array::from_fn(|i| a.sum.as_ptr().add((r0 + i) * (k / 32))),
+        }
+    }
+}
+
+/// Portable tier: the integer sums over the decoded row, one float
+/// conversion per group, in 8 lanes (lane `l` holds elements `4l..4l + 3`
+/// of each 32, as the SIMD tiers), then the min term.
+pub(super) unsafe fn row_portable(job: &Job<'_, QuantisedRows8>, w: &mut DecodedRow, j: usize) {
+    let f = job.w.format;
+    w.decode(f, job.w.row(j), job.w.k);
+    let (k, group) = (job.w.k, f.group());
+    let a = job.acts;
+    for r in 0..job.rows {
+        let x = &a.q[r * k..(r + 1) * k];
+        let mut acc = [0f32; 8];
+        for g in 0..k / group {
+            let scale = w.d[g] * a.d[r * (k / group) + g];
+            let mut isum = [0i32; 8];
+            for e in g * group..(g + 1) * group {
+                isum[(e % 32) / 4] += w.w[e] as i32 * x[e] as i32;
+            }
+            for l in 0..8 {
+                acc[l] = (isum[l] as f32).mul_add(scale, acc[l]);
+            }
+        }
+        let mut v =
+            ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+        if f.has_min() {
+            v += min_term(&w.min, &a.sum[r * k / 32..(r + 1) * k / 32]);
+        }
+        store(job, r, j, v);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod x86 {
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::super::qformat::{k4_scale_ints, QFormat, QuantisedRows8};
+    use super::super::quant::x86::{
+        block_levels, block_scales, f16_at, hsum, q6k_levels, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+    };
+    use super::super::quant::{store, Job};
+    use super::ActRows8;
+
+    type Job8<'a> = Job<'a, QuantisedRows8>;
+
+    /// `acc +` the 32 products of unsigned bytes `a` and signed bytes `b`,
+    /// summed in fours into 8 `i32` lanes.
+    #[inline(always)]
+    unsafe fn dot_bytes<const VNNI: bool>(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        if VNNI {
+            _mm256_dpbusd_epi32(acc, a, b)
+        } else {
+            let pairs = _mm256_maddubs_epi16(a, b);
+            _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+        }
+    }
+
+    /// `acc +` the pairs of `i16`s `p` times the `i16` scales `s`, summed
+    /// in twos into 8 `i32` lanes.
+    #[inline(always)]
+    unsafe fn dot_scaled<const VNNI: bool>(acc: __m256i, p: __m256i, s: __m256i) -> __m256i {
+        if VNNI {
+            _mm256_dpwssd_epi32(acc, p, s)
+        } else {
+            _mm256_add_epi32(acc, _mm256_madd_epi16(p, s))
+        }
+    }
+
+    /// `R` activation rows from `r0` against weight row `j` of a 32-element
+    /// block format `F`, each block decoded in registers once for all `R`.
+    #[inline(always)]
+    unsafe fn tile_blocks<const R: usize, const F: u8, const VNNI: bool>(
+        job: &Job8<'_>,
+        j: usize,
+        r0: usize,
+    ) {
+        let with_min = F == Q4_1 || F == Q5_1;
+        let p = job.w.row(j).as_ptr();
+        let bb = job.w.format.block_bytes();
+        let act = ActRows8::<R>::new(job, r0, 32);
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut mins = [0f32; R];
+        for g in 0..job.w.k / 32 {
+            let b = p.add(g * bb);
+            let w = block_levels::<F>(b);
+            let (d, min) = block_scales::<F>(b);
+            let dw = _mm256_set1_ps(d);
+            let unsigned = if with_min { w } else { _mm256_sign_epi8(w, w) };
+            for i in 0..R {
+                let x = _mm256_loadu_si256(act.q[i].add(32 * g) as *const __m256i);
+                let x = if with_min { x } else { _mm256_sign_epi8(x, w) };
+                let t = dot_bytes::<VNNI>(_mm256_setzero_si256(), unsigned, x);
+                let scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(&*act.d[i].add(g)));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[i]);
+                if with_min {
+                    mins[i] = min.mul_add(*act.sum[i].add(g), mins[i]);
+                }
+            }
+        }
+        for i in 0..R {
+            store(job, r0 + i, j, hsum(acc[i]) + mins[i]);
+        }
+    }
+
+    /// `R` activation rows from `r0` against Q4_K (`FIVE` false) or Q5_K
+    /// weight row `j`: per 32-element sub-block the byte pairs scaled by
+    /// its 6-bit scale, per super-block one conversion of the sum scaled by
+    /// `d · d_x` and one of `Σ_j m_j Σ q_x` scaled by `−dmin · d_x`.
+    #[inline(always)]
+    unsafe fn tile_k4<const R: usize, const FIVE: bool, const VNNI: bool>(
+        job: &Job8<'_>,
+        j: usize,
+        r0: usize,
+    ) {
+        let p = job.w.row(j).as_ptr();
+        let bb = job.w.format.block_bytes();
+        let act = ActRows8::<R>::new(job, r0, 256);
+        let (m4, one) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(1));
+        let mut acc = [_mm256_setzero_ps(); R];
+        for g in 0..job.w.k / 256 {
+            let b = p.add(g * bb);
+            let (sc, m) = k4_scale_ints(std::slice::from_raw_parts(b, 16));
+            let qs = b.add(if FIVE { 48 } else { 16 });
+            let mut high = _mm256_loadu_si256(b.add(16) as *const __m256i);
+            let mut isum = [_mm256_setzero_si256(); R];
+            for c in 0..4 {
+                let v = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                let mut lo = _mm256_and_si256(v, m4);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                if FIVE {
+                    // Bit 2c / 2c + 1 of byte l: the fifth bit of element
+                    // l of chunk c's low / high half.
+                    let fifth = |bits: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(bits, one));
+                    lo = _mm256_or_si256(lo, fifth(high));
+                    hi = _mm256_or_si256(hi, fifth(_mm256_srli_epi16::<1>(high)));
+                    high = _mm256_srli_epi16::<2>(high);
+                }
+                let (s_lo, s_hi) = (
+                    _mm256_set1_epi16(sc[2 * c]),
+                    _mm256_set1_epi16(sc[2 * c + 1]),
+                );
+                let e = 256 * g + 64 * c;
+                for (t, x) in isum.iter_mut().zip(&act.q) {
+                    let x0 = _mm256_loadu_si256(x.add(e) as *const __m256i);
+                    let x1 = _mm256_loadu_si256(x.add(e + 32) as *const __m256i);
+                    *t = dot_scaled::<VNNI>(*t, _mm256_maddubs_epi16(lo, x0), s_lo);
+                    *t = dot_scaled::<VNNI>(*t, _mm256_maddubs_epi16(hi, x1), s_hi);
+                }
+            }
+            let (d, dmin) = (f16_at(b), f16_at(b.add(2)));
+            let mins = _mm_loadu_si128(m.as_ptr() as *const __m128i);
+            for i in 0..R {
+                let dx = *act.d[i].add(g);
+                let qsum = _mm_loadu_si128(act.qsum[i].add(8 * g) as *const __m128i);
+                let msum = _mm256_zextsi128_si256(_mm_madd_epi16(mins, qsum));
+                acc[i] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * dx), acc[i]);
+                acc[i] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-dmin * dx), acc[i]);
+            }
+        }
+        for i in 0..R {
+            store(job, r0 + i, j, hsum(acc[i]));
+        }
+    }
+
+    /// `R` activation rows from `r0` against Q6_K weight row `j`: levels
+    /// `q − 32` as `|w|` times the signed activation, pairs scaled by the
+    /// 16-element sub-block scales, one conversion per super-block.
+    #[inline(always)]
+    unsafe fn tile_q6k<const R: usize, const VNNI: bool>(job: &Job8<'_>, j: usize, r0: usize) {
+        let p = job.w.row(j).as_ptr();
+        let bb = job.w.format.block_bytes();
+        let act = ActRows8::<R>::new(job, r0, 256);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for g in 0..job.w.k / 256 {
+            let b = p.add(g * bb);
+            let sc = |e: usize| *b.add(192 + e / 16) as i8 as i16;
+            let mut isum = [_mm256_setzero_si256(); R];
+            for h in 0..2 {
+                for (c, w) in q6k_levels(b, h).into_iter().enumerate() {
+                    let e = 128 * h + 32 * c;
+                    // Pairs 0–7 are elements 0–15 (one scale), 8–15 the next.
+                    let s = _mm256_set_m128i(_mm_set1_epi16(sc(e + 16)), _mm_set1_epi16(sc(e)));
+                    let unsigned = _mm256_sign_epi8(w, w);
+                    for (t, x) in isum.iter_mut().zip(&act.q) {
+                        let xv = _mm256_loadu_si256(x.add(256 * g + e) as *const __m256i);
+                        let pairs = _mm256_maddubs_epi16(unsigned, _mm256_sign_epi8(xv, w));
+                        *t = dot_scaled::<VNNI>(*t, pairs, s);
+                    }
+                }
+            }
+            let d = f16_at(b.add(208));
+            for i in 0..R {
+                let scale = _mm256_set1_ps(d * *act.d[i].add(g));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), scale, acc[i]);
+            }
+        }
+        for i in 0..R {
+            store(job, r0 + i, j, hsum(acc[i]));
+        }
+    }
+
+    /// Every activation row of `$job` against weight row `$j` through
+    /// `$kernel`, in tiles of `MR` rows (4 on AVX2's 16 vector registers,
+    /// 8 on AVX-512's 32). A macro, not a closure: the kernels must inline
+    /// into the `target_feature` function that expands it.
+    macro_rules! tiles {
+        ($kernel:ident::<$($c:tt),*>, $job:expr, $j:expr) => {{
+            let mr = if VNNI { 8 } else { 4 };
+            let mut r = 0;
+            while r < $job.rows {
+                let rows = ($job.rows - r).min(mr);
+                match rows {
+                    8 => $kernel::<8, $($c),*>($job, $j, r),
+                    7 => $kernel::<7, $($c),*>($job, $j, r),
+                    6 => $kernel::<6, $($c),*>($job, $j, r),
+                    5 => $kernel::<5, $($c),*>($job, $j, r),
+                    4 => $kernel::<4, $($c),*>($job, $j, r),
+                    3 => $kernel::<3, $($c),*>($job, $j, r),
+                    2 => $kernel::<2, $($c),*>($job, $j, r),
+                    _ => $kernel::<1, $($c),*>($job, $j, r),
+                }
+                r += rows;
+            }
+        }};
+    }
+
+    /// Weight row `j` against every activation row.
+    #[inline(always)]
+    unsafe fn row<const VNNI: bool>(job: &Job8<'_>, j: usize) {
+        match job.w.format {
+            QFormat::Q4_0 => tiles!(tile_blocks::<Q4_0, VNNI>, job, j),
+            QFormat::Q4_1 => tiles!(tile_blocks::<Q4_1, VNNI>, job, j),
+            QFormat::Q5_0 => tiles!(tile_blocks::<Q5_0, VNNI>, job, j),
+            QFormat::Q5_1 => tiles!(tile_blocks::<Q5_1, VNNI>, job, j),
+            QFormat::Q8_0 => tiles!(tile_blocks::<Q8_0, VNNI>, job, j),
+            QFormat::Q4K => tiles!(tile_k4::<false, VNNI>, job, j),
+            QFormat::Q5K => tiles!(tile_k4::<true, VNNI>, job, j),
+            QFormat::Q6K => tiles!(tile_q6k::<VNNI>, job, j),
+        }
+    }
+
+    /// Weight rows `js` against every activation row.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in super::super) unsafe fn rows_avx2(job: &Job8<'_>, js: Range<usize>) {
+        for j in js {
+            row::<false>(job, j)
+        }
+    }
+
+    /// Weight rows `js` against every activation row.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(in super::super) unsafe fn rows_vnni(job: &Job8<'_>, js: Range<usize>) {
+        for j in js {
+            row::<true>(job, j)
+        }
+    }
+}
