@@ -18,14 +18,20 @@
 //! group.
 //!
 //! # Activations
-//! Activations are quantised with the same groups, but to 15-bit levels
-//! (±[`LEVELS`]), not ggml's 8: the activation rounding error, which
-//! llama.cpp adds on top of the file's own weight rounding, becomes ~1/128
-//! of llama.cpp's, so a quantised file computes nearly what its dequantised
-//! weights compute in f32. The cost is 16-bit multiplies (`vpmaddwd`, 16
-//! products an instruction) instead of 8-bit ones (32): measured in
-//! BENCHMARKS.md. Bounds: `|w| ≤ 32 · 128` (Q6_K) and `|x| ≤ 16383`, so a
-//! 32-bit lane holding 16 products (128 elements) cannot overflow.
+//! Activations are quantised in the same groups, in one of two schemes
+//! ([`ActivationQuant`]):
+//! - 8-bit levels (±[`LEVELS8`], the default), ggml's `q8_0` / `q8_K`:
+//!   what llama.cpp computes, multiplied as unsigned × signed bytes
+//!   (`vpmaddubsw`, VNNI's `vpdpbusd`: 32 products an instruction at 256
+//!   bits) by `quant8`;
+//! - 15-bit levels (±[`LEVELS`]): the activation rounding error, which
+//!   llama.cpp adds on top of the file's own weight rounding, becomes ~1/128
+//!   of the 8-bit scheme's, so a quantised file computes nearly what its
+//!   dequantised weights compute in f32 (`tests/gguf_quantised.rs`). The
+//!   cost is 16-bit multiplies (`vpmaddwd`, 16 products an instruction)
+//!   against the decoded form, by `quant`. Bounds: `|w| ≤ 32 · 128` (Q6_K)
+//!   and `|x| ≤ 16383`, so a 32-bit lane holding 16 products (128 elements)
+//!   cannot overflow.
 
 use candle_core::quantized::GgmlDType;
 use half::f16;

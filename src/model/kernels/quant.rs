@@ -2,10 +2,14 @@
 //! activations and weights in GGML blocks ([`QFormat`]), read where they
 //! lie (a memory-mapped GGUF or candle's block storage; no repacking).
 //!
-//! # Scheme
+//! [`qmatmul_t`] is the entry for both activation schemes: it quantises the
+//! activations once per call and splits the weight rows across threads;
+//! the 8-bit scheme's kernels are `quant8`'s, the 15-bit ones these.
+//!
+//! # Scheme (15-bit)
 //! Activations are quantised once per call, in the weight format's groups,
-//! to 15-bit levels ([`QuantisedRows`]; why 15 and not ggml's 8: the
-//! `qformat` module docs). Work units are runs of weight rows; a worker
+//! to 15-bit levels ([`QuantisedRows`]; the two schemes: the `qformat`
+//! module docs). Work units are runs of weight rows; a worker
 //! decodes each of its rows once ([`DecodedRow`]: 16-bit levels with the
 //! sub-block scales folded in) and multiplies it against every activation
 //! row, `MR` at a time: the decoded row stays in L1 while the activation
