@@ -301,18 +301,28 @@ pub(super) mod x86 {
     }
 
     /// Weight rows `js` against every activation row.
-    #[target_feature(enable = "avx2,fma,f16c")]
     pub(in super::super) unsafe fn rows_avx2(job: &Job8<'_>, js: Range<usize>) {
         for j in js {
-            row::<false>(job, j)
+            row_avx2(job, j)
         }
     }
 
     /// Weight rows `js` against every activation row.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(in super::super) unsafe fn rows_vnni(job: &Job8<'_>, js: Range<usize>) {
         for j in js {
-            row::<true>(job, j)
+            row_vnni(job, j)
         }
+    }
+
+    #[inline(never)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn row_avx2(job: &Job8<'_>, j: usize) {
+        row::<false>(job, j)
+    }
+
+    #[inline(never)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn row_vnni(job: &Job8<'_>, j: usize) {
+        row::<true>(job, j)
     }
 }
