@@ -398,11 +398,14 @@ impl QuantisedRows {
 
 /// Activation rows quantised to 8 bits ([`ActivationQuant::Int8`]) in the
 /// weight format's groups (32, or a K-quant's 256, as ggml's `q8_0` /
-/// `q8_K`): levels `q[r·k + e]`, scale `d[r·groups + g]`, and per 32
-/// elements the integer sum `qsum` and `sum = d · qsum` (the min terms).
+/// `q8_K`): levels `q[r·k + e]`, the same offset to unsigned bytes
+/// `qu = q + 128` (for products with signed weights), scale
+/// `d[r·groups + g]`, and per 32 elements the integer sum `qsum` and
+/// `sum = d · qsum` (the min terms).
 #[derive(Debug, Default)]
 pub(crate) struct QuantisedRows8 {
     pub(crate) q: Vec<i8>,
+    pub(crate) qu: Vec<u8>,
     pub(crate) d: Vec<f32>,
     pub(crate) qsum: Vec<i16>,
     pub(crate) sum: Vec<f32>,
@@ -418,6 +421,7 @@ impl QuantisedRows8 {
         self.d.resize(rows * groups, 0.0);
         self.qsum.resize(rows * k / 32, 0);
         self.sum.resize(rows * k / 32, 0.0);
+        self.qu.resize(rows * k, 0);
         for (gi, (xs, qs)) in x[..rows * k]
             .chunks_exact(group)
             .zip(self.q.chunks_exact_mut(group))
@@ -436,6 +440,9 @@ impl QuantisedRows8 {
                 self.qsum[first + b] = s as i16;
                 self.sum[first + b] = d * s as f32;
             }
+        }
+        for (u, &q) in self.qu.iter_mut().zip(&self.q) {
+            *u = (q as u8) ^ 0x80;
         }
     }
 }

@@ -37,6 +37,7 @@ use super::quant::{min_term, store, Job};
 /// scaled sums.
 pub(super) struct ActRows8<const R: usize> {
     pub(super) q: [*const i8; R],
+    pub(super) qu: [*const u8; R],
     pub(super) d: [*const f32; R],
     pub(super) qsum: [*const i16; R],
     pub(super) sum: [*const f32; R],
@@ -51,6 +52,7 @@ impl<const R: usize> ActRows8<R> {
         let (a, k) = (job.acts, job.w.k);
         Self {
             q: std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k)),
+            qu: std::array::from_fn(|i| a.qu.as_ptr().add((r0 + i) * k)),
             d: std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * (k / group))),
             qsum: std::array::from_fn(|i| a.qsum.as_ptr().add((r0 + i) * (k / 32))),
             sum: std::array::from_fn(|i| a.sum.as_ptr().add((r0 + i) * (k / 32))),
@@ -139,16 +141,32 @@ pub(super) mod x86 {
         let act = ActRows8::<R>::new(job, r0, 32);
         let mut acc = [_mm256_setzero_ps(); R];
         let mut mins = [0f32; R];
+        // Signed weights against the offset activations `x + 128`, from
+        // `−128 Σ w`: one instruction a row fewer than `|w|` against the
+        // sign-flipped activation, the same integers. (AVX2's pairs would
+        // overflow 16 bits with Q8_0's levels.)
+        let offset = !with_min && (VNNI || F != Q8_0);
+        let zero = _mm256_setzero_si256();
         for g in 0..job.w.k / 32 {
             let b = p.add(g * bb);
             let w = block_levels::<F>(b);
             let (d, min) = block_scales::<F>(b);
             let dw = _mm256_set1_ps(d);
-            let unsigned = if with_min { w } else { _mm256_sign_epi8(w, w) };
+            let unsigned = if with_min || offset { w } else { _mm256_sign_epi8(w, w) };
+            let start = if offset {
+                _mm256_sub_epi32(zero, dot_bytes::<VNNI>(zero, _mm256_set1_epi8(-128), w))
+            } else {
+                zero
+            };
             for i in 0..R {
-                let x = _mm256_loadu_si256(act.q[i].add(32 * g) as *const __m256i);
-                let x = if with_min { x } else { _mm256_sign_epi8(x, w) };
-                let t = dot_bytes::<VNNI>(_mm256_setzero_si256(), unsigned, x);
+                let t = if offset {
+                    let xu = _mm256_loadu_si256(act.qu[i].add(32 * g) as *const __m256i);
+                    dot_bytes::<VNNI>(start, xu, w)
+                } else {
+                    let x = _mm256_loadu_si256(act.q[i].add(32 * g) as *const __m256i);
+                    let x = if with_min { x } else { _mm256_sign_epi8(x, w) };
+                    dot_bytes::<VNNI>(zero, unsigned, x)
+                };
                 let scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(&*act.d[i].add(g)));
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[i]);
                 if with_min {
@@ -224,7 +242,7 @@ pub(super) mod x86 {
     }
 
     /// `R` activation rows from `r0` against Q6_K weight row `j`: levels
-    /// `q − 32` as `|w|` times the signed activation, pairs scaled by the
+    /// `q − 32` against the offset activations, pairs scaled by the
     /// 16-element sub-block scales, one conversion per super-block.
     #[inline(always)]
     unsafe fn tile_q6k<const R: usize, const VNNI: bool>(job: &Job8<'_>, j: usize, r0: usize) {
@@ -235,18 +253,24 @@ pub(super) mod x86 {
         for g in 0..job.w.k / 256 {
             let b = p.add(g * bb);
             let sc = |e: usize| *b.add(192 + e / 16) as i8 as i16;
-            let mut isum = [_mm256_setzero_si256(); R];
-            for h in 0..2 {
-                for (c, w) in q6k_levels(b, h).into_iter().enumerate() {
-                    let e = 128 * h + 32 * c;
-                    // Pairs 0–7 are elements 0–15 (one scale), 8–15 the next.
-                    let s = _mm256_set_m128i(_mm_set1_epi16(sc(e + 16)), _mm_set1_epi16(sc(e)));
-                    let unsigned = _mm256_sign_epi8(w, w);
-                    for (t, x) in isum.iter_mut().zip(&act.q) {
-                        let xv = _mm256_loadu_si256(x.add(256 * g + e) as *const __m256i);
-                        let pairs = _mm256_maddubs_epi16(unsigned, _mm256_sign_epi8(xv, w));
-                        *t = dot_scaled::<VNNI>(*t, pairs, s);
-                    }
+            // The levels `q − 32` against the offset activations `x + 128`
+            // (pairs below 2¹⁵: |w| ≤ 32), from `−128 Σ w` scaled as they are.
+            let levels = [q6k_levels(b, 0), q6k_levels(b, 1)];
+            let scales = |e: usize| {
+                // Pairs 0–7 are elements 0–15 (one scale), 8–15 the next.
+                _mm256_set_m128i(_mm_set1_epi16(sc(e + 16)), _mm_set1_epi16(sc(e)))
+            };
+            let mut offset = _mm256_setzero_si256();
+            for (e, w) in (0..256).step_by(32).zip(levels.iter().flatten()) {
+                let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(-128), *w);
+                offset = dot_scaled::<VNNI>(offset, pairs, scales(e));
+            }
+            let mut isum = [_mm256_sub_epi32(_mm256_setzero_si256(), offset); R];
+            for (e, w) in (0..256).step_by(32).zip(levels.iter().flatten()) {
+                let s = scales(e);
+                for (t, x) in isum.iter_mut().zip(&act.qu) {
+                    let xv = _mm256_loadu_si256(x.add(256 * g + e) as *const __m256i);
+                    *t = dot_scaled::<VNNI>(*t, _mm256_maddubs_epi16(xv, *w), s);
                 }
             }
             let d = f16_at(b.add(208));
