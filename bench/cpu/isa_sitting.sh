@@ -17,6 +17,7 @@
 # from taskset's mask: 16 spinning threads on 2 cores).
 #
 #   BIN=dir bash bench/cpu/isa_sitting.sh OUT_DIR
+#   SHAPES=smollm2 ISAS=avx512 FORMAT_SETS=Q8_0,Q4_1 LANES=0,1 BIN=dir bash …   # one lane
 #
 # BIN holds: forward (Tandem's forward bench, release), llama-batched-bench
 # and llama-quantize with their shared libraries in llama-avx2/ (built
@@ -29,6 +30,8 @@ BIN=${BIN:?BIN: the folder of binaries}
 STEPS=${STEPS:-64}
 LANES=${LANES:-"0,1 2,3 4,5 6,7 8,9 10,11 12,13 14,15"}
 FORMAT_SETS=${FORMAT_SETS:-"f32,Q4_1 f16,Q8_0,Q4_K_M"}
+SHAPES=${SHAPES:-"llama-100m smollm2"}
+ISAS=${ISAS:-"avx2 avx512"}
 HERE=$(cd "$(dirname "$0")" && pwd)
 MODELS=${MODELS:-/tmp/isa-models}
 mkdir -p "$OUT" "$MODELS"
@@ -40,7 +43,7 @@ grep -m1 flags /proc/cpuinfo | tr ' ' '\n' |
 echo
 
 # The files: f32 from make_gguf.py, the rest through llama-quantize.
-for shape in llama-100m smollm2; do
+for shape in $SHAPES; do
   f32="$MODELS/$shape-f32.gguf"
   [ -f "$f32" ] || PYTHONPATH="$BIN/gguf-py" python3 "$HERE/make_gguf.py" "$f32" "$shape" >/dev/null
   for fmt in F16 Q8_0 Q4_1 Q4_K_M; do
@@ -88,8 +91,8 @@ lane() { # shape isa cores formats
 
 read -r -a cores <<<"$LANES"
 n=0
-for shape in llama-100m smollm2; do
-  for isa in avx2 avx512; do
+for shape in $SHAPES; do
+  for isa in $ISAS; do
     for set in $FORMAT_SETS; do
       lane "$shape" "$isa" "${cores[$n]}" "$set" >"$OUT/$shape-$isa-${set//,/_}.log" 2>&1 &
       n=$((n + 1))

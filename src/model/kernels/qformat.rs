@@ -283,16 +283,20 @@ pub(crate) fn k4_scales(b: &[u8], min: &mut [f32; 8]) -> (f32, [i16; 8]) {
     (d, sc)
 }
 
-/// The integer 6-bit scales and mins of a Q4_K / Q5_K super-block's 8
-/// sub-blocks (the 8-bit kernels apply them in integers).
+/// The 6-bit scales and mins of a Q4_K / Q5_K super-block's 8 sub-blocks
+/// (the 8-bit kernels apply them in integers): [`scale_min_k4`]'s values,
+/// unpacked four at a time from the 12 bytes read as three words.
 #[inline(always)]
-pub(crate) fn k4_scale_ints(b: &[u8]) -> ([i16; 8], [i16; 8]) {
-    let (mut sc, mut m) = ([0i16; 8], [0i16; 8]);
-    for j in 0..8 {
-        let (s, mn) = scale_min_k4(j, &b[4..16]);
-        (sc[j], m[j]) = (s as i16, mn as i16);
-    }
-    (sc, m)
+pub(crate) fn k4_scale_bytes(b: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let word = |i: usize| u32::from_le_bytes(b[4 + 4 * i..8 + 4 * i].try_into().unwrap());
+    let (u0, u1, u2) = (word(0), word(1), word(2));
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let sc_hi = (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4);
+    let m_hi = ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4);
+    let bytes = |lo: u32, hi: u32| (lo as u64 | (hi as u64) << 32).to_le_bytes();
+    (bytes(u0 & LOW6, sc_hi), bytes(u1 & LOW6, m_hi))
 }
 
 /// Q4_K: scales as [`k4_scales`], then `qs: [u8; 128]`: each 64 elements
@@ -443,6 +447,33 @@ impl QuantisedRows8 {
         }
         for (u, &q) in self.qu.iter_mut().zip(&self.q) {
             *u = (q as u8) ^ 0x80;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{k4_scale_bytes, scale_min_k4};
+
+    #[test]
+    fn k4_scale_bytes_unpack_what_scale_min_k4_does() {
+        // Every byte value in every position of the 12 packed bytes.
+        for v in 0..=255u8 {
+            for at in 0..12 {
+                let mut b = [0u8; 16];
+                for (i, x) in b[4..].iter_mut().enumerate() {
+                    *x = (i as u8).wrapping_mul(37).wrapping_add(11);
+                }
+                b[4 + at] = v;
+                let (sc, m) = k4_scale_bytes(&b);
+                for j in 0..8 {
+                    assert_eq!(
+                        (sc[j], m[j]),
+                        scale_min_k4(j, &b[4..16]),
+                        "byte {at} = {v}, j {j}"
+                    );
+                }
+            }
         }
     }
 }

@@ -95,7 +95,7 @@ pub(super) mod x86 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::super::qformat::{k4_scale_ints, QFormat, QuantisedRows8};
+    use super::super::qformat::{k4_scale_bytes, QFormat, QuantisedRows8};
     use super::super::quant::x86::{
         block_levels, block_scales, f16_at, hsum, q6k_levels, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
     };
@@ -152,7 +152,11 @@ pub(super) mod x86 {
             let w = block_levels::<F>(b);
             let (d, min) = block_scales::<F>(b);
             let dw = _mm256_set1_ps(d);
-            let unsigned = if with_min || offset { w } else { _mm256_sign_epi8(w, w) };
+            let unsigned = if with_min || offset {
+                w
+            } else {
+                _mm256_sign_epi8(w, w)
+            };
             let start = if offset {
                 _mm256_sub_epi32(zero, dot_bytes::<VNNI>(zero, _mm256_set1_epi8(-128), w))
             } else {
@@ -196,7 +200,7 @@ pub(super) mod x86 {
         let mut acc = [_mm256_setzero_ps(); R];
         for g in 0..job.w.k / 256 {
             let b = p.add(g * bb);
-            let (sc, m) = k4_scale_ints(std::slice::from_raw_parts(b, 16));
+            let (sc, m) = k4_scale_bytes(std::slice::from_raw_parts(b, 16));
             let qs = b.add(if FIVE { 48 } else { 16 });
             let mut high = _mm256_loadu_si256(b.add(16) as *const __m256i);
             let mut isum = [_mm256_setzero_si256(); R];
@@ -212,10 +216,8 @@ pub(super) mod x86 {
                     hi = _mm256_or_si256(hi, fifth(_mm256_srli_epi16::<1>(high)));
                     high = _mm256_srli_epi16::<2>(high);
                 }
-                let (s_lo, s_hi) = (
-                    _mm256_set1_epi16(sc[2 * c]),
-                    _mm256_set1_epi16(sc[2 * c + 1]),
-                );
+                let s_lo = _mm256_set1_epi16(sc[2 * c] as i16);
+                let s_hi = _mm256_set1_epi16(sc[2 * c + 1] as i16);
                 let e = 256 * g + 64 * c;
                 for (t, x) in isum.iter_mut().zip(&act.q) {
                     let x0 = _mm256_loadu_si256(x.add(e) as *const __m256i);
@@ -225,7 +227,7 @@ pub(super) mod x86 {
                 }
             }
             let (d, dmin) = (f16_at(b), f16_at(b.add(2)));
-            let mins = _mm_loadu_si128(m.as_ptr() as *const __m128i);
+            let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(m.as_ptr() as *const __m128i));
             for i in 0..R {
                 let dx = *act.d[i].add(g);
                 let qsum = _mm_loadu_si128(act.qsum[i].add(8 * g) as *const __m128i);
