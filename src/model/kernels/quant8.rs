@@ -324,8 +324,8 @@ pub(super) mod x86 {
                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-dmin * dx), acc[i]);
             }
         }
-        for i in 0..R {
-            store(job, r0 + i, j, hsum(acc[i]));
+        for (i, a) in acc.iter().enumerate() {
+            store(job, r0 + i, j, hsum(*a));
         }
     }
 
@@ -367,8 +367,8 @@ pub(super) mod x86 {
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), scale, acc[i]);
             }
         }
-        for i in 0..R {
-            store(job, r0 + i, j, hsum(acc[i]));
+        for (i, a) in acc.iter().enumerate() {
+            store(job, r0 + i, j, hsum(*a));
         }
     }
 
