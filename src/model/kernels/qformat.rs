@@ -375,27 +375,36 @@ impl QuantisedRows {
     /// levels.
     #[inline(always)]
     pub(crate) fn quantise(&mut self, x: &[f32], rows: usize, k: usize, group: usize) {
-        let groups = k / group;
         self.q.resize(rows * k, 0);
-        self.d.resize(rows * groups, 0.0);
+        self.d.resize(rows * (k / group), 0.0);
         self.sum.resize(rows * k / 32, 0.0);
-        for (gi, (xs, qs)) in x[..rows * k]
-            .chunks_exact(group)
-            .zip(self.q.chunks_exact_mut(group))
-            .enumerate()
-        {
-            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / LEVELS;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            for (q, &v) in qs.iter_mut().zip(xs) {
-                *q = (v * id).round_ties_even() as i16;
-            }
-            self.d[gi] = d;
-            let first = gi * group / 32;
-            for (b, block) in qs.chunks_exact(32).enumerate() {
-                let s: i32 = block.iter().map(|&q| q as i32).sum();
-                self.sum[first + b] = d * s as f32;
-            }
+        let x = &x[..rows * k];
+        quantise_groups(x, &mut self.q, &mut self.d, group, LEVELS, |v| v as i16);
+        for (b, block) in self.q.chunks_exact(32).enumerate() {
+            let s: i32 = block.iter().map(|&q| q as i32).sum();
+            self.sum[b] = self.d[32 * b / group] * s as f32;
+        }
+    }
+}
+
+/// Quantises `x` in groups of `group` elements: group `g`'s scale
+/// `d[g] = amax / levels`, its elements' levels `level(v / d)` rounded to
+/// nearest, ties to even (all zeros for an all-zero group).
+#[inline(always)]
+fn quantise_groups<Q>(
+    x: &[f32],
+    q: &mut [Q],
+    d: &mut [f32],
+    group: usize,
+    levels: f32,
+    level: impl Fn(f32) -> Q,
+) {
+    for ((xs, qs), d) in x.chunks_exact(group).zip(q.chunks_exact_mut(group)).zip(d) {
+        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+        *d = amax / levels;
+        let id = if *d > 0.0 { 1.0 / *d } else { 0.0 };
+        for (q, &v) in qs.iter_mut().zip(xs) {
+            *q = level((v * id).round_ties_even());
         }
     }
 }
@@ -420,30 +429,18 @@ impl QuantisedRows8 {
     /// scale `amax / 127`, levels rounded to nearest, ties to even.
     #[inline(always)]
     pub(crate) fn quantise(&mut self, x: &[f32], rows: usize, k: usize, group: usize) {
-        let groups = k / group;
         self.q.resize(rows * k, 0);
-        self.d.resize(rows * groups, 0.0);
+        self.qu.resize(rows * k, 0);
+        self.d.resize(rows * (k / group), 0.0);
         self.qsum.resize(rows * k / 32, 0);
         self.sum.resize(rows * k / 32, 0.0);
-        self.qu.resize(rows * k, 0);
-        for (gi, (xs, qs)) in x[..rows * k]
-            .chunks_exact(group)
-            .zip(self.q.chunks_exact_mut(group))
-            .enumerate()
-        {
-            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / LEVELS8;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            for (q, &v) in qs.iter_mut().zip(xs) {
-                *q = (v * id).round_ties_even().clamp(-LEVELS8, LEVELS8) as i8;
-            }
-            self.d[gi] = d;
-            let first = gi * group / 32;
-            for (b, block) in qs.chunks_exact(32).enumerate() {
-                let s: i32 = block.iter().map(|&q| q as i32).sum();
-                self.qsum[first + b] = s as i16;
-                self.sum[first + b] = d * s as f32;
-            }
+        let x = &x[..rows * k];
+        let level = |v: f32| v.clamp(-LEVELS8, LEVELS8) as i8;
+        quantise_groups(x, &mut self.q, &mut self.d, group, LEVELS8, level);
+        for (b, block) in self.q.chunks_exact(32).enumerate() {
+            let s: i32 = block.iter().map(|&q| q as i32).sum();
+            self.qsum[b] = s as i16;
+            self.sum[b] = self.d[32 * b / group] * s as f32;
         }
         for (u, &q) in self.qu.iter_mut().zip(&self.q) {
             *u = (q as u8) ^ 0x80;
