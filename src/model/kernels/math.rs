@@ -37,7 +37,7 @@ pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     for (a, v) in acc.iter_mut().zip(rest) {
         *a += v * v;
     }
-    let sum = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    let sum = super::quant::pairwise8(&acc);
     let m = (sum / x.len() as f32 + eps).sqrt();
     for ((o, v), g) in out.iter_mut().zip(x).zip(w) {
         *o = v / m * g;

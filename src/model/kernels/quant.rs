@@ -259,8 +259,14 @@ pub(crate) fn min_term(min: &[f32], sum: &[f32]) -> f32 {
     for (l, (m, s)) in min[full..].iter().zip(&sum[full..]).enumerate() {
         lanes[l] += m * s;
     }
-    ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
-        + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
+    pairwise8(&lanes)
+}
+
+/// The sum of 8 float lanes in the SIMD tiers' horizontal order: (0 + 4,
+/// 2 + 6), (1 + 5, 3 + 7).
+#[inline(always)]
+pub(crate) fn pairwise8(l: &[f32; 8]) -> f32 {
+    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
 }
 
 /// Portable tier: the same sums in plain integers, 8 float lanes per
@@ -284,8 +290,7 @@ unsafe fn row_portable(job: &Job<'_>, w: &DecodedRow, j: usize) {
                 }
             }
         }
-        let mut v =
-            ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+        let mut v = pairwise8(&acc);
         if f.has_min() {
             v += min_term(&w.min, &a.sum[r * k / 32..(r + 1) * k / 32]);
         }

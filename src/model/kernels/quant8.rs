@@ -30,7 +30,7 @@
 //! group.
 
 use super::qformat::{DecodedRow, QuantisedRows8};
-use super::quant::{min_term, store, Job};
+use super::quant::{min_term, pairwise8, store, Job};
 
 /// Activation rows `r0..r0 + R` as a tile reads them: levels, scales (one
 /// per group of the weight format), and per 32 elements the integer and
@@ -81,8 +81,7 @@ pub(super) unsafe fn row_portable(job: &Job<'_, QuantisedRows8>, w: &mut Decoded
                 acc[l] = (isum[l] as f32).mul_add(scale, acc[l]);
             }
         }
-        let mut v =
-            ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+        let mut v = pairwise8(&acc);
         if f.has_min() {
             v += min_term(&w.min, &a.sum[r * k / 32..(r + 1) * k / 32]);
         }
