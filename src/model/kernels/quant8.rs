@@ -7,12 +7,18 @@
 //! 256 for the K-quants, as ggml's `q8_0` / `q8_K`). A worker takes runs of
 //! weight rows and multiplies each row, decoded in registers block by
 //! block, against every activation row, `MR` rows at a time, so a weight
-//! is read from memory once per call however many rows there are.
+//! is read from memory once per call however many rows there are. On VNNI
+//! the 32-element formats at four rows or more take 4 weight rows × 4
+//! activation rows at a time instead (a register tile: each activation
+//! block loaded once for 4 weight rows); every output is the same sequence
+//! of operations either way, so the tiles give the same bits.
 //!
 //! Per 32 elements a tier forms unsigned × signed byte products: weights
-//! with a fixed zero point (Q4_0, Q5_0, Q8_0, Q6_K) as `|w|` times the
-//! activation with `w`'s sign (`vpsignb`), weights with a min (Q4_1, Q5_1,
-//! Q4_K, Q5_K) as their raw unsigned levels. AVX2 sums them in pairs
+//! with a fixed zero point (Q4_0, Q5_0, Q8_0, Q6_K) against the
+//! activations offset to unsigned bytes (`x + 128`, the sum started at
+//! `−128 Σ w`; Q8_0 on AVX2 as `|w|` times the activation with `w`'s sign,
+//! `vpsignb`, whose pairs fit 16 bits), weights with a min (Q4_1, Q5_1,
+//! Q4_K, Q5_K) as their raw unsigned levels against the activations. AVX2 sums them in pairs
 //! (`vpmaddubsw`, exact: every pair is below 2¹⁵ in magnitude) and then in
 //! fours (`vpmaddwd` by ones, or by the K-quants' sub-block scales); the
 //! VNNI tier does the same in one instruction (`vpdpbusd`, or `vpdpwssd`
