@@ -18,9 +18,9 @@
 //! activations offset to unsigned bytes (`x + 128`, the sum started at
 //! `−128 Σ w`; Q8_0 on AVX2 as `|w|` times the activation with `w`'s sign,
 //! `vpsignb`, whose pairs fit 16 bits), weights with a min (Q4_1, Q5_1,
-//! Q4_K, Q5_K) as their raw unsigned levels against the activations. AVX2 sums them in pairs
-//! (`vpmaddubsw`, exact: every pair is below 2¹⁵ in magnitude) and then in
-//! fours (`vpmaddwd` by ones, or by the K-quants' sub-block scales); the
+//! Q4_K, Q5_K) as their raw unsigned levels against the activations. AVX2
+//! sums them in pairs (`vpmaddubsw`, exact: every pair is below 2¹⁵ in
+//! magnitude) and then in fours (`vpmaddwd` by ones, or by the K-quants' sub-block scales); the
 //! VNNI tier does the same in one instruction (`vpdpbusd`, or `vpdpwssd`
 //! for the scaled pairs), so both give the same integers. The 32-element
 //! formats convert once per block, scaled by `d_w · d_x`; the K-quants
@@ -121,6 +121,15 @@ pub(super) mod x86 {
         }
     }
 
+    /// `−128 Σ w` in the lanes of [`dot_bytes`]: where the sum of signed
+    /// levels `w` against activations offset by 128 starts, so that it ends
+    /// at `Σ w x`.
+    #[inline(always)]
+    unsafe fn offset_start<const VNNI: bool>(w: __m256i) -> __m256i {
+        let zero = _mm256_setzero_si256();
+        _mm256_sub_epi32(zero, dot_bytes::<VNNI>(zero, _mm256_set1_epi8(-128), w))
+    }
+
     /// `acc +` the pairs of `i16`s `p` times the `i16` scales `s`, summed
     /// in twos into 8 `i32` lanes.
     #[inline(always)]
@@ -163,7 +172,7 @@ pub(super) mod x86 {
                 _mm256_sign_epi8(w, w)
             };
             let start = if offset {
-                _mm256_sub_epi32(zero, dot_bytes::<VNNI>(zero, _mm256_set1_epi8(-128), w))
+                offset_start::<VNNI>(w)
             } else {
                 zero
             };
@@ -193,13 +202,14 @@ pub(super) mod x86 {
     /// operations for each output, in the same order (so the same bits),
     /// with each activation block loaded once for the `W` weight rows and
     /// the `W` scale products of a row in one multiply (a register tile,
-    /// as a GEMM's): about 5 instructions a row and block instead of 8.
+    /// as a GEMM's; `W ≤ 4`, the lanes of one `__m128`).
     #[inline(always)]
     unsafe fn tile_grid<const W: usize, const R: usize, const F: u8>(
         job: &Job8<'_>,
         j0: usize,
         r0: usize,
     ) {
+        const { assert!(W <= 4) };
         let with_min = F == Q4_1 || F == Q5_1;
         let p: [*const u8; W] = std::array::from_fn(|i| job.w.row(j0 + i).as_ptr());
         let bb = job.w.format.block_bytes();
@@ -216,8 +226,7 @@ pub(super) mod x86 {
                 w[i] = block_levels::<F>(b);
                 (d[i], m[i]) = block_scales::<F>(b);
                 if !with_min {
-                    let offset = _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(-128), w[i]);
-                    start[i] = _mm256_sub_epi32(zero, offset);
+                    start[i] = offset_start::<true>(w[i]);
                 }
             }
             let dw = _mm_loadu_ps(d.as_ptr());
@@ -451,6 +460,9 @@ pub(super) mod x86 {
         }
     }
 
+    // One call per weight row (or per 4 in the grid): the same kernels
+    // inlined into one function with the loop over rows around them ran
+    // Q8_0 at one activation row at 0.7x (BENCHMARKS.md, session 10).
     #[inline(never)]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn row_avx2(job: &Job8<'_>, j: usize) {
