@@ -140,6 +140,38 @@ fn resuming_continues_the_same_loss_curve() {
         first.train_step().unwrap();
     }
     first.save_checkpoint(&dir).unwrap();
+    // The checkpoint's head is servable as it stands (a stopped run's).
+    let mut saved = MtpHead::from_dir(&model, &dir).unwrap();
+    let mut live = first.head().unwrap();
+    let mut batch = tandem::model::Batch::default();
+    batch.push(0, 0, &[3, 5, 7], tandem::model::OutputRows::Last);
+    let hidden = candle_core::Tensor::ones(
+        (3, model.config().hidden_size),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    for head in [&mut saved, &mut live] {
+        head.admit(0, 8).unwrap();
+    }
+    let a: Vec<f32> = saved
+        .step(&model, &batch, Some(&hidden))
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let b: Vec<f32> = live
+        .step(&model, &batch, Some(&hidden))
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(
+        a, b,
+        "the checkpoint's mtp.safetensors is the trainer's head"
+    );
     drop(first);
     let mut resumed = Trainer::resume(&model, &dir, &set).unwrap();
     assert_eq!(resumed.step(), 10);

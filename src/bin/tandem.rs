@@ -107,6 +107,9 @@ struct TrainArgs {
     /// Continue from the checkpoint in --out.
     #[arg(long)]
     resume: bool,
+    /// Where the target and the head run: cpu, cuda or metal (GPU backends need a build with `--features cuda` / `metal`). Training is f32 on every device.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -454,6 +457,10 @@ async fn generate(args: GenerateArgs) -> Result<(), BoxError> {
 }
 
 /// `tandem train-mtp`: trains (or resumes) a head with a progress bar.
+fn eval_every_hit(step: usize, every: usize) -> bool {
+    every > 0 && step.is_multiple_of(every)
+}
+
 fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
     if args.draft_layers != 1 {
         return Err(format!(
@@ -462,7 +469,10 @@ fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
         )
         .into());
     }
-    let f32_weights = tandem::model::LoadOptions::default();
+    let f32_weights = tandem::model::LoadOptions {
+        device: args.device.parse::<DeviceKind>()?.open()?,
+        ..Default::default()
+    };
     let (model, tokenizer, name) = match &args.model {
         Some(file) if tandem::gguf::is_gguf_path(file) => (
             tandem::model::Model::from_gguf(file, &f32_weights)?,
@@ -558,6 +568,10 @@ fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
         let eval = eval.map_or(String::new(), |e| {
             format!(", held-out loss {:.3}, top-1 {:.3}", e.loss, e.top1)
         });
+        // Without a terminal the bar is hidden: a log still shows progress.
+        if bar.is_hidden() && eval_every_hit(step, args.eval_every) {
+            eprintln!("step {step}: loss {loss:.3}{eval}");
+        }
         bar.set_message(format!("loss {loss:.3}{eval}"));
     })?;
     bar.finish_and_clear();

@@ -68,8 +68,16 @@ impl Features {
     }
 }
 
-/// Sequences written per forward pass while generating.
-const GEN_BATCH: usize = 32;
+/// Sequences written per forward pass while generating: a GPU step costs
+/// about the same for many more rows than a CPU step. The data does not
+/// depend on it (each draw is keyed by sequence and position).
+fn gen_batch(device: &Device) -> usize {
+    if device.is_cpu() {
+        32
+    } else {
+        128
+    }
+}
 
 /// Fewest tokens a prompt must leave the target to write: longer prompts
 /// are skipped.
@@ -100,7 +108,6 @@ pub fn generate(
     seed: u64,
 ) -> Result<Features, TrainError> {
     let cfg = target.config();
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let usable: Vec<&Vec<u32>> = prompts
         .iter()
         .filter(|p| !p.is_empty() && p.len() + MIN_CONTINUATION <= seq_len)
@@ -126,8 +133,9 @@ pub fn generate(
     let mut labels = vec![0u32; n * (t - 1)];
     let eos: Vec<u32> = cfg.eos_token_ids.clone();
     let pad = eos.first().copied().unwrap_or(0);
-    for (c, chunk) in sequences.chunks_mut(GEN_BATCH).enumerate() {
-        let base = c * GEN_BATCH;
+    let per_pass = gen_batch(target.device());
+    for (c, chunk) in sequences.chunks_mut(per_pass).enumerate() {
+        let base = c * per_pass;
         let mut kv = KvCache::new(
             target.kv_layout(),
             target.device().clone(),
@@ -140,13 +148,22 @@ pub fn generate(
         }
         while !batch.is_empty() {
             let out = target.forward(&batch, &mut kv)?.to_dtype(DType::F32)?;
-            let logits: Vec<Vec<f32>> = target.unembed(&out)?.to_vec2()?;
+            let logits: Vec<f32> = target.unembed(&out)?.flatten_all()?.to_vec1()?;
             let out: Vec<f32> = out.flatten_all()?.to_vec1()?;
             let spans: Vec<(u32, usize, usize)> = batch
                 .seqs
                 .iter()
                 .map(|s| (s.slot, s.offset, s.len))
                 .collect();
+            // Each span's last row draws the sequence's next token at the
+            // position after it.
+            let mut draw_at = vec![None; out.len() / h];
+            let mut row = 0;
+            for &(slot, offset, len) in &spans {
+                row += len;
+                draw_at[row - 1] = Some((base + slot as usize, offset + len));
+            }
+            let picked = pick_rows(&logits, &draw_at, temperature, seed);
             batch = Batch::default();
             let mut row = 0;
             for (slot, offset, len) in spans {
@@ -157,7 +174,7 @@ pub fn generate(
                         hidden[dst..dst + h].copy_from_slice(&out[row * h..(row + 1) * h]);
                     }
                     if pos >= 1 {
-                        labels[i * (t - 1) + pos - 1] = argmax(&logits[row]);
+                        labels[i * (t - 1) + pos - 1] = picked[row].greedy;
                     }
                     row += 1;
                 }
@@ -165,11 +182,7 @@ pub fn generate(
                 if s.len() == seq_len {
                     continue; // the last token, fed for its label
                 }
-                let last = &logits[row - 1];
-                let next = match temperature {
-                    None => argmax(last),
-                    Some(temp) => sample(last, temp, &mut rng),
-                };
+                let next = picked[row - 1].drawn;
                 s.push(next);
                 if eos.contains(&next) {
                     lens[i] = s.len() - 1;
@@ -211,6 +224,58 @@ fn scored_mask(prompt_lens: &[usize], lens: &[usize], t: usize) -> Vec<f32> {
         .collect()
 }
 
+/// One logits row's greedy choice and the token drawn from it.
+#[derive(Debug, Clone, Copy, Default)]
+struct Picked {
+    greedy: u32,
+    /// The draw at the temperature (the greedy choice without one, or where
+    /// the row draws nothing).
+    drawn: u32,
+}
+
+/// [`Picked`] for every row of `logits` (`[rows, vocab]`, row-major);
+/// `draw_at[row]` names the `(sequence, position)` a row draws for. Rows
+/// are split across the host's threads (a GPU pass returns many rows of a
+/// large vocabulary), and each draw has its own stream of `seed`, keyed by
+/// sequence and position, so the data does not depend on the batching.
+fn pick_rows(
+    logits: &[f32],
+    draw_at: &[Option<(usize, usize)>],
+    temperature: Option<f32>,
+    seed: u64,
+) -> Vec<Picked> {
+    let rows = draw_at.len();
+    let vocab = logits.len() / rows.max(1);
+    let pick = |row: usize| {
+        let x = &logits[row * vocab..(row + 1) * vocab];
+        let greedy = argmax(x);
+        let drawn = match (temperature, draw_at[row]) {
+            (Some(temp), Some((seq, pos))) => {
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                rng.set_stream(seq as u64);
+                rng.set_word_pos(pos as u128);
+                sample(x, temp, &mut rng)
+            }
+            _ => greedy,
+        };
+        Picked { greedy, drawn }
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_thread = rows.div_ceil(threads.max(1)).max(1);
+    let mut picked = vec![Picked::default(); rows];
+    std::thread::scope(|scope| {
+        for (c, out) in picked.chunks_mut(per_thread).enumerate() {
+            let pick = &pick;
+            scope.spawn(move || {
+                for (j, p) in out.iter_mut().enumerate() {
+                    *p = pick(c * per_thread + j);
+                }
+            });
+        }
+    });
+    picked
+}
+
 fn sample(row: &[f32], temperature: f32, rng: &mut ChaCha8Rng) -> u32 {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let weights: Vec<f32> = row
@@ -248,7 +313,11 @@ pub fn acceptance_by_position(
             let mut b = Batch::default();
             b.push(slot, t, &[seq[t + 1]], OutputRows::Last);
             let mut logits: Vec<f32> = head
-                .step(target, &b, Some(&hidden.narrow(0, t, 1)?))?
+                .step(
+                    target,
+                    &b,
+                    Some(&hidden.narrow(0, t, 1)?.to_device(target.device())?),
+                )?
                 .get(0)?
                 .to_vec1()?;
             // Draft only where the next k tokens are the target's greedy output.

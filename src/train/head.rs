@@ -22,6 +22,9 @@ pub struct TrainableHead {
     lm_head: Tensor,
     /// The draft vocabulary (sorted ids), `None` for the full vocabulary.
     draft_vocab: Option<Vec<u32>>,
+    /// The target's device: parameters, optimiser state and every batch
+    /// live there (features are kept on the host and moved per batch).
+    device: Device,
 }
 
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
@@ -45,9 +48,13 @@ impl TrainableHead {
         seed: u64,
         draft_vocab: Option<Vec<u32>>,
     ) -> Result<Self, TrainError> {
+        let device = target.device().clone();
         let vars = random_tensors(target.config(), seed)?
             .into_iter()
-            .map(|(name, t)| Ok((name, Var::from_tensor(&t.to_dtype(DType::F32)?)?)))
+            .map(|(name, t)| {
+                let t = t.to_dtype(DType::F32)?.to_device(&device)?;
+                Ok((name, Var::from_tensor(&t)?))
+            })
             .collect::<Result<HashMap<_, _>, TrainError>>()?;
         let (embed, norm, lm_head) = target.shared_tensors()?;
         let lm_head = match &draft_vocab {
@@ -70,7 +77,13 @@ impl TrainableHead {
             norm,
             lm_head,
             draft_vocab,
+            device,
         })
+    }
+
+    /// Where the parameters live.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// The draft vocabulary, `None` for the full vocabulary.
@@ -114,8 +127,8 @@ impl TrainableHead {
         }
         let n = rows.len();
         Ok((
-            Tensor::from_vec(rows, n, &Device::Cpu)?,
-            Tensor::from_vec(weights, n, &Device::Cpu)?,
+            Tensor::from_vec(rows, n, &self.device)?,
+            Tensor::from_vec(weights, n, &self.device)?,
         ))
     }
 
@@ -127,13 +140,16 @@ impl TrainableHead {
         &self.vars
     }
 
-    /// Detached copies of the parameters, with the draft vocabulary, in the
-    /// checkpoint format.
+    /// Detached host copies of the parameters, with the draft vocabulary, in
+    /// the checkpoint format.
     pub fn tensors(&self) -> Result<HashMap<String, Tensor>, TrainError> {
         let mut out = self
             .vars
             .iter()
-            .map(|(n, v)| Ok((n.clone(), v.as_tensor().detach().copy()?)))
+            .map(|(n, v)| {
+                let t = v.as_tensor().detach().copy()?.to_device(&Device::Cpu)?;
+                Ok((n.clone(), t))
+            })
             .collect::<Result<HashMap<_, _>, TrainError>>()?;
         if let Some(ids) = &self.draft_vocab {
             out.insert(
@@ -176,13 +192,11 @@ impl TrainableHead {
         let cfg = &self.cfg;
         let (n, t, h) = f.hidden.dims3()?;
         let v = self.lm_head.dim(0)?;
-        let emb = self
-            .embed
-            .index_select(&f.next_tokens.flatten_all()?, 0)?
-            .reshape((n, t, h))?;
-        let (cos, sin) = rope_tables(cfg, t)?;
+        let next = f.next_tokens.flatten_all()?.to_device(&self.device)?;
+        let emb = self.embed.index_select(&next, 0)?.reshape((n, t, h))?;
+        let (cos, sin) = rope_tables(cfg, t, &self.device)?;
 
-        let s1 = self.project(&emb, &f.hidden)?;
+        let s1 = self.project(&emb, &f.hidden.to_device(&self.device)?)?;
         let (q1, k1, v1) = self.qkv(&s1, &cos, &sin)?;
         let mask1: Vec<f32> = (0..t * t)
             .map(|i| {
@@ -197,7 +211,7 @@ impl TrainableHead {
             &q1,
             &k1,
             &v1,
-            Tensor::from_vec(mask1, (t, t), &Device::Cpu)?,
+            Tensor::from_vec(mask1, (t, t), &self.device)?,
         )?;
         let out1 = self.finish_block(&s1, &attn1)?;
         let logits1 = self.unembed(&out1)?.reshape((n * t, v))?;
@@ -223,7 +237,7 @@ impl TrainableHead {
             &q2,
             &keys,
             &values,
-            Tensor::from_vec(mask2, (m, t + m), &Device::Cpu)?,
+            Tensor::from_vec(mask2, (m, t + m), &self.device)?,
         )?;
         let out2 = self.finish_block(&s2, &attn2)?;
         Ok((logits1, Some(self.unembed(&out2)?.reshape((n * m, v))?)))
@@ -377,7 +391,11 @@ fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Tensor) -> Result<Tensor, Tr
 }
 
 /// `[t, head_dim]` cos / sin (rotate-half layout) for positions `0..t`.
-fn rope_tables(cfg: &ModelConfig, t: usize) -> Result<(Tensor, Tensor), TrainError> {
+fn rope_tables(
+    cfg: &ModelConfig,
+    t: usize,
+    device: &Device,
+) -> Result<(Tensor, Tensor), TrainError> {
     let inv = cfg.rope_inv_freq();
     let (mut cos, mut sin) = (
         Vec::with_capacity(t * cfg.head_dim),
@@ -393,7 +411,7 @@ fn rope_tables(cfg: &ModelConfig, t: usize) -> Result<(Tensor, Tensor), TrainErr
         }
     }
     Ok((
-        Tensor::from_vec(cos, (t, cfg.head_dim), &Device::Cpu)?,
-        Tensor::from_vec(sin, (t, cfg.head_dim), &Device::Cpu)?,
+        Tensor::from_vec(cos, (t, cfg.head_dim), device)?,
+        Tensor::from_vec(sin, (t, cfg.head_dim), device)?,
     ))
 }
