@@ -195,6 +195,55 @@ fn a_draft_vocab_head_round_trips_and_masks_the_other_ids() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Index of the first largest value (a host argmax).
+fn first_max(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn greedy_drafts_over_the_draft_vocab_equal_the_widened_logits() {
+    let model = target();
+    let v = model.config().vocab_size as u32;
+    let kept: Vec<u32> = (0..v).filter(|i| i % 5 == 2).collect();
+    let mut tensors = random_tensors(model.config(), 11).unwrap();
+    tensors.insert(
+        DRAFT_VOCAB_TENSOR.into(),
+        Tensor::new(kept.as_slice(), &Device::Cpu).unwrap(),
+    );
+    let head = || MtpHead::from_tensors(&model, tensors.clone(), std::path::Path::new("<v>"));
+    let (mut widened, mut reduced) = (head().unwrap(), head().unwrap());
+    let h = model.config().hidden_size;
+    let hidden = (Tensor::arange(0f32, (3 * h) as f32, &Device::Cpu)
+        .unwrap()
+        .reshape((3, h))
+        .unwrap()
+        * 0.03)
+        .unwrap()
+        .sin()
+        .unwrap();
+    let mut b = Batch::default();
+    for slot in 0..3u32 {
+        widened.admit(slot, 4).unwrap();
+        reduced.admit(slot, 4).unwrap();
+        b.push(slot, 0, &[3 + slot], OutputRows::Last);
+    }
+    let full = rows(&widened.step(&model, &b, Some(&hidden)).unwrap());
+    let logits = reduced.step_logits(&model, &b, Some(&hidden)).unwrap();
+    // The reduced rows' argmax, mapped to ids, is the widened rows' argmax.
+    let want: Vec<u32> = [2, 0].iter().map(|&r| first_max(&full[r])).collect();
+    assert_eq!(logits.argmax(&[2, 0]).unwrap(), want);
+    assert!(want.iter().all(|id| kept.binary_search(id).is_ok()));
+    assert_eq!(logits.argmax(&[]).unwrap(), Vec::<u32>::new());
+    // One widened row is that row of the whole-vocabulary logits.
+    assert_eq!(rows(&logits.widened(1).unwrap()), vec![full[1].clone()]);
+}
+
 #[test]
 fn a_quantised_target_gets_a_quantised_head_with_the_same_drafts() {
     let f32_model = target();

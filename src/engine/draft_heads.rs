@@ -10,7 +10,7 @@ use candle_core::Tensor;
 
 use crate::engine::SlotId;
 use crate::kv::KvCache;
-use crate::model::{Batch, Model, ModelError, MtpHead, OutputRows};
+use crate::model::{Batch, DraftLogits, Model, ModelError, MtpHead, OutputRows};
 
 /// One sequence's input to a draft round.
 #[derive(Debug, Clone)]
@@ -66,6 +66,18 @@ pub trait DraftHead: Send {
         kv: &mut KvCache,
         inputs: &[DraftInput],
     ) -> Result<Tensor, ModelError>;
+
+    /// [`draft`](Self::draft) as [`DraftLogits`]: a head with a reduced
+    /// draft vocabulary returns its own rows, so greedy drafts never
+    /// leave the device as whole-vocabulary distributions.
+    fn draft_logits(
+        &mut self,
+        model: &Model,
+        kv: &mut KvCache,
+        inputs: &[DraftInput],
+    ) -> Result<DraftLogits, ModelError> {
+        Ok(DraftLogits::full(self.draft(model, kv, inputs)?))
+    }
 
     /// The step's draft rounds are over for `slot`, whose target KV holds
     /// `position` tokens: forget any speculative state past it.
@@ -134,9 +146,18 @@ impl DraftHead for MtpDraft {
     fn draft(
         &mut self,
         model: &Model,
-        _kv: &mut KvCache,
+        kv: &mut KvCache,
         inputs: &[DraftInput],
     ) -> Result<Tensor, ModelError> {
+        self.draft_logits(model, kv, inputs)?.widened_all()
+    }
+
+    fn draft_logits(
+        &mut self,
+        model: &Model,
+        _kv: &mut KvCache,
+        inputs: &[DraftInput],
+    ) -> Result<DraftLogits, ModelError> {
         let mut batch = Batch::default();
         let mut hidden = Vec::new();
         for i in inputs {
@@ -169,7 +190,7 @@ impl DraftHead for MtpDraft {
         } else {
             Some(Tensor::cat(&hidden, 0)?)
         };
-        self.head.step(model, &batch, hidden.as_ref())
+        self.head.step_logits(model, &batch, hidden.as_ref())
     }
 
     fn end_rounds(&mut self, slot: SlotId, position: usize) -> Result<(), ModelError> {

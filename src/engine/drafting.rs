@@ -22,8 +22,8 @@ use super::policy::Drafter;
 use super::sequences::{Sequence, Sequences};
 use super::spec;
 use super::work::Planned;
-use super::{EngineError, SlotId};
-use crate::model::Model;
+use super::EngineError;
+use crate::model::{DraftLogits, Model};
 
 /// Runs every draft round; on return each member's `drafts` holds what was
 /// drafted (all members' rounds complete, or an error).
@@ -70,7 +70,7 @@ fn run_round(
         .collect::<Result<Vec<_>, _>>()?;
     let head = seqs.head.as_mut().expect("drafting needs a head");
     let logits = head
-        .draft(model, &mut seqs.kv, &inputs)
+        .draft_logits(model, &mut seqs.kv, &inputs)
         .map_err(model_err)?;
     pick_drafts(seqs, planned, &members, round, &logits)?;
     seqs.policy
@@ -123,12 +123,13 @@ fn pick_drafts(
     planned: &mut [Planned],
     members: &[usize],
     round: usize,
-    logits: &Tensor,
+    logits: &DraftLogits,
 ) -> Result<(), EngineError> {
     let plain_rows: Vec<usize> = (0..members.len())
         .filter(|&row| seqs.sampler.is_plain_greedy(planned[members[row]].slot))
         .collect();
-    let plain_ids = plain_greedy_drafts(seqs, planned, members, &plain_rows, logits)?;
+    // Plain greedy drafts: one argmax over their rows, where the logits lie.
+    let plain_ids = logits.argmax(&plain_rows).map_err(model_err)?;
     let mut plain = plain_rows.iter().zip(&plain_ids).peekable();
     for (row, &i) in members.iter().enumerate() {
         let p = &mut planned[i];
@@ -136,7 +137,7 @@ fn pick_drafts(
             p.drafts.tokens.push(token);
         } else {
             let greedy = seqs.get(p.slot).is_some_and(|s| s.sampling.is_greedy());
-            let row_logits = logits.narrow(0, row, 1).map_err(tensor_err)?;
+            let row_logits = logits.widened(row).map_err(model_err)?;
             let q = seqs
                 .sampler
                 .draft_distributions(p.slot, &row_logits, &p.drafts.tokens, round)?
@@ -152,25 +153,6 @@ fn pick_drafts(
         }
     }
     Ok(())
-}
-
-/// The plain greedy members' drafts: one argmax call over their rows.
-fn plain_greedy_drafts(
-    seqs: &mut Sequences,
-    planned: &[Planned],
-    members: &[usize],
-    rows: &[usize],
-    logits: &Tensor,
-) -> Result<Vec<u32>, EngineError> {
-    if rows.is_empty() {
-        return Ok(Vec::new());
-    }
-    let slots: Vec<SlotId> = rows.iter().map(|&r| planned[members[r]].slot).collect();
-    let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-    let selected = Tensor::new(idx.as_slice(), logits.device())
-        .and_then(|idx| logits.index_select(&idx, 0))
-        .map_err(tensor_err)?;
-    Ok(seqs.sampler.argmax_rows(&slots, &selected)?)
 }
 
 /// Puts every drafting slot's target KV back at its step offset and tells

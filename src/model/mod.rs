@@ -54,7 +54,7 @@ pub use kernels::Isa;
 pub use lean::PHASES;
 pub use linear::WeightFormat;
 pub use llama::{LoadOptions, Model};
-pub use mtp::MtpHead;
+pub use mtp::{DraftLogits, MtpHead};
 pub use weights::Weights;
 
 /// Errors loading or running a model. Messages name the file and tensor.

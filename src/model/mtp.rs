@@ -53,6 +53,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -137,19 +138,76 @@ fn take_draft_vocab(
 }
 
 /// A reduced draft vocabulary, ready to widen logits to the full vocabulary.
+#[derive(Debug, Clone)]
 struct DraftVocab {
     /// `[N]` u32 ids on the target's device.
     ids: Tensor,
+    /// The same ids on the host (maps an argmax row back to its token).
+    host_ids: Vec<u32>,
     vocab: usize,
 }
 
-impl DraftVocab {
-    /// `[rows, N]` logits → `[rows, vocab]`, `-inf` outside the set.
+/// A draft round's logits, one row per drafting sequence: over the whole
+/// vocabulary, or over a head's draft vocabulary. Greedy drafts are the
+/// argmax of the rows where they lie ([`argmax`](Self::argmax): only the
+/// ids reach the host); only rows that need a distribution (sampled or
+/// constrained drafts) are widened to the whole vocabulary.
+#[derive(Debug, Clone)]
+pub struct DraftLogits {
+    /// `[rows, N]`.
+    logits: Tensor,
+    vocab: Option<Arc<DraftVocab>>,
+}
+
+impl DraftLogits {
+    /// Logits over the whole vocabulary, `[rows, vocab]`.
+    pub fn full(logits: Tensor) -> Self {
+        Self {
+            logits,
+            vocab: None,
+        }
+    }
+
+    /// The greedy draft (argmax token id) of each of `rows`, computed on
+    /// the logits' device. Ties go to the lowest id, as a host argmax would.
+    pub fn argmax(&self, rows: &[usize]) -> Result<Vec<u32>, ModelError> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let idx = Tensor::new(idx.as_slice(), self.logits.device())?;
+        let best: Vec<u32> = self
+            .logits
+            .index_select(&idx, 0)?
+            .to_dtype(DType::F32)?
+            .argmax(candle_core::D::Minus1)?
+            .to_vec1()?;
+        Ok(match &self.vocab {
+            Some(v) => best.iter().map(|&i| v.host_ids[i as usize]).collect(),
+            None => best,
+        })
+    }
+
+    /// Row `row` over the whole vocabulary, `[1, vocab]` f32 (`-inf` outside
+    /// a draft vocabulary).
+    pub fn widened(&self, row: usize) -> Result<Tensor, ModelError> {
+        self.widen(&self.logits.narrow(0, row, 1)?)
+    }
+
+    /// Every row over the whole vocabulary, `[rows, vocab]` f32.
+    pub fn widened_all(&self) -> Result<Tensor, ModelError> {
+        self.widen(&self.logits)
+    }
+
     fn widen(&self, small: &Tensor) -> Result<Tensor, ModelError> {
+        let small = small.to_dtype(DType::F32)?.contiguous()?;
+        let Some(v) = &self.vocab else {
+            return Ok(small);
+        };
         let (rows, n) = small.dims2()?;
-        let idx = self.ids.unsqueeze(0)?.expand((rows, n))?.contiguous()?;
-        let full = Tensor::full(f32::NEG_INFINITY, (rows, self.vocab), small.device())?;
-        Ok(full.scatter(&idx, &small.to_dtype(DType::F32)?.contiguous()?, 1)?)
+        let idx = v.ids.unsqueeze(0)?.expand((rows, n))?.contiguous()?;
+        let full = Tensor::full(f32::NEG_INFINITY, (rows, v.vocab), small.device())?;
+        Ok(full.scatter(&idx, &small, 1)?)
     }
 }
 
@@ -166,7 +224,7 @@ pub struct MtpHead {
     /// Last projected hidden state per slot (input of the next draft round).
     projected: HashMap<SlotId, Tensor>,
     /// `None`: the block unembeds over the full vocabulary.
-    draft_vocab: Option<DraftVocab>,
+    draft_vocab: Option<Arc<DraftVocab>>,
 }
 
 impl MtpHead {
@@ -233,9 +291,10 @@ impl MtpHead {
                 let idx = Tensor::new(ids.as_slice(), lm_head.device())?;
                 let vocab = DraftVocab {
                     ids: Tensor::new(ids.as_slice(), &device)?,
+                    host_ids: ids.clone(),
                     vocab: cfg.vocab_size,
                 };
-                (lm_head.index_select(&idx, 0)?, Some(vocab))
+                (lm_head.index_select(&idx, 0)?, Some(Arc::new(vocab)))
             }
             None => (lm_head, None),
         };
@@ -313,19 +372,30 @@ impl MtpHead {
         Ok(self.kv.set_len(slot, len)?)
     }
 
-    /// Runs pairs through the head. `batch` spans give, per slot, the tokens
-    /// `x_{t+1}` of consecutive pairs starting at position `offset` (= the
-    /// slot's head KV length); `hidden` holds the matching `h_t` rows, or
-    /// `None` to use each slot's last projected hidden (one pair per slot).
-    /// Returns logits `[slots, vocab]` (f32) of each span's last pair,
-    /// `-inf` outside the draft vocabulary, and stores its projected hidden
-    /// for the next round.
+    /// [`step_logits`](Self::step_logits) over the whole vocabulary:
+    /// `[slots, vocab]` f32, `-inf` outside the draft vocabulary.
     pub fn step(
         &mut self,
         target: &Model,
         batch: &Batch,
         hidden: Option<&Tensor>,
     ) -> Result<Tensor, ModelError> {
+        self.step_logits(target, batch, hidden)?.widened_all()
+    }
+
+    /// Runs pairs through the head. `batch` spans give, per slot, the tokens
+    /// `x_{t+1}` of consecutive pairs starting at position `offset` (= the
+    /// slot's head KV length); `hidden` holds the matching `h_t` rows, or
+    /// `None` to use each slot's last projected hidden (one pair per slot).
+    /// Returns the logits of each span's last pair (over the draft vocabulary
+    /// when the head has one) and stores its projected hidden for the next
+    /// round.
+    pub fn step_logits(
+        &mut self,
+        target: &Model,
+        batch: &Batch,
+        hidden: Option<&Tensor>,
+    ) -> Result<DraftLogits, ModelError> {
         let hidden = match hidden {
             Some(h) => h.clone(),
             None => {
@@ -361,11 +431,10 @@ impl MtpHead {
         for (i, s) in batch.seqs.iter().enumerate() {
             self.projected.insert(s.slot, out.narrow(0, i, 1)?);
         }
-        let logits = self.block.unembed(&out)?;
-        match &self.draft_vocab {
-            Some(d) => d.widen(&logits),
-            None => Ok(logits),
-        }
+        Ok(DraftLogits {
+            logits: self.block.unembed(&out)?,
+            vocab: self.draft_vocab.clone(),
+        })
     }
 }
 
