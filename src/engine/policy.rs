@@ -23,9 +23,9 @@
 //!   turns itself off without a hand-set batch cut; a sequence whose drafts
 //!   are rarely accepted stops drafting.
 //! - **Probing**: a sequence that does not draft because of its acceptance
-//!   (it would with a good one) probes again after a back-off that doubles
-//!   with every probe that does not pay, so a useless drafter costs a
-//!   vanishing share of the steps.
+//!   (it would with a good one) probes again, with one draft, after a
+//!   back-off that doubles with every probe that does not pay, so a useless
+//!   drafter costs a vanishing share of the steps.
 //!
 //! `Constant` sequences draft exactly their `initial_draft` (tests and
 //! experiments), capped by the plan. No request's tokens depend on any of
@@ -294,7 +294,10 @@ impl DraftPolicy {
                     .zip(&probing)
                     .map(|(o, &p)| {
                         if p {
-                            optimistic(o.reach.len())
+                            // One draft tells whether the first position
+                            // pays; a longer probe of a drafter that does
+                            // not pay would cost a round per draft.
+                            optimistic(o.reach.len().min(1))
                         } else {
                             o.reach.clone()
                         }
@@ -607,6 +610,7 @@ mod tests {
         for step in 0..200 {
             let g = policy.assign(&[candidate(1, 6)], 1);
             if g[0].drafts > 0 {
+                assert_eq!(g[0].drafts, 1, "step {step}: a probe drafts once");
                 probes.push(step);
                 policy.record(1, Drafter::Head, g[0].drafts, 0);
             }
