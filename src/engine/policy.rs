@@ -127,6 +127,11 @@ struct LinearFit {
 
 /// Weight kept by old cost samples at each new one.
 const COST_FORGET: f64 = 0.98;
+/// The least variance of the samples' x for a fitted slope. A single
+/// stream's passes are mostly one token with a few drafted ones (x ∈ {1, 2}:
+/// variance p(1 - p) < 0.25), and their slope is what decides whether its
+/// drafts pay: one drafted pass in twenty-five is enough to measure it.
+const MIN_SPREAD: f64 = 0.035;
 /// A draft must raise the step's expected tokens per second by this factor
 /// at the margin: estimates are noisy, and a marginal gain is not worth
 /// the risk of a loss.
@@ -153,7 +158,7 @@ impl LinearFit {
         }
         let (mx, my) = (self.x / self.w, self.y / self.w);
         let var = self.xx / self.w - mx * mx;
-        let b = if var > 0.25 {
+        let b = if var > MIN_SPREAD {
             ((self.xy / self.w - mx * my) / var).max(0.0)
         } else {
             slope_prior(my / mx.max(1.0))
@@ -558,6 +563,21 @@ mod tests {
         }
         let (a, b) = f.coefficients(|_| 99.0).unwrap();
         assert!((b - 0.25).abs() < 0.05 && (a - 2.0).abs() < 0.3, "{a} {b}");
+    }
+
+    #[test]
+    fn a_single_streams_few_drafted_passes_measure_the_slope() {
+        // Nine one-token passes of 10 ms to one two-token pass of 13 ms: the
+        // second token's 3 ms is measured, not the prior's tenth of a step.
+        let mut f = LinearFit::default();
+        for i in 0..200 {
+            match i % 10 {
+                0 => f.add(2.0, 0.013),
+                _ => f.add(1.0, 0.010),
+            }
+        }
+        let (a, b) = f.coefficients(|per| per / 32.0).unwrap();
+        assert!((b - 0.003).abs() < 1e-4 && (a - 0.007).abs() < 1e-4, "{a} {b}");
     }
 
     #[test]
