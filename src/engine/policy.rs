@@ -577,7 +577,10 @@ mod tests {
             }
         }
         let (a, b) = f.coefficients(|per| per / 32.0).unwrap();
-        assert!((b - 0.003).abs() < 1e-4 && (a - 0.007).abs() < 1e-4, "{a} {b}");
+        assert!(
+            (b - 0.003).abs() < 1e-4 && (a - 0.007).abs() < 1e-4,
+            "{a} {b}"
+        );
     }
 
     #[test]
