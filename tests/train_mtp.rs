@@ -151,25 +151,16 @@ fn resuming_continues_the_same_loss_curve() {
         &candle_core::Device::Cpu,
     )
     .unwrap();
-    for head in [&mut saved, &mut live] {
-        head.admit(0, 8).unwrap();
-    }
-    let a: Vec<f32> = saved
-        .step(&model, &batch, Some(&hidden))
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    let b: Vec<f32> = live
-        .step(&model, &batch, Some(&hidden))
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let logits: Vec<Vec<f32>> = [&mut saved, &mut live]
+        .into_iter()
+        .map(|head| {
+            head.admit(0, 8).unwrap();
+            let out = head.step(&model, &batch, Some(&hidden)).unwrap();
+            out.flatten_all().unwrap().to_vec1().unwrap()
+        })
+        .collect();
     assert_eq!(
-        a, b,
+        logits[0], logits[1],
         "the checkpoint's mtp.safetensors is the trainer's head"
     );
     drop(first);
