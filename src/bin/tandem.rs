@@ -491,7 +491,7 @@ fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
                 TinyPreset::Default
             };
             (
-                tandem::tiny::tiny_model_cpu(preset)?.0,
+                tandem::tiny::tiny_model(preset, &f32_weights)?.0,
                 None,
                 preset.name().to_string(),
             )
