@@ -457,10 +457,6 @@ async fn generate(args: GenerateArgs) -> Result<(), BoxError> {
 }
 
 /// `tandem train-mtp`: trains (or resumes) a head with a progress bar.
-fn eval_every_hit(step: usize, every: usize) -> bool {
-    every > 0 && step.is_multiple_of(every)
-}
-
 fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
     if args.draft_layers != 1 {
         return Err(format!(
@@ -565,11 +561,13 @@ fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
     bar.set_position(trainer.step() as u64);
     let report = trainer.run(&args.out, |step, loss, eval| {
         bar.set_position(step as u64);
+        let evaluated_now = eval.is_some_and(|e| e.step == step);
         let eval = eval.map_or(String::new(), |e| {
             format!(", held-out loss {:.3}, top-1 {:.3}", e.loss, e.top1)
         });
-        // Without a terminal the bar is hidden: a log still shows progress.
-        if bar.is_hidden() && eval_every_hit(step, args.eval_every) {
+        // Without a terminal the bar is hidden: a log still shows each
+        // evaluation.
+        if bar.is_hidden() && evaluated_now {
             eprintln!("step {step}: loss {loss:.3}{eval}");
         }
         bar.set_message(format!("loss {loss:.3}{eval}"));

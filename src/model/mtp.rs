@@ -169,7 +169,9 @@ impl DraftLogits {
     }
 
     /// The greedy draft (argmax token id) of each of `rows`, computed on
-    /// the logits' device. Ties go to the lowest id, as a host argmax would.
+    /// the logits' device (candle's argmax: on the CPU a tie goes to the
+    /// lowest id; on a GPU the tie-break is the kernel's). A draft's
+    /// tie-break never changes what verification emits.
     pub fn argmax(&self, rows: &[usize]) -> Result<Vec<u32>, ModelError> {
         if rows.is_empty() {
             return Ok(Vec::new());
