@@ -8,7 +8,8 @@
 # (the shared Q4_1 file is over one call's carry limit, so it travels in
 # parts: `split -b 60M` here, `cat` there, checked against $MODEL_SHA256).
 # The head (gzipped: the output limit is 16 MiB a file), its report and
-# the logs go to $OUT.
+# the logs go to $OUT. With SKIP_TRAIN=1 the bench reuses $HEAD, or unpacks
+# $BIN/mtp.safetensors.gz there (a head trained in an earlier call).
 set -uo pipefail
 BIN=${BIN:-.devbin}
 MODEL=${MODEL:-/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -49,7 +50,10 @@ if [ ! -f "$HEAD/mtp.safetensors" ] && [ -f "$BIN/mtp.safetensors.gz" ]; then
 fi
 run() { echo "=== $*"; timeout 150 "$L" --device cuda --dtype bf16 --model "$MODEL" --show-answers 0 "$@" 2>&1 | grep -E 'MTP|medians|aggregate|engine time' ; }
 CHAT="--prompts bench/spec/chat_prompts.txt --max-tokens 96"
+run $CHAT --clients 16 --max-seqs 1 --mtp "head:$HEAD" --draft-max 2 --constant-drafts
 run $CHAT --clients 16 --max-seqs 1 --mtp "head:$HEAD" --mtp-compare --repeat 3
+run $CHAT --clients 16 --max-seqs 1 --mtp early-exit:1 --mtp-compare --repeat 3
+run $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --mtp-compare --repeat 3
 run $CHAT --clients 16 --max-seqs 1 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat 3
 run --prompts bench/spec/edit_prompts.txt --clients 8 --max-seqs 1 --max-tokens 96 --prompt-lookup --mtp-compare --repeat 3
 run --prompts examples/prompts.txt --clients 12 --max-seqs 1 --max-tokens 64 --mtp "head:$HEAD" --mtp-compare --repeat 3
