@@ -25,6 +25,14 @@
 //!   to the remembered value + j, which leaves the cache exactly as if only
 //!   the j accepted tokens had been fed (stale rows are overwritten later;
 //!   an own cache also returns the blocks only the rejected drafts used).
+//! - **Hidden rows** ([`KvCache::store_hidden`], engines whose draft head
+//!   drafts from the target's hidden states): one more buffer, `[rows,
+//!   width]`, holds the target's last hidden state (pre-final-norm) of
+//!   every position, at the same row as its K/V. Every forward pass writes
+//!   the rows of every position it feeds, so a row is valid exactly when
+//!   the position's K/V is: a block shared from the prefix cache brings
+//!   its hidden states along, and a draft head can catch up on positions
+//!   it never saw computed.
 
 pub mod blocks;
 
@@ -155,7 +163,17 @@ pub struct KvCache {
     slots: HashMap<SlotId, SlotKv>,
     /// Per layer: (K, V), each `[rows, kv_heads, head_dim]`.
     layers: Vec<(Tensor, Tensor)>,
+    /// The hidden rows, when stored: their width and dtype, and the buffer
+    /// `[rows, width]` once storage exists.
+    hidden: Option<HiddenRows>,
     rows: usize,
+}
+
+/// The hidden-state buffer of [`KvCache::store_hidden`].
+struct HiddenRows {
+    width: usize,
+    dtype: DType,
+    buffer: Option<Tensor>,
 }
 
 impl KvCache {
@@ -208,7 +226,74 @@ impl KvCache {
             blocks,
             slots: HashMap::new(),
             layers: Vec::new(),
+            hidden: None,
             rows: 0,
+        }
+    }
+
+    /// Keeps a `width`-wide hidden state per position beside its K/V (see
+    /// the module docs); `width * dtype` more bytes per pool row. Call
+    /// before anything is written: rows written earlier have no hidden state.
+    pub fn store_hidden(&mut self, width: usize, dtype: DType) {
+        self.hidden = Some(HiddenRows {
+            width,
+            dtype,
+            buffer: None,
+        });
+    }
+
+    /// Whether every forward pass must write its hidden rows here.
+    pub fn stores_hidden(&self) -> bool {
+        self.hidden.is_some()
+    }
+
+    /// Writes `hidden` (`[n, width]`, converted to the stored dtype) as the
+    /// hidden states of `slot`'s positions `[at, at + n)`. Room must have
+    /// been ensured.
+    pub fn write_hidden(
+        &mut self,
+        slot: SlotId,
+        at: usize,
+        hidden: &Tensor,
+    ) -> Result<(), KvError> {
+        let n = hidden.dim(0)?;
+        let segments = self.segments(slot, at, n)?;
+        if let Some(h @ HiddenRows { buffer: None, .. }) = self.hidden.as_mut() {
+            h.buffer = Some(Tensor::zeros((self.rows, h.width), h.dtype, &self.device)?);
+        }
+        let buffer = self.hidden_buffer()?;
+        let hidden = hidden.to_dtype(buffer.dtype())?;
+        for (row, from, len) in segments {
+            buffer.slice_set(&hidden.narrow(0, from, len)?, 0, row)?;
+        }
+        Ok(())
+    }
+
+    /// The hidden states of `slot`'s positions `[from, to)`, `[to - from,
+    /// width]`: a view when they are in consecutive rows, a gather otherwise.
+    pub fn hidden(&self, slot: SlotId, from: usize, to: usize) -> Result<Tensor, KvError> {
+        let n = to.saturating_sub(from);
+        let segments = self.segments(slot, from, n)?;
+        let buffer = self.hidden_buffer()?;
+        if let [(row, _, _)] = segments[..] {
+            return Ok(buffer.narrow(0, row, n)?);
+        }
+        let rows: Vec<u32> = segments
+            .iter()
+            .flat_map(|&(row, _, len)| (row..row + len).map(|r| r as u32))
+            .collect();
+        Ok(buffer.index_select(&Tensor::new(rows.as_slice(), &self.device)?, 0)?)
+    }
+
+    fn hidden_buffer(&self) -> Result<&Tensor, KvError> {
+        match &self.hidden {
+            Some(HiddenRows {
+                buffer: Some(b), ..
+            }) => Ok(b),
+            Some(_) => Err(KvError::Tensor("hidden rows have no storage yet".into())),
+            None => Err(KvError::Tensor(
+                "this KV cache does not store hidden states".into(),
+            )),
         }
     }
 
@@ -431,6 +516,18 @@ impl KvCache {
             layers.push((k, v));
         }
         self.layers = layers;
+        if let Some(
+            h @ HiddenRows {
+                buffer: Some(_), ..
+            },
+        ) = self.hidden.as_mut()
+        {
+            let buffer = Tensor::zeros((new_rows, h.width), h.dtype, &self.device)?;
+            if let Some(old) = &h.buffer {
+                buffer.slice_set(old, 0, 0)?;
+            }
+            h.buffer = Some(buffer);
+        }
         self.rows = new_rows;
         Ok(())
     }

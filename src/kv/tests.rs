@@ -115,3 +115,57 @@ fn a_pool_reserved_then_emptied_takes_tables_again() {
         "tables stay: cached blocks"
     );
 }
+
+/// `[n, 3]` hidden rows whose values name their position.
+fn hidden_rows(from: usize, n: usize) -> Tensor {
+    let v: Vec<f32> = (from..from + n)
+        .flat_map(|p| [p as f32, 0.5, -(p as f32)])
+        .collect();
+    Tensor::from_vec(v, (n, 3), &Device::Cpu).unwrap()
+}
+
+fn values(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+#[test]
+fn hidden_rows_follow_the_table_survive_growth_and_are_shared_with_the_block() {
+    let mut kv = KvCache::paged(layout(), Device::Cpu, 64, 4);
+    assert!(!kv.stores_hidden());
+    assert!(
+        kv.write_hidden(1, 0, &hidden_rows(0, 1)).is_err(),
+        "no slot"
+    );
+    kv.store_hidden(3, DType::F32);
+    kv.register(1, vec![5, 2, 7], 0).unwrap();
+    kv.write_hidden(1, 0, &hidden_rows(0, 6)).unwrap();
+    kv.write_hidden(1, 6, &hidden_rows(6, 4)).unwrap();
+    assert_eq!(
+        values(&kv.hidden(1, 0, 10).unwrap()),
+        values(&hidden_rows(0, 10))
+    );
+    assert_eq!(
+        values(&kv.hidden(1, 3, 7).unwrap()),
+        values(&hidden_rows(3, 4))
+    );
+    assert_eq!(kv.hidden(1, 4, 4).unwrap().dims(), &[0, 3]);
+    assert!(kv.hidden(1, 8, 13).is_err(), "past the table");
+    // A block far out grows the pool: the rows written so far move along.
+    kv.set_table(1, vec![5, 2, 7, 60], None).unwrap();
+    kv.write_hidden(1, 12, &hidden_rows(12, 2)).unwrap();
+    assert_eq!(
+        values(&kv.hidden(1, 0, 10).unwrap()),
+        values(&hidden_rows(0, 10))
+    );
+    assert_eq!(
+        values(&kv.hidden(1, 12, 14).unwrap()),
+        values(&hidden_rows(12, 2))
+    );
+    // A second slot whose table starts with the first's blocks (a cached
+    // prefix) reads the hidden rows its writer left there.
+    kv.register(2, vec![5, 2, 9], 8).unwrap();
+    kv.write_hidden(2, 8, &hidden_rows(108, 2)).unwrap();
+    let mut want = values(&hidden_rows(0, 8));
+    want.extend(values(&hidden_rows(108, 2)));
+    assert_eq!(values(&kv.hidden(2, 0, 10).unwrap()), want);
+}
