@@ -3,8 +3,15 @@
 //! leaving every request's tokens exactly as an unconstrained, uncached run
 //! gives them.
 
+use std::sync::{Arc, Mutex};
+
+use candle_core::Tensor;
 use tandem::api::{Event, GenerateRequest, Prompt};
-use tandem::engine::{Engine, EngineConfig};
+use tandem::engine::{
+    DraftHead, DraftInput, Engine, EngineConfig, MtpDraft, SpecConfig, SpecOptions,
+};
+use tandem::kv::KvCache;
+use tandem::model::{Batch, Model, ModelError, MtpHead, OutputRows};
 use tandem::sampler::SamplingOptions;
 use tandem::scheduler::{FinishReason, SchedulerConfig, ShutdownMode};
 use tandem::tiny::{tiny_model_cpu, TinyPreset};
@@ -13,6 +20,16 @@ use tandem::TandemHandle;
 const BLOCK: usize = 16;
 
 fn start(config: SchedulerConfig, kv: usize) -> TandemHandle {
+    start_with_head(config, kv, None)
+}
+
+/// [`start`], drafting with `head` (constant schedules: every request
+/// drafts two tokens a step unless it says otherwise).
+fn start_with_head(
+    config: SchedulerConfig,
+    kv: usize,
+    head: Option<Box<dyn DraftHead>>,
+) -> TandemHandle {
     let (model, tokenizer) = tiny_model_cpu(TinyPreset::Test).unwrap();
     let engine = Engine::new(
         model,
@@ -23,7 +40,69 @@ fn start(config: SchedulerConfig, kv: usize) -> TandemHandle {
             eos_ids: vec![],
         },
     );
+    let engine = match head {
+        Some(head) => engine.with_draft(
+            head,
+            SpecConfig {
+                default: SpecOptions::constant(2),
+                ..Default::default()
+            },
+        ),
+        None => engine,
+    };
     TandemHandle::start(engine, tokenizer, config).unwrap()
+}
+
+/// Every draft round's input position and logits row, in order.
+type RoundLog = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
+
+/// A random MTP head (it drafts from the target's hidden states) that
+/// records what it computes.
+struct RecordingHead {
+    inner: MtpDraft,
+    log: RoundLog,
+}
+
+impl RecordingHead {
+    fn boxed(log: &RoundLog) -> Box<dyn DraftHead> {
+        let target = tiny_model_cpu(TinyPreset::Test).unwrap().0;
+        Box::new(Self {
+            inner: MtpDraft {
+                head: MtpHead::random(&target, 11).unwrap(),
+            },
+            log: log.clone(),
+        })
+    }
+}
+
+impl DraftHead for RecordingHead {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn needs_hidden(&self) -> bool {
+        self.inner.needs_hidden()
+    }
+    fn admit(&mut self, slot: u32, reserve: usize) -> Result<(), ModelError> {
+        self.inner.admit(slot, reserve)
+    }
+    fn release(&mut self, slot: u32) {
+        self.inner.release(slot)
+    }
+    fn draft(
+        &mut self,
+        model: &Model,
+        kv: &mut KvCache,
+        inputs: &[DraftInput],
+    ) -> Result<Tensor, ModelError> {
+        let logits = self.inner.draft(model, kv, inputs)?;
+        let rows = logits.to_vec2::<f32>()?;
+        let mut log = self.log.lock().unwrap();
+        log.extend(inputs.iter().map(|i| i.position).zip(rows));
+        Ok(logits)
+    }
+    fn end_rounds(&mut self, slot: u32, position: usize) -> Result<(), ModelError> {
+        self.inner.end_rounds(slot, position)
+    }
 }
 
 fn tokens(i: usize, len: usize) -> Vec<u32> {
@@ -118,6 +197,91 @@ async fn same_prompt_twice_prefills_only_the_uncached_tail() {
         s.kv_blocks_cached > 0,
         "finished sequences' blocks stay cached"
     );
+    h.shutdown(ShutdownMode::Drain).await.unwrap();
+}
+
+/// A head that drafts from the target's hidden states takes a cached
+/// prefix like any request: its hidden states come from the cache with its
+/// K/V, so the head computes exactly what it computes when the prompt is
+/// prefilled, and output stays exact.
+#[actix::test]
+async fn a_draft_head_reads_a_cached_prefix_hidden_states() {
+    let req = request(tokens(3, 50), 12, SamplingOptions::greedy());
+    let want = references(std::slice::from_ref(&req)).await.remove(0);
+    let mut logs = Vec::new();
+    for prefix_caching in [false, true] {
+        let log = RoundLog::default();
+        let h = start_with_head(
+            config(4, prefix_caching),
+            4096,
+            Some(RecordingHead::boxed(&log)),
+        );
+        let first = h.complete(req.clone()).await.unwrap();
+        log.lock().unwrap().clear();
+        let second = h.complete(req.clone()).await.unwrap();
+        assert_eq!(ids(&first), want, "cache {prefix_caching}: first run");
+        assert_eq!(ids(&second), want, "cache {prefix_caching}: second run");
+        let cached = second.finished.usage.cached_prompt_tokens;
+        assert_eq!(cached, if prefix_caching { 48 } else { 0 });
+        assert!(second.finished.usage.draft_tokens > 0, "it drafted");
+        logs.push(std::mem::take(&mut *log.lock().unwrap()));
+        h.shutdown(ShutdownMode::Drain).await.unwrap();
+    }
+    assert_eq!(
+        logs[0], logs[1],
+        "the head's rounds from a cached prefix equal those from a computed one"
+    );
+    // Both equal the head fed the target's own hidden states: its first
+    // round pairs h_0..h_49 with the prompt's next tokens and the first
+    // generated one.
+    let (position, first_round) = &logs[1][0];
+    assert_eq!(*position, 50);
+    assert_eq!(first_round, &head_after_prompt(&tokens(3, 50), want[0]));
+}
+
+/// The logits of [`RecordingHead`]'s head after the pairs of `prompt`
+/// followed by `next`, from a plain forward pass's hidden states.
+fn head_after_prompt(prompt: &[u32], next: u32) -> Vec<f32> {
+    let model = tiny_model_cpu(TinyPreset::Test).unwrap().0;
+    let mut kv = KvCache::new(model.kv_layout(), candle_core::Device::Cpu, 4096);
+    kv.allocate(0, 64).unwrap();
+    kv.ensure_room(0, prompt.len()).unwrap();
+    let mut batch = Batch::default();
+    batch.push(0, 0, prompt, OutputRows::All);
+    let hidden = model.forward(&batch, &mut kv).unwrap();
+    let mut head = MtpHead::random(&model, 11).unwrap();
+    head.admit(0, 64).unwrap();
+    let pairs: Vec<u32> = prompt[1..].iter().copied().chain([next]).collect();
+    let mut batch = Batch::default();
+    batch.push(0, 0, &pairs, OutputRows::Last);
+    let logits = head.step(&model, &batch, Some(&hidden)).unwrap();
+    logits.to_vec2::<f32>().unwrap().remove(0)
+}
+
+/// Preempted drafting requests resume from the prefix cache (hidden states
+/// included) and still give the tokens of an unconstrained run.
+#[actix::test]
+async fn preempted_drafting_requests_resume_from_the_cache_exactly() {
+    let reqs: Vec<GenerateRequest> = (0..6)
+        .map(|i| request(tokens(i, 18 + 3 * i), 40, SamplingOptions::greedy()))
+        .collect();
+    let want = references(&reqs).await;
+    let log = RoundLog::default();
+    let h = start_with_head(config(6, true), 8 * BLOCK, Some(RecordingHead::boxed(&log)));
+    let got = run_streams(&h, &reqs).await;
+    let s = h.stats().await.unwrap();
+    assert!(
+        s.preemptions > 0,
+        "the pool is too small for everyone at once"
+    );
+    assert!(
+        s.prefix_cache_hit_tokens > 0,
+        "resumptions reuse cached blocks"
+    );
+    assert!(!log.lock().unwrap().is_empty(), "the head drafted");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "request {i}");
+    }
     h.shutdown(ShutdownMode::Drain).await.unwrap();
 }
 

@@ -317,7 +317,6 @@ fn scheduler_config(args: &ServeArgs) -> Result<SchedulerConfig, BoxError> {
         eos_ids: Vec::new(),
         kv_capacity_tokens: usize::MAX,
         kv_block_size: 1,
-        draft_needs_hidden: false,
         speculation: None,
     };
     match cfg.validate(&roomy) {

@@ -14,12 +14,10 @@
 
 use std::time::Instant;
 
-use candle_core::Tensor;
-
 use super::draft_heads::{DraftInput, HiddenContext};
-use super::errors::{kv_err, model_err, tensor_err};
+use super::errors::{kv_err, model_err};
 use super::policy::Drafter;
-use super::sequences::{Sequence, Sequences};
+use super::sequences::Sequences;
 use super::spec;
 use super::work::Planned;
 use super::EngineError;
@@ -80,9 +78,8 @@ fn run_round(
 }
 
 fn round_input(seqs: &Sequences, p: &Planned, round: usize) -> Result<DraftInput, EngineError> {
-    let context = if round == 0 && p.keep_hidden {
-        let seq = seqs.get(p.slot).ok_or(EngineError::UnknownSlot(p.slot))?;
-        Some(hidden_context(seq, p)?)
+    let context = if round == 0 && seqs.head_needs_hidden() {
+        Some(hidden_context(seqs, p)?)
     } else {
         None
     };
@@ -95,22 +92,22 @@ fn round_input(seqs: &Sequences, p: &Planned, round: usize) -> Result<DraftInput
     })
 }
 
-/// Round 0's hidden context: the pending hidden states and the tokens that
-/// followed them.
-fn hidden_context(seq: &Sequence, p: &Planned) -> Result<HiddenContext, EngineError> {
+/// Round 0's hidden context: the hidden states of the positions the head
+/// has not consumed, from the KV cache, and the tokens that followed them.
+fn hidden_context(seqs: &Sequences, p: &Planned) -> Result<HiddenContext, EngineError> {
     let slot_err = |what: String| EngineError::Model(format!("slot {}: {what}", p.slot));
-    if seq.pending_hidden.is_empty() {
-        return Err(slot_err("no hidden state to draft from".into()));
-    }
-    let hidden = Tensor::cat(&seq.pending_hidden, 0).map_err(tensor_err)?;
-    let m = hidden.dim(0).map_err(tensor_err)?;
-    if m == 0 || m > p.offset {
+    let seq = seqs.get(p.slot).ok_or(EngineError::UnknownSlot(p.slot))?;
+    if seq.hidden_from >= p.offset {
         return Err(slot_err(format!(
-            "{m} pending hidden states at position {}",
-            p.offset
+            "no hidden state to draft from: the head consumed {} positions of {}",
+            seq.hidden_from, p.offset
         )));
     }
-    let tokens = (p.offset + 1 - m..p.offset)
+    let hidden = seqs
+        .kv
+        .hidden(p.slot, seq.hidden_from, p.offset)
+        .map_err(|e| kv_err(p.slot, e))?;
+    let tokens = (seq.hidden_from + 1..p.offset)
         .map(|pos| seq.token_at(pos))
         .collect::<Option<Vec<u32>>>()
         .ok_or_else(|| slot_err("token history shorter than its hidden states".into()))?;
@@ -145,10 +142,10 @@ fn pick_drafts(
             let token = spec::pick(&seqs.sampler, p.slot, greedy, &q, round)?;
             p.drafts.tokens.push(token);
         }
-        if round == 0 && p.keep_hidden {
+        if round == 0 && seqs.head_needs_hidden() {
             // The head consumed these pairs into its own KV.
             if let Ok(seq) = seqs.get_mut(p.slot) {
-                seq.pending_hidden.clear();
+                seq.hidden_from = p.offset;
             }
         }
     }

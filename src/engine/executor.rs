@@ -6,15 +6,16 @@
 //! 2. **admit** new sequences into every store ([`Sequences::admit`]);
 //! 3. **plan**: check each work item and reserve its KV ([`work::plan_one`]);
 //! 4. **draft**: batched draft rounds ([`drafting::run_rounds`]);
-//! 5. **forward**: one ragged pass over the [`RowLayout`] and the unembedding
-//!    of the rows that need logits, while a worker thread computes the
-//!    grammar masks of the constrained rows ([`masks`]);
+//! 5. **forward**: one ragged pass over the [`RowLayout`], every fed
+//!    position's hidden state into the KV cache when a draft head drafts
+//!    from them, and the unembedding of the rows that need logits, while a
+//!    worker thread computes the grammar masks of the constrained rows
+//!    ([`masks`]);
 //! 6. **sample**: one sampler call over every plain sampling row, with
 //!    those masks;
 //! 7. **verify** each drafting sequence's drafts ([`update::verify`]);
-//! 8. **update** ([`update::update`]): KV and sampler commits, hidden
-//!    states for the draft head, the end-of-sequence rule, and the release
-//!    of finished slots.
+//! 8. **update** ([`update::update`]): KV and sampler commits, the
+//!    end-of-sequence rule, and the release of finished slots.
 //!
 //! One bad sequence (invalid work, KV over its reservation) is failed and
 //! released in the plan phase; the others still run. Only a failure of the
@@ -74,14 +75,6 @@ pub struct Engine {
 /// only its own sequence).
 type PassResults = Vec<(SlotId, Result<SeqProgress, EngineError>)>;
 
-/// What the forward phase produced.
-struct PassOutput {
-    /// Hidden states of the layout's hidden rows.
-    hidden: Tensor,
-    /// Logits of the layout's unembedded rows, when any.
-    logits: Option<Tensor>,
-}
-
 impl Engine {
     pub fn new(model: Model, config: EngineConfig) -> Self {
         let cfg = model.config();
@@ -100,7 +93,6 @@ impl Engine {
             eos_ids,
             kv_capacity_tokens: num_blocks * block_size,
             kv_block_size: block_size,
-            draft_needs_hidden: false,
             speculation: None,
         };
         let kv = KvCache::paged(
@@ -123,7 +115,10 @@ impl Engine {
     /// Enables speculative decoding with any of the drafters: a head,
     /// `config.prompt_lookup`, or both (neither: nobody drafts).
     pub fn with_drafters(mut self, head: Option<Box<dyn DraftHead>>, config: SpecConfig) -> Self {
-        self.info.draft_needs_hidden = head.as_ref().is_some_and(|h| h.needs_hidden());
+        if head.as_ref().is_some_and(|h| h.needs_hidden()) {
+            let width = self.model.config().hidden_size;
+            self.seqs.kv.store_hidden(width, self.model.dtype());
+        }
         let any = head.is_some() || config.prompt_lookup.is_some();
         self.seqs.set_drafters(head, config);
         self.info.speculation = any.then_some(config.default);
@@ -236,11 +231,11 @@ impl Engine {
         let layout = RowLayout::new(&planned.iter().map(Planned::rows).collect::<Vec<_>>());
         stats.batch_tokens = layout.batch.tokens.len();
         let t0 = Instant::now();
-        let (pass, mut step_masks) = self.forward_with_masks(planned, &layout, stats);
-        let pass = pass?;
+        let (logits, mut step_masks) = self.forward_with_masks(planned, &layout, stats);
+        let logits = logits?;
         stats.forward = t0.elapsed();
         let t1 = Instant::now();
-        let sampled = self.sample(planned, &layout, pass.logits.as_ref(), &step_masks, stats)?;
+        let sampled = self.sample(planned, &layout, logits.as_ref(), &step_masks, stats)?;
         let mut out = Vec::with_capacity(planned.len());
         for (p, rows) in planned.iter().zip(&layout.seqs) {
             if let Some(reason) = step_masks.failed.remove(&p.slot) {
@@ -253,7 +248,7 @@ impl Engine {
                 ));
                 continue;
             }
-            let verdict = match &pass.logits {
+            let verdict = match &logits {
                 Some(logits) if !p.drafts.tokens.is_empty() => {
                     let masks = step_masks.by_slot.get(&p.slot).map(Vec::as_slice);
                     Some(update::verify(&mut self.seqs, p, rows, logits, masks)?)
@@ -261,7 +256,6 @@ impl Engine {
                 _ => None,
             };
             let step = update::StepResult {
-                hidden: &pass.hidden,
                 verdict,
                 sampled: sampled.as_ref(),
             };
@@ -284,7 +278,7 @@ impl Engine {
         planned: &[Planned],
         layout: &RowLayout,
         stats: &mut StepStats,
-    ) -> (Result<PassOutput, EngineError>, StepMasks) {
+    ) -> (Result<Option<Tensor>, EngineError>, StepMasks) {
         let mut lent = masks::lend(&mut self.seqs, planned);
         if lent.is_empty() {
             return (self.forward(planned, layout), StepMasks::default());
@@ -314,7 +308,7 @@ impl Engine {
         &mut self,
         planned: &[Planned],
         layout: &RowLayout,
-    ) -> Result<PassOutput, EngineError> {
+    ) -> Result<Option<Tensor>, EngineError> {
         for p in planned.iter().filter(|p| !p.drafts.tokens.is_empty()) {
             self.seqs.kv.begin(p.slot).map_err(|e| kv_err(p.slot, e))?;
         }
@@ -322,6 +316,9 @@ impl Engine {
             .model
             .forward(&layout.batch, &mut self.seqs.kv)
             .map_err(model_err)?;
+        if self.seqs.kv.stores_hidden() {
+            self.store_hidden(planned, layout, &hidden)?;
+        }
         let logits = if layout.unembed.is_empty() {
             None
         } else if layout.unembeds_all() {
@@ -330,7 +327,27 @@ impl Engine {
             let rows = select_rows(&hidden, &layout.unembed)?;
             Some(self.model.unembed(&rows).map_err(model_err)?)
         };
-        Ok(PassOutput { hidden, logits })
+        Ok(logits)
+    }
+
+    /// Writes every fed position's hidden state into the KV cache (every
+    /// sequence has all its rows when the cache stores them).
+    fn store_hidden(
+        &mut self,
+        planned: &[Planned],
+        layout: &RowLayout,
+        hidden: &Tensor,
+    ) -> Result<(), EngineError> {
+        for (p, rows) in planned.iter().zip(&layout.seqs) {
+            let fed = hidden
+                .narrow(0, rows.hidden.start, rows.hidden.len())
+                .map_err(tensor_err)?;
+            self.seqs
+                .kv
+                .write_hidden(p.slot, p.offset, &fed)
+                .map_err(|e| kv_err(p.slot, e))?;
+        }
+        Ok(())
     }
 
     /// One sampler call over the plain sampling rows.

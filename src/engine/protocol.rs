@@ -39,10 +39,6 @@ pub struct EngineInfo {
     /// Tokens per KV block (the pool holds `kv_capacity_tokens /
     /// kv_block_size` blocks, ids `0..` that).
     pub kv_block_size: usize,
-    /// The draft head needs the target's hidden state at every position
-    /// (an MTP head): a drafting sequence cannot start from a cached prefix,
-    /// whose hidden states were never kept.
-    pub draft_needs_hidden: bool,
     /// The speculation options a request that does not say gets; `None`
     /// when the engine has no draft head (nobody drafts).
     pub speculation: Option<SpecOptions>,

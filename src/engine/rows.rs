@@ -4,7 +4,7 @@
 //!
 //! Rows are assigned in plan order. A sequence gets hidden rows for
 //! - every position when it verifies drafts (the logits of each) or when
-//!   its draft head needs the target's hidden states (`keep_hidden`);
+//!   the KV cache stores every position's hidden state (`store_hidden`);
 //! - its last position when that position samples (a decode, the prompt's
 //!   last chunk);
 //! - none otherwise (a prefill chunk mid-prompt).
@@ -30,13 +30,13 @@ pub(crate) struct RowRequest<'a> {
     pub drafts: usize,
     /// The pass ends at a position that samples.
     pub samples: bool,
-    /// The draft head needs the hidden state of every fed position.
-    pub keep_hidden: bool,
+    /// The pass stores the hidden state of every fed position.
+    pub store_hidden: bool,
 }
 
 impl RowRequest<'_> {
     fn output(&self) -> OutputRows {
-        if self.drafts > 0 || self.keep_hidden {
+        if self.drafts > 0 || self.store_hidden {
             OutputRows::All
         } else if self.samples {
             OutputRows::Last
@@ -117,20 +117,20 @@ impl RowLayout {
 mod tests {
     use super::*;
 
-    fn req(tokens: &[u32], drafts: usize, samples: bool, keep_hidden: bool) -> RowRequest<'_> {
+    fn req(tokens: &[u32], drafts: usize, samples: bool, store_hidden: bool) -> RowRequest<'_> {
         RowRequest {
             slot: 0,
             offset: 0,
             tokens,
             drafts,
             samples,
-            keep_hidden,
+            store_hidden,
         }
     }
 
     #[test]
     fn one_sequence_table() {
-        // (case, tokens, drafts, samples, keep_hidden) → (output, hidden, logits, sample)
+        // (case, tokens, drafts, samples, store_hidden) → (output, hidden, logits, sample)
         type Row = (
             &'static str,
             usize,
@@ -148,9 +148,9 @@ mod tests {
             ("last prefill chunk", 5, 0, true, false, OutputRows::Last, 0..1, 0..1, Some(0)),
             ("decode", 1, 0, true, false, OutputRows::Last, 0..1, 0..1, Some(0)),
             ("decode + 3 drafts", 4, 3, true, false, OutputRows::All, 0..4, 0..4, None),
-            ("keep-hidden prefill mid-prompt", 5, 0, false, true, OutputRows::All, 0..5, 0..0, None),
-            ("keep-hidden last chunk", 5, 0, true, true, OutputRows::All, 0..5, 0..1, Some(0)),
-            ("keep-hidden decode + 2 drafts", 3, 2, true, true, OutputRows::All, 0..3, 0..3, None),
+            ("store-hidden prefill mid-prompt", 5, 0, false, true, OutputRows::All, 0..5, 0..0, None),
+            ("store-hidden last chunk", 5, 0, true, true, OutputRows::All, 0..5, 0..1, Some(0)),
+            ("store-hidden decode + 2 drafts", 3, 2, true, true, OutputRows::All, 0..3, 0..3, None),
         ];
         let tokens: Vec<u32> = (0..8).collect();
         for (case, n, drafts, samples, keep, output, hidden, logits, sample) in

@@ -16,15 +16,15 @@
 //!   stay, so after [`Sequences::resume`] and the recompute (prefill work
 //!   over prompt + generated tokens but the last, `recompute` set until it
 //!   is done) the sequence continues exactly as if never preempted.
-//! - For a draft head that needs hidden states, `pending_hidden` holds the
-//!   target's hidden states of the fed positions the head has not consumed
-//!   (its own KV length up to the target's).
+//! - For a draft head that needs hidden states, the KV cache stores the
+//!   target's hidden state of every computed position
+//!   ([`KvCache::store_hidden`]), cached prefixes included, and
+//!   `hidden_from` is the first position the head has not consumed: its
+//!   next round 0 reads positions `hidden_from..` from there.
 //! - The end-of-sequence rule ([`Sequence::append`]) is applied here only.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-
-use candle_core::Tensor;
 
 use super::draft_heads::DraftHead;
 use super::errors::{kv_err, model_err};
@@ -50,11 +50,9 @@ pub(crate) struct Sequence {
     pub generated: Vec<u32>,
     pub max_new_tokens: usize,
     pub sampling: SamplingOptions,
-    /// Target hidden states of the last fed positions not yet consumed by
-    /// the draft head (heads that need hidden only), as the steps' chunks
-    /// (`[rows, hidden]` each, in order): joined once, when the head drafts,
-    /// so a long pause costs no copying per step.
-    pub pending_hidden: Vec<Tensor>,
+    /// The first position whose hidden state the draft head has not
+    /// consumed (heads that need hidden states; see the module docs).
+    pub hidden_from: usize,
     /// The grammar every sampled token follows: its state has accepted
     /// exactly `generated` (EOS and stop ids aside). Lent to the mask
     /// worker during the forward pass (`None` meanwhile, see
@@ -242,12 +240,6 @@ impl Sequences {
         }
         if let Some(drafting) = Drafting::resolve(a.spec, self.default_spec) {
             if let Some(head) = self.head.as_mut() {
-                if cached > 0 && head.needs_hidden() {
-                    return Err(EngineError::InvalidWork {
-                        slot,
-                        reason: "a cached prefix for a head that needs every hidden state".into(),
-                    });
-                }
                 head.admit(slot, max_tokens.saturating_add(MAX_DRAFT_TOKENS))
                     .map_err(model_err)?;
             }
@@ -263,7 +255,7 @@ impl Sequences {
                 generated: Vec::new(),
                 max_new_tokens: a.max_new_tokens,
                 sampling: a.sampling,
-                pending_hidden: Vec::new(),
+                hidden_from: 0,
                 grammar: constraints.grammar,
                 stop_ids: constraints.stop_ids,
             },
@@ -319,14 +311,11 @@ impl Sequences {
             head.release(slot);
         }
         self.policy.release(slot);
-        if let Some(seq) = self.seqs.get_mut(&slot) {
-            seq.pending_hidden.clear();
-        }
     }
 
-    /// Whether the draft head wants `slot`'s hidden states at every position.
-    pub fn keeps_hidden(&self, slot: SlotId) -> bool {
-        self.policy.drafts(slot) && self.head.as_ref().is_some_and(|h| h.needs_hidden())
+    /// Whether the draft head drafts from the target's hidden states.
+    pub fn head_needs_hidden(&self) -> bool {
+        self.head.as_ref().is_some_and(|h| h.needs_hidden())
     }
 }
 
@@ -334,7 +323,7 @@ impl Sequences {
 mod tests {
     use std::sync::Mutex;
 
-    use candle_core::{DType, Device};
+    use candle_core::{DType, Device, Tensor};
 
     use super::*;
     use crate::engine::DraftInput;
@@ -490,7 +479,7 @@ mod tests {
             generated,
             max_new_tokens,
             sampling: SamplingOptions::greedy(),
-            pending_hidden: Vec::new(),
+            hidden_from: 0,
             grammar: None,
             stop_ids: vec![9],
         };

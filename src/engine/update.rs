@@ -15,8 +15,6 @@ use crate::sampler::{SampleResult, TokenLogprobs, TokenMask};
 
 /// What the pass produced for the sequences of one step.
 pub(crate) struct StepResult<'a> {
-    /// Hidden states of the layout's hidden rows.
-    pub hidden: &'a Tensor,
     /// The verdict on this sequence's drafts, when it drafted.
     pub verdict: Option<Verdict>,
     /// The plain sampler call's result, when there was one.
@@ -65,8 +63,6 @@ pub(crate) fn update(
     stats: &mut StepStats,
 ) -> Result<SeqProgress, EngineError> {
     let mut progress = SeqProgress::default();
-    // Hidden rows the draft head will pair with known next tokens.
-    let mut kept_hidden_rows = p.tokens.len();
     let emitted = match (step.verdict, rows.sample) {
         (Some(v), _) => {
             let kept = commit_verdict(seqs, p, &v)?;
@@ -74,7 +70,6 @@ pub(crate) fn update(
             progress.accepted = v.accepted;
             stats.drafted += progress.drafted;
             stats.accepted += v.accepted;
-            kept_hidden_rows = 1 + v.accepted;
             with_logprobs(kept, v.logprobs)
         }
         (None, Some(row)) => {
@@ -96,13 +91,6 @@ pub(crate) fn update(
         if seq.recompute == Some(seq.prefilled) {
             seq.recompute = None;
         }
-    }
-    if p.keep_hidden {
-        let new = step
-            .hidden
-            .narrow(0, rows.hidden.start, kept_hidden_rows)
-            .map_err(tensor_err)?;
-        seq.pending_hidden.push(new);
     }
     let (emitted, grammar_done) = follow_grammar(seq, emitted, &info.eos_ids, p.slot)?;
     let (tokens, mut finish) = seq.append(emitted, &info.eos_ids, info.context_len);

@@ -27,8 +27,9 @@ pub(crate) struct Planned {
     pub draft_budget: usize,
     pub drafter: Drafter,
     pub drafts: Drafts,
-    /// The draft head needs this sequence's hidden state at every position.
-    pub keep_hidden: bool,
+    /// The pass stores the hidden state of every fed position
+    /// ([`KvCache::store_hidden`](crate::kv::KvCache::store_hidden)).
+    pub store_hidden: bool,
     /// Every fed token: `tokens` then `drafts.tokens` (filled by [`Planned::seal`]).
     fed: Vec<u32>,
 }
@@ -52,14 +53,13 @@ impl Planned {
             tokens: &self.fed,
             drafts: self.drafts.tokens.len(),
             samples: self.samples,
-            keep_hidden: self.keep_hidden,
+            store_hidden: self.store_hidden,
         }
     }
 
     /// Drafting was abandoned for this sequence: decode it plainly.
     pub fn drop_drafts(&mut self) {
         self.drafts = Drafts::default();
-        self.keep_hidden = false;
     }
 }
 
@@ -109,10 +109,7 @@ pub(crate) fn plan_one(
             offset + tokens.len()
         )));
     }
-    let recomputing = seq.recompute.is_some();
-    // A recompute refills the target's KV only: the draft head already
-    // consumed these positions' hidden states before the preemption.
-    let keep_hidden = seqs.keeps_hidden(slot) && !recomputing;
+    let store_hidden = seqs.kv.stores_hidden();
     let draft_cap = if seqs.policy.drafts(slot) { allowed } else { 0 };
     seqs.kv
         .ensure_room(slot, tokens.len())
@@ -126,7 +123,7 @@ pub(crate) fn plan_one(
         draft_budget: 0,
         drafter: Drafter::Head,
         drafts: Drafts::default(),
-        keep_hidden,
+        store_hidden,
         fed: Vec::new(),
     })
 }

@@ -130,7 +130,6 @@ mod tests {
             kv_capacity_tokens: 65536,
             speculation: None,
             kv_block_size: 16,
-            draft_needs_hidden: false,
         }
     }
 

@@ -62,8 +62,6 @@ pub(crate) struct PlanLimits {
     pub max_prefill_chunk: usize,
     /// The engine's default speculation options; `None`: nobody drafts.
     pub speculation: Option<SpecOptions>,
-    /// Drafting sequences need every hidden state: no prefix hits for them.
-    pub draft_needs_hidden: bool,
 }
 
 /// A request that took a slot in this plan.
@@ -130,7 +128,7 @@ pub(crate) fn plan_step(
         ..PlannedStep::default()
     };
     grow_decodes(slots, &mut out);
-    resume(slots, limits, &mut out);
+    resume(slots, &mut out);
     if !slots.iter_by_age().any(|s| s.preempted) {
         admit(queue, slots, limits, now, &mut wanted, &mut out);
     }
@@ -187,7 +185,7 @@ fn preempt(slots: &mut SlotTable, slot: SlotId, out: &mut PlannedStep) {
 }
 
 /// Step 3: preempted sequences get their blocks back, oldest first.
-fn resume(slots: &mut SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
+fn resume(slots: &mut SlotTable, out: &mut PlannedStep) {
     for slot in slots.slots_by_age() {
         if out.plan.preempt.contains(&slot) {
             break; // preempted just now: no room to resume anything
@@ -203,11 +201,7 @@ fn resume(slots: &mut SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
             _ => target / bs,
         };
         let known: Vec<u32> = (0..target).map(|p| seq.token_at(p)).collect();
-        let lookup = !(seq.drafting.is_some() && limits.draft_needs_hidden);
-        let (hits, idle) = match lookup {
-            true => slots.pool().peek_prefix(&known, max_hit),
-            false => (0, 0),
-        };
+        let (hits, idle) = slots.pool().peek_prefix(&known, max_hit);
         // Room for the recompute and, when it has generated, the decode
         // that follows (which may come at once if all of it is cached).
         let room = match seq.generated {
@@ -219,10 +213,7 @@ fn resume(slots: &mut SlotTable, limits: PlanLimits, out: &mut PlannedStep) {
             break; // oldest first: nobody younger overtakes it
         }
         let (seq, pool) = slots.with_pool_mut(slot).expect("running");
-        let (prefix, last) = match lookup {
-            true => pool.claim_prefix(&known, max_hit),
-            false => (Vec::new(), None),
-        };
+        let (prefix, last) = pool.claim_prefix(&known, max_hit);
         let cached = prefix.len() * bs;
         seq.blocks = SeqBlocks::with_prefix(prefix, last);
         let grown = seq.blocks.grow_to(pool, room);
@@ -277,8 +268,7 @@ fn admit(
         }
         // The prompt's blocks, minus its cached (or shared) prefix.
         let bs = slots.block_size();
-        let lookup = !(drafting.is_some() && limits.draft_needs_hidden);
-        let prefix = find_prefix(slots, head, lookup);
+        let prefix = find_prefix(slots, head);
         let (hits, idle) = match &prefix {
             Prefix::Wait => break, // the head is never overtaken
             Prefix::Cached { hits, idle, .. } => (*hits, *idle),
@@ -293,12 +283,12 @@ fn admit(
         let queue_wait = now.saturating_duration_since(q.submitted_at);
         let pool = slots.pool_mut();
         let mut blocks = match prefix {
-            Prefix::Cached { max_hit, .. } if lookup => {
+            Prefix::Cached { max_hit, .. } => {
                 let (prefix, last) = pool.claim_prefix(&q.seq.prompt, max_hit);
                 SeqBlocks::with_prefix(prefix, last)
             }
             Prefix::Shared(shared) => SeqBlocks::share_prefix(pool, &shared, &q.seq.prompt),
-            _ => SeqBlocks::default(),
+            Prefix::Wait => unreachable!("a waiting head breaks the loop above"),
         };
         let cached = blocks.table.len() * bs;
         let grown = blocks.grow_to(pool, q.seq.prompt.len());
@@ -354,8 +344,7 @@ fn admit(
 /// blocks before the prompt's last token are reused.
 enum Prefix {
     /// Its longest cached prefix: `hits` blocks (of at most `max_hit`),
-    /// `idle` of them owned by nobody. Zero hits with caching off or for a
-    /// drafting sequence that needs every hidden state (`lookup` false).
+    /// `idle` of them owned by nobody. Zero hits with caching off.
     Cached {
         hits: usize,
         idle: usize,
@@ -374,7 +363,7 @@ enum Prefix {
 /// ended, e.g. at `max_tokens` 1, before the others were admitted), the
 /// choice is on its own: the prefix cache, when on, still holds those
 /// blocks; without it the prompt is computed again.
-fn find_prefix(slots: &SlotTable, head: &QueuedSeq, lookup: bool) -> Prefix {
+fn find_prefix(slots: &SlotTable, head: &QueuedSeq) -> Prefix {
     let bs = slots.block_size();
     let prompt = &head.seq.prompt;
     let max_hit = (prompt.len() - 1) / bs;
@@ -383,7 +372,7 @@ fn find_prefix(slots: &SlotTable, head: &QueuedSeq, lookup: bool) -> Prefix {
         .and_then(|id| slots.find(id))
         .and_then(|slot| slots.get(slot));
     match leader {
-        Some(first) if lookup && max_hit > 0 && first.prompt == *prompt => {
+        Some(first) if max_hit > 0 && first.prompt == *prompt => {
             if first.preempted || first.computed < max_hit * bs {
                 Prefix::Wait
             } else {
@@ -391,10 +380,7 @@ fn find_prefix(slots: &SlotTable, head: &QueuedSeq, lookup: bool) -> Prefix {
             }
         }
         _ => {
-            let (hits, idle) = match lookup {
-                true => slots.pool().peek_prefix(prompt, max_hit),
-                false => (0, 0),
-            };
+            let (hits, idle) = slots.pool().peek_prefix(prompt, max_hit);
             Prefix::Cached {
                 hits,
                 idle,
@@ -475,7 +461,6 @@ mod tests {
         step_token_budget: 64,
         max_prefill_chunk: 32,
         speculation: None,
-        draft_needs_hidden: false,
     };
 
     fn plan(q: &mut WaitingQueue, t: &mut SlotTable, step: u64) -> PlannedStep {
@@ -556,7 +541,6 @@ mod tests {
             step_token_budget: 64,
             max_prefill_chunk: 64,
             speculation: None,
-            draft_needs_hidden: false,
         };
         let mut q = WaitingQueue::new(16);
         let mut t = SlotTable::new(8, 10_000);
@@ -849,7 +833,6 @@ mod tests {
             step_token_budget,
             max_prefill_chunk,
             speculation: Some(SpecOptions::default()),
-            draft_needs_hidden: false,
         }
     }
 

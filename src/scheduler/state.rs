@@ -96,7 +96,6 @@ impl SchedulerState {
                 step_token_budget: config.step_token_budget,
                 max_prefill_chunk: config.max_prefill_chunk,
                 speculation: info.speculation,
-                draft_needs_hidden: info.draft_needs_hidden,
             },
             queue: WaitingQueue::new(config.max_queue),
             slots: SlotTable::with_pool(

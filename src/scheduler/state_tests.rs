@@ -14,7 +14,6 @@ fn info() -> EngineInfo {
         kv_capacity_tokens: 1000,
         speculation: None,
         kv_block_size: 16,
-        draft_needs_hidden: false,
     }
 }
 

@@ -151,7 +151,6 @@ pub(crate) mod tests {
             eos_ids: vec![0],
             kv_capacity_tokens: 80,
             kv_block_size: 16,
-            draft_needs_hidden: false,
             speculation: None,
         }
     }
@@ -166,7 +165,6 @@ pub(crate) mod tests {
             eos_ids: vec![0],
             kv_capacity_tokens: usize::MAX,
             kv_block_size: 1,
-            draft_needs_hidden: false,
             speculation: None,
         };
         validate_seq(

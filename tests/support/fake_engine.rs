@@ -264,7 +264,6 @@ impl StepExecutor for FakeExecutor {
             kv_capacity_tokens: self.settings.kv_capacity_tokens,
             speculation: None,
             kv_block_size: BLOCK,
-            draft_needs_hidden: false,
         }
     }
 
