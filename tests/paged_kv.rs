@@ -376,9 +376,19 @@ async fn a_request_that_can_never_fit_is_refused_at_the_edge() {
     h.shutdown(ShutdownMode::Drain).await.unwrap();
 }
 
-/// `n` = 4 choices of a 50-token prompt (three full blocks and two tokens).
-async fn four_choices(prefix_caching: bool, sampling: SamplingOptions) -> (Vec<Vec<u32>>, u64) {
-    let h = start(config(4, prefix_caching), 4096);
+/// `n` = 4 choices of a 50-token prompt (three full blocks and two tokens),
+/// drafting with an MTP head when `head` (which must then draft).
+async fn four_choices(
+    prefix_caching: bool,
+    head: bool,
+    sampling: SamplingOptions,
+) -> (Vec<Vec<u32>>, u64) {
+    let log = RoundLog::default();
+    let h = start_with_head(
+        config(4, prefix_caching),
+        4096,
+        head.then(|| RecordingHead::boxed(&log)),
+    );
     let req = request(tokens(5, 50), 12, sampling);
     let before = h.stats().await.unwrap();
     let choices = h.complete_choices(req, 4).await.unwrap();
@@ -389,6 +399,7 @@ async fn four_choices(prefix_caching: bool, sampling: SamplingOptions) -> (Vec<V
         assert_eq!((usage.prompt_tokens, usage.completion_tokens), (50, 12));
     }
     assert_eq!(after.kv_blocks_used, 0, "every choice's blocks are back");
+    assert_eq!(!log.lock().unwrap().is_empty(), head, "the head drafts");
     h.shutdown(ShutdownMode::Drain).await.unwrap();
     let computed = after.prompt_tokens_processed - before.prompt_tokens_processed;
     (got, computed)
@@ -405,11 +416,14 @@ async fn n_four_choices_prefill_once_and_equal_single_requests_with_derived_seed
             })
             .collect();
         let want = references(&singles).await;
-        for prefix_caching in [true, false] {
-            let (got, computed) = four_choices(prefix_caching, sampling).await;
-            assert_eq!(got, want, "{name}, prefix cache {prefix_caching}");
+        // A drafting head shares the prompt's blocks (and their hidden
+        // states) like any choice.
+        for (prefix_caching, head) in [(true, false), (false, false), (true, true), (false, true)] {
+            let (got, computed) = four_choices(prefix_caching, head, sampling).await;
+            let case = format!("{name}, prefix cache {prefix_caching}, head {head}");
+            assert_eq!(got, want, "{case}");
             // One prompt, then three tails of two tokens after 48 shared.
-            assert_eq!(computed, 50 + 3 * 2, "{name}, cache {prefix_caching}");
+            assert_eq!(computed, 50 + 3 * 2, "{case}");
         }
         if name == "seeded" {
             assert!(want.windows(2).any(|w| w[0] != w[1]), "seeds differ");
@@ -418,6 +432,7 @@ async fn n_four_choices_prefill_once_and_equal_single_requests_with_derived_seed
     // Without a seed the choices still draw independently.
     let (got, _) = four_choices(
         true,
+        false,
         SamplingOptions {
             seed: None,
             ..seeded(0)
