@@ -3,11 +3,13 @@
 
 mod support;
 
+use candle_core::Tensor;
 use support::engine_driver::{run, Req};
 use tandem::engine::*;
-use tandem::model::{Model, MtpHead};
+use tandem::model::{Batch, Model, MtpHead, OutputRows};
 use tandem::sampler::SamplingOptions;
 use tandem::tiny::{tiny_model_cpu, TinyPreset};
+use tandem::train::data::Features;
 use tandem::train::prompts::random_token_prompts;
 use tandem::train::{PromptSet, TrainConfig, TrainError, Trainer};
 
@@ -42,6 +44,60 @@ fn out_dir(tag: &str) -> std::path::PathBuf {
     d
 }
 
+/// Acceptance by draft position, one sequence and one position at a time
+/// (the reference for `Trainer::acceptance`'s batched measurement).
+fn acceptance_one_by_one(
+    model: &Model,
+    head: &mut MtpHead,
+    heldout: &Features,
+    k: usize,
+) -> Vec<f64> {
+    let first_max = |row: &[f32]| {
+        let mut best = 0;
+        for (i, &v) in row.iter().enumerate() {
+            if v > row[best] {
+                best = i;
+            }
+        }
+        best as u32
+    };
+    let step = |head: &mut MtpHead, slot, pos, token, hidden: Option<&Tensor>| {
+        let mut b = Batch::default();
+        b.push(slot, pos, &[token], OutputRows::Last);
+        let logits = head.step(model, &b, hidden).unwrap();
+        logits.get(0).unwrap().to_vec1::<f32>().unwrap()
+    };
+    let (mut hits, mut trials) = (vec![0usize; k], 0usize);
+    for (n, seq) in heldout.sequences.iter().enumerate() {
+        let slot = n as u32;
+        head.admit(slot, seq.len() + k).unwrap();
+        let hidden = heldout.hidden.get(n).unwrap();
+        for t in 0..heldout.lens[n].min(seq.len()) - 1 {
+            let h = hidden.narrow(0, t, 1).unwrap();
+            let mut logits = step(head, slot, t, seq[t + 1], Some(&h));
+            if t + 2 < heldout.prompt_lens[n] || t + 1 + k >= heldout.lens[n] {
+                continue;
+            }
+            trials += 1;
+            for r in 0..k {
+                let d = first_max(&logits);
+                if d != seq[t + 2 + r] {
+                    break;
+                }
+                hits[r] += 1;
+                if r + 1 < k {
+                    logits = step(head, slot, t + 1 + r, d, None);
+                }
+            }
+            head.truncate(slot, t + 1).unwrap();
+        }
+        head.release(slot);
+    }
+    hits.iter()
+        .map(|&h| h as f64 / trials.max(1) as f64)
+        .collect()
+}
+
 #[test]
 fn training_lowers_heldout_loss_and_raises_agreement() {
     let model = target();
@@ -74,6 +130,15 @@ fn training_lowers_heldout_loss_and_raises_agreement() {
     assert!(
         report.acceptance.windows(2).all(|w| w[1] <= w[0]),
         "acceptance by position is non-increasing"
+    );
+
+    // The batched measurement is what drafting each sequence alone gives.
+    let mut alone = MtpHead::from_dir(&model, &dir).unwrap();
+    let k = report.acceptance.len();
+    assert_eq!(
+        report.acceptance,
+        acceptance_one_by_one(&model, &mut alone, trainer.heldout(), k),
+        "batched acceptance equals sequence-by-sequence drafting"
     );
 
     // The saved head loads through the MTP loader and keeps greedy exact.

@@ -296,58 +296,78 @@ fn sample(row: &[f32], temperature: f32, rng: &mut ChaCha8Rng) -> u32 {
 /// `result[i]`: fraction of positions where drafts 1..=i+1 all equal the
 /// greedy continuation (what greedy verification would accept), drafting
 /// recursively with the head as the engine does.
+///
+/// Every held-out sequence advances together, one position at a time:
+/// each draft round is one head call over all sequences still drafting,
+/// with greedy drafts taken where the logits are (over the draft
+/// vocabulary when the head has one) and only their ids read back. A
+/// sequence's drafts depend only on its own pairs, so the result is the
+/// one sequence-by-sequence drafting gives.
 pub fn acceptance_by_position(
     target: &Model,
     head: &mut MtpHead,
     heldout: &Features,
     k: usize,
 ) -> Result<Vec<f64>, TrainError> {
-    let mut hits = vec![0usize; k];
-    let mut trials = 0usize;
-    let h_all = &heldout.hidden;
-    for (n, seq) in heldout.sequences.iter().enumerate() {
-        let slot = n as u32;
-        head.admit(slot, seq.len() + k)?;
-        let hidden = h_all.get(n)?; // [T-1, H]
-        for t in 0..heldout.lens[n].min(seq.len()) - 1 {
-            let mut b = Batch::default();
-            b.push(slot, t, &[seq[t + 1]], OutputRows::Last);
-            let mut logits: Vec<f32> = head
-                .step(
-                    target,
-                    &b,
-                    Some(&hidden.narrow(0, t, 1)?.to_device(target.device())?),
-                )?
-                .get(0)?
-                .to_vec1()?;
-            // Draft only where the next k tokens are the target's greedy output.
-            let evaluable = t + 2 >= heldout.prompt_lens[n] && t + 1 + k < heldout.lens[n];
-            if !evaluable {
-                continue;
+    let seqs = &heldout.sequences;
+    // Pairs (h_t, x_{t+1}) exist for t < pairs[n].
+    let pairs: Vec<usize> = (0..seqs.len())
+        .map(|n| heldout.lens[n].min(seqs[n].len()).saturating_sub(1))
+        .collect();
+    for (n, seq) in seqs.iter().enumerate() {
+        head.admit(n as u32, seq.len() + k)?;
+    }
+    let result = (|| -> Result<Vec<f64>, TrainError> {
+        let mut hits = vec![0usize; k];
+        let mut trials = 0usize;
+        for t in 0..pairs.iter().copied().max().unwrap_or(0) {
+            let live: Vec<usize> = (0..seqs.len()).filter(|&n| t < pairs[n]).collect();
+            let mut batch = Batch::default();
+            let mut hidden = Vec::with_capacity(live.len());
+            for &n in &live {
+                batch.push(n as u32, t, &[seqs[n][t + 1]], OutputRows::Last);
+                hidden.push(heldout.hidden.get(n)?.narrow(0, t, 1)?);
             }
-            trials += 1;
-            let mut all = true;
-            for r in 0..k {
-                let d = argmax(&logits);
-                all &= d == seq[t + 2 + r];
-                if !all {
+            let hidden = Tensor::cat(&hidden, 0)?.to_device(target.device())?;
+            let logits = head.step_logits(target, &batch, Some(&hidden))?;
+            // Draft only where the next k tokens are the target's greedy output.
+            let evaluable =
+                |n: usize| t + 2 >= heldout.prompt_lens[n] && t + 1 + k < heldout.lens[n];
+            let rows: Vec<usize> = (0..live.len()).filter(|&r| evaluable(live[r])).collect();
+            trials += rows.len();
+            let mut members: Vec<usize> = rows.iter().map(|&r| live[r]).collect();
+            let mut drafts = logits.argmax(&rows)?;
+            for (r, hit) in hits.iter_mut().enumerate() {
+                let (kept, kept_drafts): (Vec<usize>, Vec<u32>) = members
+                    .iter()
+                    .zip(&drafts)
+                    .filter(|&(&n, &d)| d == seqs[n][t + 2 + r])
+                    .unzip();
+                *hit += kept.len();
+                if kept.is_empty() || r + 1 == k {
                     break;
                 }
-                hits[r] += 1;
-                if r + 1 < k {
-                    let mut b = Batch::default();
-                    b.push(slot, t + 1 + r, &[d], OutputRows::Last);
-                    logits = head.step(target, &b, None)?.get(0)?.to_vec1()?;
+                let mut batch = Batch::default();
+                for (&n, &d) in kept.iter().zip(&kept_drafts) {
+                    batch.push(n as u32, t + 1 + r, &[d], OutputRows::Last);
                 }
+                let all: Vec<usize> = (0..kept.len()).collect();
+                drafts = head.step_logits(target, &batch, None)?.argmax(&all)?;
+                members = kept;
             }
-            head.truncate(slot, t + 1)?;
+            for &n in &live {
+                head.truncate(n as u32, t + 1)?;
+            }
         }
-        head.release(slot);
+        Ok(hits
+            .iter()
+            .map(|&h| h as f64 / trials.max(1) as f64)
+            .collect())
+    })();
+    for n in 0..seqs.len() {
+        head.release(n as u32);
     }
-    Ok(hits
-        .iter()
-        .map(|&h| h as f64 / trials.max(1) as f64)
-        .collect())
+    result
 }
 
 /// The `n` most frequent of `labels` (ties: the lower id), as a draft
