@@ -13,7 +13,9 @@
 //!   `F(T) = f0 + f1·T`, and one draft round's time as a function of its
 //!   members, `R(M) = r0 + r1·M`, both fitted online (decayed least
 //!   squares) from the engine's own measurements. Prompt-lookup drafts cost
-//!   no round.
+//!   no round. Before the first decode pass is measured, priors stand in
+//!   (a token a thirty-second of the fixed cost, a round a tenth of a
+//!   step) and no sequence drafts more than its `initial_draft`.
 //! - **Choice**: starting from no drafts, the policy repeatedly extends the
 //!   one sequence whose extension (by any number of drafts up to its cap)
 //!   brings the most expected tokens per second added, while that rate
@@ -183,6 +185,18 @@ struct Costs {
     r1: f64,
 }
 
+impl Costs {
+    /// Before any measurement, in units of a step's fixed cost: each token
+    /// a thirty-second of it, a round a tenth of a one-token step (the
+    /// choice depends only on these ratios).
+    const PRIOR: Costs = Costs {
+        f0: 1.0,
+        f1: 1.0 / 32.0,
+        r0: 0.1 * (1.0 + 1.0 / 32.0),
+        r1: 0.0,
+    };
+}
+
 impl CostModel {
     pub fn record_pass(&mut self, tokens: usize, time: Duration) {
         self.forward.add(tokens as f64, time.as_secs_f64());
@@ -192,8 +206,9 @@ impl CostModel {
         self.round.add(members as f64, time.as_secs_f64());
     }
 
-    /// Until measured: each extra token costs a thirty-second of a
-    /// one-token step, and a round a tenth of one.
+    /// The fitted costs; `None` before any decode pass is measured (then
+    /// [`Costs::PRIOR`]). Before any round is measured a round costs a
+    /// tenth of a one-token step.
     fn costs(&self) -> Option<Costs> {
         let (f0, f1) = self.forward.coefficients(|per_token| per_token / 32.0)?;
         let f1 = f1.max(MIN_TOKEN_SHARE * f0);
@@ -285,34 +300,33 @@ impl DraftPolicy {
     pub fn assign(&mut self, candidates: &[Candidate], base_tokens: usize) -> Vec<Grant> {
         let options: Vec<Choice> = candidates.iter().map(|c| self.choice(c)).collect();
         let mut drafts = vec![0usize; candidates.len()];
-        match self.cost.costs() {
-            // Nothing measured yet: every sequence starts at its initial draft.
-            None => {
-                for (d, o) in drafts.iter_mut().zip(&options) {
-                    *d = o.initial.min(o.reach.len());
+        // Nothing measured yet: the priors decide, up to each sequence's
+        // initial draft (a lone stream drafts, a batch beside prompt chunks
+        // does not).
+        let (costs, cold) = match self.cost.costs() {
+            Some(costs) => (costs, false),
+            None => (Costs::PRIOR, true),
+        };
+        let probing: Vec<bool> = options.iter().map(|o| o.probe_due).collect();
+        let reach: Vec<Vec<f64>> = options
+            .iter()
+            .zip(&probing)
+            .map(|(o, &p)| {
+                if p {
+                    // One draft tells whether the first position pays; a
+                    // longer probe of a drafter that does not pay would
+                    // cost a round per draft.
+                    optimistic(o.reach.len().min(1))
+                } else if cold {
+                    o.reach[..o.initial.min(o.reach.len())].to_vec()
+                } else {
+                    o.reach.clone()
                 }
-            }
-            Some(costs) => {
-                let probing: Vec<bool> = options.iter().map(|o| o.probe_due).collect();
-                let reach: Vec<Vec<f64>> = options
-                    .iter()
-                    .zip(&probing)
-                    .map(|(o, &p)| {
-                        if p {
-                            // One draft tells whether the first position
-                            // pays; a longer probe of a drafter that does
-                            // not pay would cost a round per draft.
-                            optimistic(o.reach.len().min(1))
-                        } else {
-                            o.reach.clone()
-                        }
-                    })
-                    .collect();
-                let mut plan = StepModel::new(costs, base_tokens, candidates.len());
-                plan.fill(&reach, &options, &mut drafts);
-                self.update_probes(candidates, &options, &drafts, &plan, &probing);
-            }
-        }
+            })
+            .collect();
+        let mut plan = StepModel::new(costs, base_tokens, candidates.len());
+        plan.fill(&reach, &options, &mut drafts);
+        self.update_probes(candidates, &options, &drafts, &plan, &probing);
         for (d, o) in drafts.iter_mut().zip(&options) {
             if let Some(k) = o.constant {
                 *d = k;
@@ -619,6 +633,23 @@ mod tests {
         // One sequence alone on a latency-bound step drafts.
         let grants = policy.assign(&slots[..1], 1);
         assert!(grants[0].drafts > 0);
+    }
+
+    #[test]
+    fn before_any_measurement_a_lone_stream_drafts_and_a_busy_batch_does_not() {
+        let mut policy = DraftPolicy::new(true, None);
+        let slots: Vec<Candidate> = (0..64).map(|s| candidate(s, 6)).collect();
+        for s in 0..64 {
+            policy.admit(s, drafting(DraftSchedule::Adaptive));
+        }
+        let one = policy.assign(&slots[..1], 1);
+        assert!(
+            (1..=2).contains(&one[0].drafts),
+            "a lone stream drafts, at most its initial 2: {one:?}"
+        );
+        // 64 decodes beside 448 prompt tokens: a draft row is not worth it.
+        let many = policy.assign(&slots, 512);
+        assert!(many.iter().all(|g| g.drafts == 0), "{many:?}");
     }
 
     #[test]

@@ -147,7 +147,9 @@ pub struct TableUpdate {
 pub struct SpecOptions {
     /// Draft at all (needs an engine with a draft head).
     pub enabled: bool,
-    /// Draft length of the first speculative step.
+    /// The longest draft an adaptive sequence takes before the engine has
+    /// measured its step cost (the cost priors decide up to it); every
+    /// step's draft length for a constant schedule.
     pub initial_draft: usize,
     /// Longest draft.
     pub max_draft: usize,
@@ -217,7 +219,8 @@ pub enum DraftSchedule {
     /// Chosen every step by the engine's cost model, 0 to `max_draft`: the
     /// length that maximises expected tokens per unit of step time, from
     /// the sequence's measured acceptance by position and the measured cost
-    /// of the step (`initial_draft` until anything is measured).
+    /// of the step (until the step is measured, from cost priors, at most
+    /// `initial_draft`).
     Adaptive,
 }
 
