@@ -9,6 +9,7 @@ use candle_core::{Device, Tensor};
 use tandem::engine::SlotId;
 use tandem::model::mtp::{mtp_tensor_shapes, random_tensors, DRAFT_VOCAB_TENSOR, MTP_FILE};
 use tandem::model::{Batch, LoadOptions, ModelError, MtpHead, OutputRows, WeightFormat};
+use tandem::sampler::argmax;
 use tandem::tiny::{tiny_model, tiny_model_cpu, TinyPreset};
 
 fn target() -> tandem::model::Model {
@@ -195,17 +196,6 @@ fn a_draft_vocab_head_round_trips_and_masks_the_other_ids() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Index of the first largest value (a host argmax).
-fn first_max(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 #[test]
 fn greedy_drafts_over_the_draft_vocab_equal_the_widened_logits() {
     let model = target();
@@ -236,7 +226,7 @@ fn greedy_drafts_over_the_draft_vocab_equal_the_widened_logits() {
     let full = rows(&widened.step(&model, &b, Some(&hidden)).unwrap());
     let logits = reduced.step_logits(&model, &b, Some(&hidden)).unwrap();
     // The reduced rows' argmax, mapped to ids, is the widened rows' argmax.
-    let want: Vec<u32> = [2, 0].iter().map(|&r| first_max(&full[r])).collect();
+    let want: Vec<u32> = [2, 0].iter().map(|&r| argmax(&full[r])).collect();
     assert_eq!(logits.argmax(&[2, 0]).unwrap(), want);
     assert!(want.iter().all(|id| kept.binary_search(id).is_ok()));
     assert_eq!(logits.argmax(&[]).unwrap(), Vec::<u32>::new());

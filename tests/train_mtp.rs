@@ -7,7 +7,7 @@ use candle_core::Tensor;
 use support::engine_driver::{run, Req};
 use tandem::engine::*;
 use tandem::model::{Batch, Model, MtpHead, OutputRows};
-use tandem::sampler::SamplingOptions;
+use tandem::sampler::{argmax, SamplingOptions};
 use tandem::tiny::{tiny_model_cpu, TinyPreset};
 use tandem::train::data::Features;
 use tandem::train::prompts::random_token_prompts;
@@ -52,15 +52,6 @@ fn acceptance_one_by_one(
     heldout: &Features,
     k: usize,
 ) -> Vec<f64> {
-    let first_max = |row: &[f32]| {
-        let mut best = 0;
-        for (i, &v) in row.iter().enumerate() {
-            if v > row[best] {
-                best = i;
-            }
-        }
-        best as u32
-    };
     let step = |head: &mut MtpHead, slot, pos, token, hidden: Option<&Tensor>| {
         let mut b = Batch::default();
         b.push(slot, pos, &[token], OutputRows::Last);
@@ -80,7 +71,7 @@ fn acceptance_one_by_one(
             }
             trials += 1;
             for r in 0..k {
-                let d = first_max(&logits);
+                let d = argmax(&logits);
                 if d != seq[t + 2 + r] {
                     break;
                 }

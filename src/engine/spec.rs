@@ -44,7 +44,7 @@ use candle_core::Tensor;
 
 use super::ngram::PromptLookup;
 use crate::engine::{SlotId, SpecOptions};
-use crate::sampler::{Sampler, SamplerError, TokenLogprobs, TokenMask};
+use crate::sampler::{argmax, Sampler, SamplerError, TokenLogprobs, TokenMask};
 
 /// Engine-wide speculation settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -87,16 +87,6 @@ impl Drafting {
 #[derive(Debug, Default, Clone, PartialEq)]
 pub(crate) struct Drafts {
     pub tokens: Vec<u32>,
-}
-
-fn argmax(p: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in p.iter().enumerate() {
-        if v > p[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// The token a request emits from `dist` at `offset` positions past its

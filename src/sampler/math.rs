@@ -117,6 +117,12 @@ multiversion! {
     }
 }
 
+/// The row's greedy token: its first maximum (ties go to the lowest id; a
+/// NaN never wins), as the sampler's greedy path picks it.
+pub fn argmax(row: &[f32]) -> u32 {
+    first_index_of(row, max(row)) as u32
+}
+
 /// Largest value of a row known to be NaN-free.
 pub(crate) fn max(row: &[f32]) -> f32 {
     max_and_bad(row).0

@@ -124,6 +124,7 @@ mod transform;
 
 pub use adjust::{LogitBias, TokenMask};
 pub use batched::Sampler;
+pub use math::argmax;
 pub use options::{SamplingOptions, MAX_TOP_LOGPROBS};
 
 use crate::slot::SlotId;

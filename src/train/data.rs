@@ -8,6 +8,7 @@ use rand_chacha::ChaCha8Rng;
 use super::TrainError;
 use crate::kv::KvCache;
 use crate::model::{Batch, Model, ModelError, MtpHead, OutputRows};
+use crate::sampler::argmax;
 
 /// Pairs `(h_t, x_{t+1})` of N sequences with the target's greedy label for
 /// each (the token it predicts after `x_{t+1}`), positions `0..T-1`.
@@ -82,16 +83,6 @@ fn gen_batch(device: &Device) -> usize {
 /// Fewest tokens a prompt must leave the target to write: longer prompts
 /// are skipped.
 pub const MIN_CONTINUATION: usize = 8;
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
 
 /// `n` sequences of `seq_len` tokens: `prompts` in turn (repeated when
 /// there are fewer than `n`; prompts longer than `seq_len -
