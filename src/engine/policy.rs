@@ -185,14 +185,18 @@ struct Costs {
     r1: f64,
 }
 
+/// Until measured, a pass token costs this share of the pass's fixed cost...
+const PRIOR_TOKEN_SHARE: f64 = 1.0 / 32.0;
+/// ... and a draft round this share of a one-token pass.
+const PRIOR_ROUND_SHARE: f64 = 0.1;
+
 impl Costs {
-    /// Before any measurement, in units of a step's fixed cost: each token
-    /// a thirty-second of it, a round a tenth of a one-token step (the
-    /// choice depends only on these ratios).
+    /// Before any measurement, in units of a step's fixed cost (the choice
+    /// depends only on the ratios).
     const PRIOR: Costs = Costs {
         f0: 1.0,
-        f1: 1.0 / 32.0,
-        r0: 0.1 * (1.0 + 1.0 / 32.0),
+        f1: PRIOR_TOKEN_SHARE,
+        r0: PRIOR_ROUND_SHARE * (1.0 + PRIOR_TOKEN_SHARE),
         r1: 0.0,
     };
 }
@@ -207,15 +211,17 @@ impl CostModel {
     }
 
     /// The fitted costs; `None` before any decode pass is measured (then
-    /// [`Costs::PRIOR`]). Before any round is measured a round costs a
-    /// tenth of a one-token step.
+    /// [`Costs::PRIOR`]). The priors fill in what the samples cannot tell
+    /// yet (a slope, an unmeasured round).
     fn costs(&self) -> Option<Costs> {
-        let (f0, f1) = self.forward.coefficients(|per_token| per_token / 32.0)?;
+        let (f0, f1) = self
+            .forward
+            .coefficients(|per_token| per_token * PRIOR_TOKEN_SHARE)?;
         let f1 = f1.max(MIN_TOKEN_SHARE * f0);
         let (r0, r1) = self
             .round
             .coefficients(|per_member| per_member / 4.0)
-            .unwrap_or((0.1 * (f0 + f1), 0.0));
+            .unwrap_or((PRIOR_ROUND_SHARE * (f0 + f1), 0.0));
         Some(Costs { f0, f1, r0, r1 })
     }
 }
@@ -582,7 +588,8 @@ mod tests {
     #[test]
     fn a_single_streams_few_drafted_passes_measure_the_slope() {
         // Nine one-token passes of 10 ms to one two-token pass of 13 ms: the
-        // second token's 3 ms is measured, not the prior's tenth of a step.
+        // second token's 3 ms is measured, not the prior's thirty-second of
+        // a step.
         let mut f = LinearFit::default();
         for i in 0..200 {
             match i % 10 {
