@@ -18,7 +18,9 @@
 //! - `TANDEM_BENCH_BATCHES=1,4,16,64` batch sizes;
 //! - `TANDEM_BENCH_FORMATS=f32,f16,q8_0` weight formats (also `q4_k`,
 //!   `as-stored` — a GGUF's own quantised blocks — and `candle-f32` /
-//!   `candle-f16` for the candle-op reference path);
+//!   `candle-f16` for the candle-op reference path; a `-flat` suffix,
+//!   e.g. `q8_0-flat`, keeps Q8_0 blocks in GGML's layout instead of
+//!   repacking them for the register tile);
 //! - `TANDEM_BENCH_REPS=3`, `TANDEM_BENCH_STEPS=128`;
 //! - `TANDEM_BENCH_THREADS=N` caps the lean kernels' threads;
 //! - `TANDEM_BENCH_ACTIVATIONS=int16` runs quantised weights with 15-bit
@@ -104,7 +106,11 @@ struct Config {
 }
 
 fn load(name: &str, weights: &Weights, cfg: &ModelConfig, device: &Device) -> Config {
-    let (dtype, format, lean) = match name {
+    let (base, repack) = match name.strip_suffix("-flat") {
+        Some(base) => (base, false),
+        None => (name, true),
+    };
+    let (dtype, format, lean) = match base {
         "f32" => (DType::F32, WeightFormat::AsCompute, true),
         "as-stored" => (DType::F32, WeightFormat::AsStored, true),
         "f16" => (DType::F16, WeightFormat::AsCompute, true),
@@ -126,6 +132,7 @@ fn load(name: &str, weights: &Weights, cfg: &ModelConfig, device: &Device) -> Co
         activation_quant: std::env::var("TANDEM_BENCH_ACTIVATIONS")
             .map(|v| v.parse().expect("TANDEM_BENCH_ACTIVATIONS: int8 or int16"))
             .unwrap_or_default(),
+        repack_quantised: repack,
     };
     let model = Model::load(cfg.clone(), weights, &opts).expect("model loads");
     Config {

@@ -127,11 +127,18 @@ fn lean_rows_are_bit_identical_solo_batched_and_threaded() {
     // within a tolerance.
     let cfg = config("LlamaForCausalLM", None, false, 16);
     let w = Weights::random(&cfg, 14, 0.5).expect("weights");
-    for dtype in [DType::F32, DType::F16] {
+    let formats = [
+        (DType::F32, WeightFormat::AsCompute),
+        (DType::F16, WeightFormat::AsCompute),
+        // Repacked Q8_0 (the default for 8-bit activations).
+        (DType::F32, WeightFormat::Q8_0),
+    ];
+    for (dtype, weight_format) in formats {
         let mut logits = Vec::new();
         for threads in [Some(1), None] {
             let opts = LoadOptions {
                 dtype,
+                weight_format,
                 threads,
                 ..LoadOptions::default()
             };
@@ -156,11 +163,17 @@ fn lean_rows_are_bit_identical_solo_batched_and_threaded() {
             );
             for (s, p) in prompts.iter().enumerate() {
                 let solo = model.logits_for(p).expect("solo");
-                assert_eq!(solo, batched[s], "{dtype:?} threads {threads:?} seq {s}");
+                assert_eq!(
+                    solo, batched[s],
+                    "{dtype:?} {weight_format:?} threads {threads:?} seq {s}"
+                );
             }
             logits.push(batched);
         }
-        assert_eq!(logits[0], logits[1], "{dtype:?}: 1 thread vs all threads");
+        assert_eq!(
+            logits[0], logits[1],
+            "{dtype:?} {weight_format:?}: 1 thread vs all threads"
+        );
     }
 }
 
@@ -307,6 +320,66 @@ fn stories260k_greedy_agreement_with_f32() {
         assert!(
             a >= floor,
             "{dtype:?}/{format:?} agreement {a} below {floor}"
+        );
+    }
+}
+
+#[test]
+fn repacked_q8_0_computes_what_the_ggml_layout_does() {
+    // The same integer sums, added per block instead of per lane: the
+    // logits agree to f32 rounding, and repacking happens only where the
+    // lean path multiplies with 8-bit activations.
+    let cfg = config("LlamaForCausalLM", None, false, 16);
+    let w = Weights::random(&cfg, 16, 0.5).expect("weights");
+    let load_with = |repack_quantised: bool, activation_quant: ActivationQuant| {
+        let opts = LoadOptions {
+            weight_format: WeightFormat::Q8_0,
+            repack_quantised,
+            activation_quant,
+            ..LoadOptions::default()
+        };
+        Model::load(cfg.clone(), &w, &opts).expect("model")
+    };
+    let packed = load_with(true, ActivationQuant::Int8);
+    let flat = load_with(false, ActivationQuant::Int8);
+    assert!(packed.loaded_weights().layers[0].down.is_packed());
+    assert!(!flat.loaded_weights().layers[0].down.is_packed());
+    assert!(!load_with(true, ActivationQuant::Int16)
+        .loaded_weights()
+        .layers[0]
+        .down
+        .is_packed());
+    let (got, want) = (schedule_logits(&packed), schedule_logits(&flat));
+    let d = max_rel_diff(&got, &want);
+    assert!(d <= 1e-4, "repacked Q8_0 differs by {d:e}");
+    assert!(packed.quantized_projections());
+    // The candle path and the head's shared tensors read repacked weights
+    // through their unpacked blocks.
+    for (p, f) in [
+        (
+            &packed.loaded_weights().layers[0].down,
+            &flat.loaded_weights().layers[0].down,
+        ),
+        (
+            &packed.loaded_weights().lm_head,
+            &flat.loaded_weights().lm_head,
+        ),
+    ] {
+        let k = f.dense().expect("dense").dims2().expect("2-D").1;
+        let x = candle_core::Tensor::rand(-1f32, 1f32, (3, k), &Device::Cpu).expect("x");
+        assert_eq!(
+            p.forward(&x)
+                .expect("candle")
+                .to_vec2::<f32>()
+                .expect("rows"),
+            f.forward(&x)
+                .expect("candle")
+                .to_vec2::<f32>()
+                .expect("rows")
+        );
+        assert_eq!(
+            p.dense().expect("dense").to_vec2::<f32>().expect("rows"),
+            f.dense().expect("dense").to_vec2::<f32>().expect("rows")
         );
     }
 }

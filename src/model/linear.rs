@@ -30,6 +30,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 use half::f16;
 
+use super::kernels::packed::{self, Packed};
 use super::kernels::qformat::{ActivationQuant, QFormat};
 use super::kernels::quant::{self, QMatrix};
 use super::kernels::{dot, Isa};
@@ -85,6 +86,9 @@ pub(crate) enum Linear {
     Dense(Tensor),
     /// Quantised `[n, k]`.
     Quantized(Arc<QTensor>),
+    /// Q8_0, Q4_0 or Q4_1 `[n, k]` repacked for the lean CPU path's 8-bit
+    /// register tile (`kernels::packed`; [`Linear::repacked`]).
+    Packed(Arc<Packed>),
 }
 
 /// One buffer that holds every dense CPU projection weight of a model, on
@@ -195,7 +199,49 @@ impl Linear {
         match self {
             Linear::Dense(w) => Ok(w.clone()),
             Linear::Quantized(q) => q.dequantize(&q.device()),
+            Linear::Packed(p) => Self::unpacked(p)?.dequantize(&Device::Cpu),
         }
+    }
+
+    /// This projection as the lean CPU path multiplies it fastest with
+    /// 8-bit activations: Q8_0, Q4_0 and Q4_1 blocks on the CPU repacked
+    /// into interleaved records (the same bytes, permuted); anything else
+    /// as it is. `TANDEM_QUANT_KERNELS=candle` keeps the blocks for candle.
+    pub(crate) fn repacked(self) -> candle_core::Result<Self> {
+        let Self::Quantized(q) = &self else {
+            return Ok(self);
+        };
+        match QFormat::of(q.dtype()) {
+            Some(format)
+                if Packed::packs(format) && q.device().is_cpu() && !candle_kernels_forced() =>
+            {
+                let (n, k) = q.shape().dims2()?;
+                Ok(Self::Packed(Arc::new(Packed::pack(
+                    format,
+                    &q.data()?,
+                    n,
+                    k,
+                ))))
+            }
+            _ => Ok(self),
+        }
+    }
+
+    /// Whether [`Linear::repacked`] repacked this projection.
+    #[cfg(test)]
+    pub(crate) fn is_packed(&self) -> bool {
+        matches!(self, Self::Packed(_))
+    }
+
+    /// A repacked projection's blocks as candle holds them.
+    fn unpacked(p: &Packed) -> candle_core::Result<QTensor> {
+        let (n, k) = p.dims();
+        let dtype = match p.format() {
+            QFormat::Q4_0 => GgmlDType::Q4_0,
+            QFormat::Q4_1 => GgmlDType::Q4_1,
+            _ => GgmlDType::Q8_0,
+        };
+        qtensor_from_bytes(dtype, &p.unpack(), &[n, k])
     }
 
     /// Wraps `w` (`[n, k]`, any dtype, on any device) in `format` on
@@ -275,6 +321,13 @@ impl Linear {
                 let y = x.contiguous()?.apply_op1_no_bwd(q.as_ref())?;
                 y.to_dtype(dtype)
             }
+            // Packed projections belong to the lean path, which never
+            // calls this; unpacking per call keeps the candle path correct.
+            Self::Packed(p) => {
+                let dtype = x.dtype();
+                let y = x.contiguous()?.apply_op1_no_bwd(&Self::unpacked(p)?)?;
+                y.to_dtype(dtype)
+            }
         }
     }
 
@@ -316,6 +369,8 @@ impl Linear {
                     other => candle_core::bail!("lean CPU path has no {other:?} weights"),
                 }
             }
+            // Repacked because the activations are 8-bit (Model::load).
+            Self::Packed(p) => packed::matmul_t(isa, threads, x, rows, p, out, accumulate),
             Self::Quantized(q) => {
                 let (n, k) = q.shape().dims2()?;
                 if let Some(format) = QFormat::of(q.dtype()).filter(|_| !candle_kernels_forced()) {

@@ -61,6 +61,11 @@ pub struct LoadOptions {
     /// How the lean CPU path quantises activations for quantised weights:
     /// 8-bit, as llama.cpp (the default), or 15-bit, closer to f32.
     pub activation_quant: ActivationQuant,
+    /// On the lean path with 8-bit activations, repack Q8_0 projections
+    /// 8 rows interleaved for the quantised linear's register tile (the
+    /// same bytes, permuted; on by default). Off keeps GGML's layout, for
+    /// A/B measurements.
+    pub repack_quantised: bool,
 }
 
 impl Default for LoadOptions {
@@ -72,6 +77,7 @@ impl Default for LoadOptions {
             lean_cpu: true,
             threads: None,
             activation_quant: ActivationQuant::default(),
+            repack_quantised: true,
         }
     }
 }
@@ -133,7 +139,10 @@ impl Model {
             QScale::Unfolded
         };
         let loader = WeightLoader::new(&cfg, w, dtype, dev, opts.weight_format)?;
-        let weights = ModelWeights::load(&loader, &cfg, q_scale)?;
+        let mut weights = ModelWeights::load(&loader, &cfg, q_scale)?;
+        if use_lean && opts.repack_quantised && opts.activation_quant == ActivationQuant::Int8 {
+            weights = weights.repacked()?;
+        }
         let tables = rope_tables(&cfg);
         let step = if use_lean {
             Step::Lean(Box::new(Lean::new(
@@ -153,6 +162,12 @@ impl Model {
             weights,
             step,
         })
+    }
+
+    /// The loaded weights, for tests of their formats.
+    #[cfg(test)]
+    pub(super) fn loaded_weights(&self) -> &ModelWeights {
+        &self.weights
     }
 
     /// Whether steps run on the lean CPU path.
@@ -205,7 +220,8 @@ impl Model {
     /// head then quantises its own projections too, so its cost scales
     /// with the target's.
     pub fn quantized_projections(&self) -> bool {
-        let q = |l: &super::linear::Linear| matches!(l, super::linear::Linear::Quantized(_));
+        use super::linear::Linear;
+        let q = |l: &Linear| matches!(l, Linear::Quantized(_) | Linear::Packed(_));
         q(&self.weights.lm_head) || self.weights.layers.first().is_some_and(|l| q(&l.down))
     }
 

@@ -276,6 +276,30 @@ impl ModelWeights {
 
 /// The rotary tables `[max_positions · head_dim / 2]` (cos, sin) in f32,
 /// row p holding position p's angles.
+impl ModelWeights {
+    /// Every projection as [`Linear::repacked`] makes it.
+    pub(super) fn repacked(self) -> Result<Self, ModelError> {
+        let layers = self
+            .layers
+            .into_iter()
+            .map(|l| {
+                Ok(LayerWeights {
+                    qkv: l.qkv.repacked()?,
+                    o_proj: l.o_proj.repacked()?,
+                    gate_up: l.gate_up.repacked()?,
+                    down: l.down.repacked()?,
+                    ..l
+                })
+            })
+            .collect::<Result<_, ModelError>>()?;
+        Ok(Self {
+            layers,
+            lm_head: self.lm_head.repacked()?,
+            ..self
+        })
+    }
+}
+
 pub(super) fn rope_tables(cfg: &ModelConfig) -> (Vec<f32>, Vec<f32>) {
     let inv_freq = cfg.rope_inv_freq();
     let max_pos = cfg.max_position_embeddings;

@@ -1,6 +1,7 @@
 //! CPU kernels of the lean step: the decode-fast linear (`dot`) and its
 //! quantised twin for GGML blocks (`quant`, with 15-bit activations, and
-//! `quant8`, with 8-bit ones; formats in `qformat`), the
+//! `quant8`, with 8-bit ones; formats in `qformat`; Q8_0 repacked 8 rows
+//! interleaved for a register tile in `packed`), the
 //! element-wise math (`math`), attention (`attention`) and the parallel
 //! split they share (`pool`).
 //!
@@ -23,6 +24,7 @@
 pub(crate) mod attention;
 pub(crate) mod dot;
 pub(crate) mod math;
+pub(crate) mod packed;
 pub(crate) mod pool;
 pub(crate) mod qformat;
 pub(crate) mod quant;

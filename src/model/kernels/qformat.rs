@@ -413,8 +413,10 @@ fn quantise_groups<Q>(
 /// weight format's groups (32, or a K-quant's 256, as ggml's `q8_0` /
 /// `q8_K`): levels `q[r·k + e]`, the same offset to unsigned bytes
 /// `qu = q + 128` (for products with signed weights), scale
-/// `d[r·groups + g]`, and per 32 elements the integer sum `qsum` and
-/// `sum = d · qsum` (the min terms).
+/// `d[r·groups + g]`, and per 32 elements the integer sum `qsum`,
+/// `sum = d · qsum` (the min terms) and `qoff = −128 · qsum` (where a sum
+/// of unsigned weights `w + 128` against the levels starts, so that it
+/// ends at `Σ w q`).
 #[derive(Debug, Default)]
 pub(crate) struct QuantisedRows8 {
     pub(crate) q: Vec<i8>,
@@ -422,6 +424,7 @@ pub(crate) struct QuantisedRows8 {
     pub(crate) d: Vec<f32>,
     pub(crate) qsum: Vec<i16>,
     pub(crate) sum: Vec<f32>,
+    pub(crate) qoff: Vec<i32>,
 }
 
 impl QuantisedRows8 {
@@ -434,6 +437,7 @@ impl QuantisedRows8 {
         self.d.resize(rows * (k / group), 0.0);
         self.qsum.resize(rows * k / 32, 0);
         self.sum.resize(rows * k / 32, 0.0);
+        self.qoff.resize(rows * k / 32, 0);
         let x = &x[..rows * k];
         let level = |v: f32| v.clamp(-LEVELS8, LEVELS8) as i8;
         quantise_groups(x, &mut self.q, &mut self.d, group, LEVELS8, level);
@@ -441,6 +445,7 @@ impl QuantisedRows8 {
             let s: i32 = block.iter().map(|&q| q as i32).sum();
             self.qsum[b] = s as i16;
             self.sum[b] = self.d[32 * b / group] * s as f32;
+            self.qoff[b] = -128 * s;
         }
         for (u, &q) in self.qu.iter_mut().zip(&self.q) {
             *u = (q as u8) ^ 0x80;

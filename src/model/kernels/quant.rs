@@ -155,15 +155,10 @@ pub(crate) fn qmatmul_t(
                 js.for_each(|j| unsafe { dispatch(isa, &job, dec, j) })
             });
         }),
-        ActivationQuant::Int8 => ACTS8.with_borrow_mut(|acts| {
-            quantise(
-                isa,
-                |a: &mut QuantisedRows8| a.quantise(x, rows, k, group),
-                acts,
-            );
+        ActivationQuant::Int8 => with_acts8(isa, x, rows, k, group, |acts| {
             let job = Job {
                 w,
-                acts: &*acts,
+                acts,
                 rows,
                 out,
                 accumulate,
@@ -173,6 +168,26 @@ pub(crate) fn qmatmul_t(
             });
         }),
     }
+}
+
+/// Quantises `rows` rows of `x` (`k` each) to 8 bits in groups of `group`
+/// into the calling thread's buffer, and hands them to `f`.
+pub(super) fn with_acts8<T>(
+    isa: Isa,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    group: usize,
+    f: impl FnOnce(&QuantisedRows8) -> T,
+) -> T {
+    ACTS8.with_borrow_mut(|acts| {
+        quantise(
+            isa,
+            |a: &mut QuantisedRows8| a.quantise(x, rows, k, group),
+            acts,
+        );
+        f(acts)
+    })
 }
 
 /// Runs `quantise` on `acts`, compiled for the tier's vector width.

@@ -9,6 +9,7 @@ use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::packed::{self, record, Packed, ROWS};
 use super::qformat::{
     ActivationQuant, DecodedRow, QFormat, QuantisedRows, QuantisedRows8, LEVELS, LEVELS8,
 };
@@ -374,6 +375,144 @@ fn the_simd_tiers_form_the_same_8_bit_sums() {
                 "{format:?}: {isa:?} differs from {:?}",
                 simd[0]
             );
+        }
+    }
+}
+
+/// The formats `packed` repacks.
+const PACKED: [(GgmlDType, QFormat); 3] = [
+    (GgmlDType::Q8_0, QFormat::Q8_0),
+    (GgmlDType::Q4_0, QFormat::Q4_0),
+    (GgmlDType::Q4_1, QFormat::Q4_1),
+];
+
+/// An `[n, k]` matrix's GGML bytes, dequantised values, and the same
+/// repacked.
+fn packed_matrix(dtype: GgmlDType, n: usize, k: usize, seed: u64) -> (Vec<u8>, Vec<f32>, Packed) {
+    let (bytes, values) = quantised(dtype, n, k, seed);
+    let packed = Packed::pack(QFormat::of(dtype).expect("a block format"), &bytes, n, k);
+    (bytes, values, packed)
+}
+
+#[test]
+fn repacking_loses_nothing_and_takes_the_same_memory() {
+    for (dtype, format) in PACKED {
+        for n in [1, 8, 13, 24] {
+            let (bytes, _, packed) = packed_matrix(dtype, n, 96, n as u64);
+            assert_eq!(packed.dims(), (n, 96));
+            assert_eq!(packed.unpack(), bytes, "{format:?} n {n}");
+            // Whole records of 8 blocks: the last group's padding is the
+            // only extra.
+            let records = n.div_ceil(ROWS) * 3;
+            assert_eq!(packed.bytes_len(), records * ROWS * format.block_bytes());
+            assert_eq!(packed.bytes_len(), records * record(format));
+        }
+    }
+}
+
+#[test]
+fn packed_products_equal_the_quantised_activations_product_up_to_f32_rounding() {
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    for (dtype, format) in PACKED {
+        for &(rows, k, n) in &[(1, 256, 13), (5, 512, 8), (9, 96, 21), (17, 768, 9)] {
+            let (_, values, packed) = packed_matrix(dtype, n, k, rows as u64 + 40);
+            let x: Vec<f32> = (0..rows * k)
+                .map(|i| rng.random_range(-1.0f32..1.0) * if i % 50 == 0 { 8.0 } else { 1.0 })
+                .collect();
+            let want = exact_reference(&x, rows, &values, (n, k), 32, ActivationQuant::Int8);
+            for isa in Isa::supported() {
+                for threads in [1, 2] {
+                    for accumulate in [false, true] {
+                        let mut out = vec![0.5f32; rows * n];
+                        packed::matmul_t(isa, threads, &x, rows, &packed, &mut out, accumulate);
+                        for (i, (&got, &(s, tol))) in out.iter().zip(&want).enumerate() {
+                            let s = if accumulate { s + 0.5 } else { s };
+                            assert!(
+                                (got as f64 - s).abs() <= tol,
+                                "{format:?} {isa:?} rows {rows} k {k} n {n} accumulate \
+                                 {accumulate} out {i}: {got} vs {s} (tolerance {tol})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_tiers_batches_and_threads_give_the_same_bits() {
+    // Every tier forms the same block sums and adds them in the same
+    // order, so all of them, every batch and every thread count agree.
+    let mut rng = ChaCha8Rng::seed_from_u64(22);
+    let (rows, k, n) = (19, 512, 27);
+    let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for (dtype, format) in PACKED {
+        let (_, _, packed) = packed_matrix(dtype, n, k, 23);
+        let x: Vec<f32> = (0..rows * k)
+            .map(|_| rng.random_range(-2.0f32..2.0))
+            .collect();
+        let mut reference = vec![0f32; rows * n];
+        packed::matmul_t(Isa::Portable, 1, &x, rows, &packed, &mut reference, false);
+        for isa in Isa::supported() {
+            for threads in [1, 2, 3] {
+                let mut batched = vec![0f32; rows * n];
+                packed::matmul_t(isa, threads, &x, rows, &packed, &mut batched, false);
+                assert_eq!(
+                    bits(&batched),
+                    bits(&reference),
+                    "{format:?} {isa:?} threads {threads}"
+                );
+            }
+            for r in 0..rows {
+                let mut solo = vec![0f32; n];
+                packed::matmul_t(isa, 1, &x[r * k..(r + 1) * k], 1, &packed, &mut solo, false);
+                assert_eq!(
+                    bits(&solo),
+                    bits(&reference[r * n..(r + 1) * n]),
+                    "{format:?} {isa:?}: row {r} alone differs from the batch"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_products_reach_the_extreme_levels_exactly() {
+    // Weights at −128 and 127 against activations at ±127: the AVX2 tier's
+    // byte pairs and the VNNI tier's offset sums at their limits.
+    let k = 64;
+    let n = 9;
+    let mut bytes = Vec::new();
+    for j in 0..n {
+        for _ in 0..k / 32 {
+            bytes.extend_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
+            bytes.extend((0..32).map(|e| if (e + j) % 2 == 0 { 0x80u8 } else { 0x7f }));
+        }
+    }
+    let packed = Packed::pack(QFormat::Q8_0, &bytes, n, k);
+    let x: Vec<f32> = (0..2 * k)
+        .map(|e| if e % 3 == 0 { -1.0 } else { 1.0 })
+        .collect();
+    let mut acts = QuantisedRows8::default();
+    acts.quantise(&x, 2, k, 32);
+    for isa in Isa::supported() {
+        let mut out = vec![0f32; 2 * n];
+        packed::matmul_t(isa, 1, &x, 2, &packed, &mut out, false);
+        for r in 0..2 {
+            for j in 0..n {
+                let mut want = 0f32;
+                for g in 0..k / 32 {
+                    let isum: i32 = (0..32)
+                        .map(|e| {
+                            let w = if (e + j) % 2 == 0 { -128 } else { 127 };
+                            w * acts.q[r * k + 32 * g + e] as i32
+                        })
+                        .sum();
+                    want = (isum as f32).mul_add(0.5 * acts.d[r * 2 + g], want);
+                }
+                assert_eq!(out[r * n + j], want, "{isa:?} row {r} output {j}");
+            }
         }
     }
 }

@@ -1,0 +1,506 @@
+//! Q8_0, Q4_0 and Q4_1 weights repacked at load for the 8-bit linear's
+//! register tile: 8 weight rows interleaved per 32-element block, so one
+//! `vpdpbusd` of 4 activation bytes (broadcast to every lane) against 32
+//! weight bytes adds 4 products to each of 8 outputs, and a block's 8
+//! integer sums are converted, scaled and accumulated by one vector
+//! instruction each.
+//!
+//! Read where they lie (`quant8`), GGML blocks give one output per
+//! register: every 32 products cost a conversion, a scale and a fused add
+//! besides the multiply, and the lanes are summed at the end. Interleaved,
+//! those costs are shared by 8 outputs, and the lanes *are* the outputs
+//! (llama.cpp's `repack` formats do the same for Q4_0 and the K-quants).
+//!
+//! # Layout
+//! Rows in groups of [`ROWS`]; the last group is padded with zero bytes
+//! (scale 0: those lanes are computed and never stored). Group `G`, block
+//! `g` is one record of [`record`] bytes (8 GGML blocks' worth) at
+//! `(G · k/32 + g) · record`:
+//! - level bytes, in 4-byte chunks: bytes `32c + 4l .. 32c + 4l + 4` are
+//!   chunk `c` of row `8G + l`'s GGML level bytes. For Q8_0 (8 chunks)
+//!   that is elements `4c .. 4c + 4`, offset to unsigned (`w + 128`,
+//!   `w ^ 0x80`); for Q4_0 / Q4_1 (4 chunks) the low nibbles are elements
+//!   `4c .. 4c + 4` and the high ones `16 + 4c ..`, as GGML stores them;
+//! - then the 8 rows' f16 scales, and for Q4_1 their 8 f16 mins.
+//!
+//! A record holds 8 rows' GGML blocks, permuted: packing and unpacking
+//! lose nothing, and the weights take the same memory.
+//!
+//! # Numerics
+//! Per output and block one exact integer sum `Σ w x` of the signed level
+//! `w` (Q4_0: `q − 8`; Q4_1: `q`) and the activation level `x`: from the
+//! unsigned bytes `u = w + o` as `Σ u x − o Σ x` (VNNI; AVX2 for the
+//! nibbles), or on AVX2 for Q8_0 as `Σ |w| · sign(w) x` (every pair below
+//! 2¹⁵), or plainly (portable). It is converted, scaled by `d_w · d_x`
+//! (one f32 rounding) and added by a fused multiply-add, blocks in order;
+//! Q4_1 then adds `m_w · (d_x Σ x)` by another. So every tier, batch
+//! composition and thread count gives the same bits.
+
+use half::f16;
+
+use super::pool::{for_each_range, SharedMut};
+use super::qformat::{QFormat, QuantisedRows8};
+use super::quant::with_acts8;
+use super::Isa;
+
+/// Weight rows interleaved in a record.
+pub(crate) const ROWS: usize = 8;
+
+/// The formats this module repacks, as the kernels' const parameter.
+const Q8_0: u8 = 0;
+const Q4_0: u8 = 1;
+const Q4_1: u8 = 2;
+
+/// Bytes before a GGML block's levels: the f16 scale (and Q4_1's f16 min).
+const fn header(format: QFormat) -> usize {
+    match format {
+        QFormat::Q4_1 => 4,
+        _ => 2,
+    }
+}
+
+/// Level bytes of a record: 8 rows' level bytes (32 for Q8_0, 16 nibble
+/// pairs for Q4_0 / Q4_1).
+const fn level_bytes(format: QFormat) -> usize {
+    ROWS * (format.block_bytes() - header(format))
+}
+
+/// Bytes of a record: 8 GGML blocks' worth.
+pub(crate) const fn record(format: QFormat) -> usize {
+    ROWS * format.block_bytes()
+}
+
+/// A `[n, k]` matrix of Q8_0, Q4_0 or Q4_1 blocks in interleaved records
+/// (the module docs).
+#[derive(Debug, Clone)]
+pub(crate) struct Packed {
+    format: QFormat,
+    bytes: Vec<u8>,
+    n: usize,
+    k: usize,
+}
+
+impl Packed {
+    /// Whether [`Packed::pack`] takes `format`.
+    pub(crate) fn packs(format: QFormat) -> bool {
+        matches!(format, QFormat::Q8_0 | QFormat::Q4_0 | QFormat::Q4_1)
+    }
+
+    /// Repacks `n` rows of GGML blocks of `format` (`k` elements each).
+    ///
+    /// Panics if the format is not one [`Packed::packs`], `k` is not a
+    /// multiple of 32 or `ggml` is shorter than `n` rows (caller bugs: a
+    /// loaded tensor's type and shape say all three).
+    pub(crate) fn pack(format: QFormat, ggml: &[u8], n: usize, k: usize) -> Self {
+        assert!(Self::packs(format), "Packed: {format:?} is not repacked");
+        assert!(k % 32 == 0, "Packed: k = {k} is not whole blocks");
+        let (blocks, bb, hd) = (k / 32, format.block_bytes(), header(format));
+        assert!(ggml.len() >= n * blocks * bb, "Packed: too few bytes");
+        let (rec_len, lb) = (record(format), level_bytes(format));
+        let flip = if format == QFormat::Q8_0 { 0x80 } else { 0 };
+        let mut bytes = vec![0u8; n.div_ceil(ROWS) * blocks * rec_len];
+        for j in 0..n {
+            let (group, l) = (j / ROWS, j % ROWS);
+            for g in 0..blocks {
+                let src = &ggml[(j * blocks + g) * bb..][..bb];
+                let rec = &mut bytes[(group * blocks + g) * rec_len..][..rec_len];
+                for h in 0..hd / 2 {
+                    rec[lb + 2 * ROWS * h + 2 * l..][..2].copy_from_slice(&src[2 * h..][..2]);
+                }
+                for (c, chunk) in src[hd..].chunks_exact(4).enumerate() {
+                    for (dst, &q) in rec[32 * c + 4 * l..][..4].iter_mut().zip(chunk) {
+                        *dst = q ^ flip;
+                    }
+                }
+            }
+        }
+        Self {
+            format,
+            bytes,
+            n,
+            k,
+        }
+    }
+
+    /// The GGML blocks [`Packed::pack`] was given (its first `n` rows).
+    pub(crate) fn unpack(&self) -> Vec<u8> {
+        let f = self.format;
+        let (blocks, bb, hd) = (self.k / 32, f.block_bytes(), header(f));
+        let (rec_len, lb) = (record(f), level_bytes(f));
+        let flip = if f == QFormat::Q8_0 { 0x80 } else { 0 };
+        let mut ggml = vec![0u8; self.n * blocks * bb];
+        for j in 0..self.n {
+            let (group, l) = (j / ROWS, j % ROWS);
+            for g in 0..blocks {
+                let rec = &self.bytes[(group * blocks + g) * rec_len..][..rec_len];
+                let dst = &mut ggml[(j * blocks + g) * bb..][..bb];
+                for h in 0..hd / 2 {
+                    dst[2 * h..][..2].copy_from_slice(&rec[lb + 2 * ROWS * h + 2 * l..][..2]);
+                }
+                for (c, chunk) in dst[hd..].chunks_exact_mut(4).enumerate() {
+                    for (q, &b) in chunk.iter_mut().zip(&rec[32 * c + 4 * l..][..4]) {
+                        *q = b ^ flip;
+                    }
+                }
+            }
+        }
+        ggml
+    }
+
+    /// The GGML block format.
+    pub(crate) fn format(&self) -> QFormat {
+        self.format
+    }
+
+    /// `(n, k)`.
+    pub(crate) fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// Bytes held (whole records).
+    #[cfg(test)]
+    pub(crate) fn bytes_len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// The records of row group `group`.
+    #[inline(always)]
+    fn group(&self, group: usize) -> *const u8 {
+        let len = self.k / 32 * record(self.format);
+        self.bytes[group * len..][..len].as_ptr()
+    }
+}
+
+/// `out[r·n + j] = Σ_e x[r·k + e] · W[j, e]` (or `+=` when `accumulate`)
+/// for `r < rows`, `j < n`, with 8-bit activations, on up to `threads`
+/// threads.
+///
+/// Panics if `x` or `out` is shorter than its shape says.
+pub(crate) fn matmul_t(
+    isa: Isa,
+    threads: usize,
+    x: &[f32],
+    rows: usize,
+    w: &Packed,
+    out: &mut [f32],
+    accumulate: bool,
+) {
+    let (n, k) = w.dims();
+    assert!(x.len() >= rows * k, "packed matmul: x shorter than rows·k");
+    assert!(
+        out.len() >= rows * n,
+        "packed matmul: out shorter than rows·n"
+    );
+    if rows == 0 || n == 0 {
+        return;
+    }
+    let out = SharedMut(out.as_mut_ptr());
+    with_acts8(isa, x, rows, k, 32, |acts| {
+        let job = Job {
+            w,
+            acts,
+            rows,
+            out,
+            accumulate,
+        };
+        let groups = n.div_ceil(ROWS);
+        let grain = (groups / (threads * 8)).max(1);
+        // SAFETY: the tier was detected on this CPU, and each row group's
+        // columns belong to one worker.
+        for_each_range(groups, grain, threads, |range| unsafe {
+            match w.format {
+                QFormat::Q8_0 => dispatch::<Q8_0>(isa, &job, range),
+                QFormat::Q4_0 => dispatch::<Q4_0>(isa, &job, range),
+                _ => dispatch::<Q4_1>(isa, &job, range),
+            }
+        });
+    });
+}
+
+/// What one call reads and writes.
+struct Job<'a> {
+    w: &'a Packed,
+    acts: &'a QuantisedRows8,
+    rows: usize,
+    out: SharedMut<f32>,
+    accumulate: bool,
+}
+
+// SAFETY: workers only read `w` and `acts`, and write disjoint columns of `out`.
+unsafe impl Sync for Job<'_> {}
+
+impl Job<'_> {
+    /// Writes (or adds) the outputs of activation row `r` and row group
+    /// `group`, lane `l` for weight row `8·group + l` (padding dropped).
+    #[inline(always)]
+    unsafe fn store(&self, r: usize, group: usize, lanes: &[f32; ROWS]) {
+        let (n, j0) = (self.w.n, group * ROWS);
+        for (l, &v) in lanes.iter().enumerate().take(n - j0) {
+            let o = self.out.at(r * n + j0 + l);
+            *o = if self.accumulate { *o + v } else { v };
+        }
+    }
+}
+
+/// The format of the kernels' const parameter `F`.
+const fn format_of(f: u8) -> QFormat {
+    match f {
+        Q8_0 => QFormat::Q8_0,
+        Q4_0 => QFormat::Q4_0,
+        _ => QFormat::Q4_1,
+    }
+}
+
+unsafe fn dispatch<const F: u8>(isa: Isa, job: &Job<'_>, groups: std::ops::Range<usize>) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => x86::groups_vnni::<F>(job, groups),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx2 => x86::groups_avx2::<F>(job, groups),
+        _ => groups.for_each(|g| groups_portable::<F>(job, g)),
+    }
+}
+
+/// Portable tier: the module's sums in plain integers and `mul_add`.
+fn groups_portable<const F: u8>(job: &Job<'_>, group: usize) {
+    let f = format_of(F);
+    let (k, rec_len, lb) = (job.w.k, record(f), level_bytes(f));
+    let blocks = k / 32;
+    let recs = &job.w.bytes[group * blocks * rec_len..][..blocks * rec_len];
+    let a = job.acts;
+    let half = |rec: &[u8], at: usize| f16::from_le_bytes([rec[at], rec[at + 1]]).to_f32();
+    // Element `e` of row `l`'s block, as a signed level.
+    let level = |rec: &[u8], l: usize, e: usize| -> i32 {
+        match F {
+            Q8_0 => (rec[32 * (e / 4) + 4 * l + e % 4] ^ 0x80) as i8 as i32,
+            _ => {
+                let b = rec[32 * (e % 16 / 4) + 4 * l + e % 4];
+                let q = if e < 16 { b & 0xF } else { b >> 4 } as i32;
+                if F == Q4_0 {
+                    q - 8
+                } else {
+                    q
+                }
+            }
+        }
+    };
+    for r in 0..job.rows {
+        let mut lanes = [0f32; ROWS];
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            for (g, rec) in recs.chunks_exact(rec_len).enumerate() {
+                let x = &a.q[r * k + 32 * g..][..32];
+                let isum: i32 = (0..32).map(|e| level(rec, l, e) * x[e] as i32).sum();
+                let scale = half(rec, lb + 2 * l) * a.d[r * blocks + g];
+                *lane = (isum as f32).mul_add(scale, *lane);
+                if F == Q4_1 {
+                    *lane = half(rec, lb + 2 * ROWS + 2 * l).mul_add(a.sum[r * blocks + g], *lane);
+                }
+            }
+        }
+        // SAFETY: the group's columns belong to this worker.
+        unsafe { job.store(r, group, &lanes) };
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::{format_of, level_bytes, record, Job, Q4_0, Q4_1, Q8_0, ROWS};
+
+    /// Activation rows `r0..r0 + R` as a tile reads them.
+    struct Acts<const R: usize> {
+        q: [*const u8; R],
+        d: [*const f32; R],
+        sum: [*const f32; R],
+        qoff: [*const i32; R],
+    }
+
+    impl<const R: usize> Acts<R> {
+        #[inline(always)]
+        unsafe fn new(job: &Job<'_>, r0: usize) -> Self {
+            let (a, k) = (job.acts, job.w.k);
+            let at = |i: usize| (r0 + i) * (k / 32);
+            Self {
+                q: std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k) as *const u8),
+                d: std::array::from_fn(|i| a.d.as_ptr().add(at(i))),
+                sum: std::array::from_fn(|i| a.sum.as_ptr().add(at(i))),
+                qoff: std::array::from_fn(|i| a.qoff.as_ptr().add(at(i))),
+            }
+        }
+
+        /// Activation bytes `e..e + 4` of row `i`, in every lane.
+        #[inline(always)]
+        unsafe fn quad(&self, i: usize, e: usize) -> __m256i {
+            _mm256_set1_epi32(std::ptr::read_unaligned(self.q[i].add(e) as *const i32))
+        }
+
+        /// Where row `i`'s block `g` sum starts so that it ends at `Σ w x`
+        /// for weights stored as unsigned bytes: `−128 Σ x` for Q8_0's
+        /// `w + 128`, `−8 Σ x` for Q4_0's `q = w + 8`, 0 for Q4_1's `q`.
+        #[inline(always)]
+        unsafe fn start<const F: u8>(&self, i: usize, g: usize) -> __m256i {
+            match F {
+                Q8_0 => _mm256_set1_epi32(*self.qoff[i].add(g)),
+                Q4_0 => _mm256_set1_epi32(*self.qoff[i].add(g) >> 4),
+                _ => _mm256_setzero_si256(),
+            }
+        }
+    }
+
+    /// The block sums of rows `R` against one record's level bytes `rec`,
+    /// from `isum`: `dot(acc, weights, activations)` multiplies 32
+    /// unsigned weight bytes by 4 activation bytes in every lane and adds
+    /// the products in fours. For Q8_0 vector `v` holds elements
+    /// `4v..4v + 4`; for the 4-bit formats each vector holds two: low nibbles
+    /// (elements `4u..4u + 4`) and high ones (`16 + 4u..`).
+    #[inline(always)]
+    unsafe fn block_sums<const F: u8, const R: usize>(
+        rec: *const u8,
+        act: &Acts<R>,
+        g: usize,
+        isum: &mut [__m256i; R],
+        dot: impl Fn(__m256i, __m256i, __m256i) -> __m256i,
+    ) {
+        if F == Q8_0 {
+            for v in 0..8 {
+                let w = _mm256_loadu_si256(rec.add(32 * v) as *const __m256i);
+                for (i, s) in isum.iter_mut().enumerate() {
+                    *s = dot(*s, w, act.quad(i, 32 * g + 4 * v));
+                }
+            }
+        } else {
+            let m4 = _mm256_set1_epi8(0xF);
+            for u in 0..4 {
+                let v = _mm256_loadu_si256(rec.add(32 * u) as *const __m256i);
+                let lo = _mm256_and_si256(v, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                for (i, s) in isum.iter_mut().enumerate() {
+                    let t = dot(*s, lo, act.quad(i, 32 * g + 4 * u));
+                    *s = dot(t, hi, act.quad(i, 32 * g + 16 + 4 * u));
+                }
+            }
+        }
+    }
+
+    /// Row groups `group`'s `R` activation rows from `r0`: per block the
+    /// sums `sums` forms from zero, then `acc + cvt(isum) · (d_w · d_x)` (and
+    /// Q4_1's `+ m_w · Σ x`), one lane per weight row.
+    #[inline(always)]
+    unsafe fn tile<const F: u8, const R: usize>(
+        job: &Job<'_>,
+        group: usize,
+        r0: usize,
+        sums: impl Fn(*const u8, &Acts<R>, usize, &mut [__m256i; R]),
+    ) {
+        let f = format_of(F);
+        let act = Acts::<R>::new(job, r0);
+        let recs = job.w.group(group);
+        let (rec_len, lb) = (record(f), level_bytes(f));
+        let mut acc = [_mm256_setzero_ps(); R];
+        for g in 0..job.w.k / 32 {
+            let rec = recs.add(g * rec_len);
+            let mut isum = [_mm256_setzero_si256(); R];
+            sums(rec, &act, g, &mut isum);
+            let half = |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(rec.add(at) as *const __m128i));
+            let dw = half(lb);
+            for (i, a) in acc.iter_mut().enumerate() {
+                let scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(&*act.d[i].add(g)));
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), scale, *a);
+            }
+            if F == Q4_1 {
+                let mw = half(lb + 2 * ROWS);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(&*act.sum[i].add(g)), *a);
+                }
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            let mut lanes = [0f32; ROWS];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), *a);
+            job.store(r0 + i, group, &lanes);
+        }
+    }
+
+    /// [`tile`] with VNNI's `vpdpbusd`.
+    #[inline(always)]
+    unsafe fn tile_vnni<const F: u8, const R: usize>(job: &Job<'_>, group: usize, r0: usize) {
+        tile::<F, R>(job, group, r0, |rec, act, g, isum| {
+            *isum = std::array::from_fn(|i| act.start::<F>(i, g));
+            block_sums::<F, R>(rec, act, g, isum, |s, w, x| _mm256_dpbusd_epi32(s, w, x))
+        })
+    }
+
+    /// [`tile`] with AVX2's `vpmaddubsw` + `vpmaddwd`: exact while a pair
+    /// of products fits 16 bits, so Q8_0 multiplies `|w|` by the
+    /// activations with `w`'s sign (pairs below 2 · 128 · 127) instead of
+    /// `w + 128` by them; nibbles (below 16) need nothing.
+    #[inline(always)]
+    unsafe fn tile_avx2<const F: u8, const R: usize>(job: &Job<'_>, group: usize, r0: usize) {
+        let ones = _mm256_set1_epi16(1);
+        let flip = _mm256_set1_epi8(-128);
+        let pairs =
+            |s, w, x| _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+        tile::<F, R>(job, group, r0, |rec, act, g, isum| {
+            if F == Q8_0 {
+                // Signed levels against signed activations: from 0.
+                for v in 0..8 {
+                    let w = _mm256_xor_si256(
+                        _mm256_loadu_si256(rec.add(32 * v) as *const __m256i),
+                        flip,
+                    );
+                    let magnitude = _mm256_abs_epi8(w);
+                    for (i, s) in isum.iter_mut().enumerate() {
+                        let x = _mm256_sign_epi8(act.quad(i, 32 * g + 4 * v), w);
+                        *s = pairs(*s, magnitude, x);
+                    }
+                }
+            } else {
+                *isum = std::array::from_fn(|i| act.start::<F>(i, g));
+                block_sums::<F, R>(rec, act, g, isum, pairs)
+            }
+        })
+    }
+
+    /// Every activation row of `$job` against row group `$group` through
+    /// `$tile`, `$mr` rows at a time. A macro, not a closure: the tiles
+    /// must inline into the `target_feature` function that expands it.
+    macro_rules! tiles {
+        ($tile:ident::<$f:ident>, $mr:expr, $job:expr, $group:expr) => {{
+            let mut r = 0;
+            while r < $job.rows {
+                let rows = ($job.rows - r).min($mr);
+                match rows {
+                    8 if $mr >= 8 => $tile::<$f, 8>($job, $group, r),
+                    7 if $mr >= 8 => $tile::<$f, 7>($job, $group, r),
+                    6 if $mr >= 8 => $tile::<$f, 6>($job, $group, r),
+                    5 if $mr >= 8 => $tile::<$f, 5>($job, $group, r),
+                    4 => $tile::<$f, 4>($job, $group, r),
+                    3 => $tile::<$f, 3>($job, $group, r),
+                    2 => $tile::<$f, 2>($job, $group, r),
+                    _ => $tile::<$f, 1>($job, $group, r),
+                }
+                r += rows;
+            }
+        }};
+    }
+
+    /// Row groups `groups` against every activation row, 8 rows a tile
+    /// (AVX-512's 32 vector registers hold 8 sums and 8 accumulators).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn groups_vnni<const F: u8>(job: &Job<'_>, groups: Range<usize>) {
+        for group in groups {
+            tiles!(tile_vnni::<F>, 8, job, group);
+        }
+    }
+
+    /// Row groups `groups` against every activation row, 4 rows a tile
+    /// (AVX2's 16 vector registers).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn groups_avx2<const F: u8>(job: &Job<'_>, groups: Range<usize>) {
+        for group in groups {
+            tiles!(tile_avx2::<F>, 4, job, group);
+        }
+    }
+}
