@@ -1,9 +1,9 @@
-//! Q8_0, Q4_0 and Q4_1 weights repacked at load for the 8-bit linear's
-//! register tile: 8 weight rows interleaved per 32-element block, so one
-//! `vpdpbusd` of 4 activation bytes (broadcast to every lane) against 32
-//! weight bytes adds 4 products to each of 8 outputs, and a block's 8
-//! integer sums are converted, scaled and accumulated by one vector
-//! instruction each.
+//! The 32-element GGML formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) repacked
+//! at load for the 8-bit linear's register tile: 8 weight rows
+//! interleaved per block, so one `vpdpbusd` of 4 activation bytes
+//! (broadcast to every lane) against 32 weight bytes adds 4 products to
+//! each of 8 outputs, and a block's 8 integer sums are converted, scaled
+//! and accumulated by one vector instruction each.
 //!
 //! Read where they lie (`quant8`), GGML blocks give one output per
 //! register: every 32 products cost a conversion, a scale and a fused add
@@ -17,23 +17,26 @@
 //! `g` is one record of [`record`] bytes (8 GGML blocks' worth) at
 //! `(G · k/32 + g) · record`:
 //! - level bytes, in 4-byte chunks: bytes `32c + 4l .. 32c + 4l + 4` are
-//!   chunk `c` of row `8G + l`'s GGML level bytes. For Q8_0 (8 chunks)
-//!   that is elements `4c .. 4c + 4`, offset to unsigned (`w + 128`,
-//!   `w ^ 0x80`); for Q4_0 / Q4_1 (4 chunks) the low nibbles are elements
-//!   `4c .. 4c + 4` and the high ones `16 + 4c ..`, as GGML stores them;
-//! - then the 8 rows' f16 scales, and for Q4_1 their 8 f16 mins.
+//!   chunk `c` of row `8G + l`'s level bytes. For Q8_0 (8 chunks) that is
+//!   elements `4c .. 4c + 4`, offset to unsigned (`w + 128`, `w ^ 0x80`);
+//!   for the 4- and 5-bit formats chunks 0–3 are GGML's nibbles (low:
+//!   elements `4c .. 4c + 4`, high: `16 + 4c ..`), and the 5-bit ones add
+//!   chunk 4, the fifth bits, byte `b`'s bit `u` for element `4u + b` and
+//!   bit `4 + u` for `16 + 4u + b` (one shift and mask per nibble vector);
+//! - then the 8 rows' f16 scales, and for Q4_1 / Q5_1 their 8 f16 mins.
 //!
 //! A record holds 8 rows' GGML blocks, permuted: packing and unpacking
 //! lose nothing, and the weights take the same memory.
 //!
 //! # Numerics
 //! Per output and block one exact integer sum `Σ w x` of the signed level
-//! `w` (Q4_0: `q − 8`; Q4_1: `q`) and the activation level `x`: from the
-//! unsigned bytes `u = w + o` as `Σ u x − o Σ x` (VNNI; AVX2 for the
-//! nibbles), or on AVX2 for Q8_0 as `Σ |w| · sign(w) x` (every pair below
-//! 2¹⁵), or plainly (portable). It is converted, scaled by `d_w · d_x`
-//! (one f32 rounding) and added by a fused multiply-add, blocks in order;
-//! Q4_1 then adds `m_w · (d_x Σ x)` by another. So every tier, batch
+//! `w` (Q4_0: `q − 8`; Q5_0: `q − 16`; with a min: `q`) and the
+//! activation level `x`: from the unsigned bytes `u = w + o` as
+//! `Σ u x − o Σ x` (VNNI; AVX2 for the 4- and 5-bit formats), or on AVX2
+//! for Q8_0 as `Σ |w| · sign(w) x` (every pair below 2¹⁵), or plainly
+//! (portable). It is converted, scaled by `d_w · d_x` (one f32 rounding)
+//! and added by a fused multiply-add, blocks in order; a format with a
+//! min then adds `m_w · (d_x Σ x)` by another. So every tier, batch
 //! composition and thread count gives the same bits.
 
 use half::f16;
@@ -50,17 +53,22 @@ pub(crate) const ROWS: usize = 8;
 const Q8_0: u8 = 0;
 const Q4_0: u8 = 1;
 const Q4_1: u8 = 2;
+const Q5_0: u8 = 3;
+const Q5_1: u8 = 4;
 
-/// Bytes before a GGML block's levels: the f16 scale (and Q4_1's f16 min).
+/// Bytes before a GGML block's levels: the f16 scale (and the f16 min of
+/// the formats with one).
 const fn header(format: QFormat) -> usize {
-    match format {
-        QFormat::Q4_1 => 4,
-        _ => 2,
+    if format.has_min() {
+        4
+    } else {
+        2
     }
 }
 
-/// Level bytes of a record: 8 rows' level bytes (32 for Q8_0, 16 nibble
-/// pairs for Q4_0 / Q4_1).
+/// Level bytes of a record: 8 rows' level bytes (32 for Q8_0; 16 nibble
+/// pairs for the 4-bit formats, and 4 bytes of fifth bits for the 5-bit
+/// ones).
 const fn level_bytes(format: QFormat) -> usize {
     ROWS * (format.block_bytes() - header(format))
 }
@@ -68,6 +76,44 @@ const fn level_bytes(format: QFormat) -> usize {
 /// Bytes of a record: 8 GGML blocks' worth.
 pub(crate) const fn record(format: QFormat) -> usize {
     ROWS * format.block_bytes()
+}
+
+/// A block's level bytes as a record holds them (module docs): GGML's for
+/// Q8_0 and the 4-bit formats; for the 5-bit ones the 16 nibble bytes,
+/// then 4 bytes of fifth bits where bit `u` of byte `b` is element
+/// `4u + b`'s and bit `4 + u` element `16 + 4u + b`'s (GGML: `qh`, bit `e`
+/// for element `e`, before the nibbles).
+fn interleaved_levels(format: QFormat, ggml: &[u8]) -> Vec<u8> {
+    if !matches!(format, QFormat::Q5_0 | QFormat::Q5_1) {
+        return ggml.to_vec();
+    }
+    let qh = u32::from_le_bytes(ggml[..4].try_into().expect("4 bytes"));
+    let mut out = ggml[4..20].to_vec();
+    out.extend((0..4).map(|b| {
+        (0..4).fold(0u8, |byte, u| {
+            let lo = (qh >> (4 * u + b)) & 1;
+            let hi = (qh >> (16 + 4 * u + b)) & 1;
+            byte | (lo << u) as u8 | (hi << (4 + u)) as u8
+        })
+    }));
+    out
+}
+
+/// The inverse of [`interleaved_levels`].
+fn ggml_levels(format: QFormat, levels: &[u8]) -> Vec<u8> {
+    if !matches!(format, QFormat::Q5_0 | QFormat::Q5_1) {
+        return levels.to_vec();
+    }
+    let mut qh = 0u32;
+    for (b, &byte) in levels[16..20].iter().enumerate() {
+        for u in 0..4 {
+            qh |= ((byte >> u) as u32 & 1) << (4 * u + b);
+            qh |= ((byte >> (4 + u)) as u32 & 1) << (16 + 4 * u + b);
+        }
+    }
+    let mut out = qh.to_le_bytes().to_vec();
+    out.extend_from_slice(&levels[..16]);
+    out
 }
 
 /// A `[n, k]` matrix of Q8_0, Q4_0 or Q4_1 blocks in interleaved records
@@ -83,7 +129,10 @@ pub(crate) struct Packed {
 impl Packed {
     /// Whether [`Packed::pack`] takes `format`.
     pub(crate) fn packs(format: QFormat) -> bool {
-        matches!(format, QFormat::Q8_0 | QFormat::Q4_0 | QFormat::Q4_1)
+        matches!(
+            format,
+            QFormat::Q8_0 | QFormat::Q4_0 | QFormat::Q4_1 | QFormat::Q5_0 | QFormat::Q5_1
+        )
     }
 
     /// Repacks `n` rows of GGML blocks of `format` (`k` elements each).
@@ -107,7 +156,8 @@ impl Packed {
                 for h in 0..hd / 2 {
                     rec[lb + 2 * ROWS * h + 2 * l..][..2].copy_from_slice(&src[2 * h..][..2]);
                 }
-                for (c, chunk) in src[hd..].chunks_exact(4).enumerate() {
+                let levels = interleaved_levels(format, &src[hd..]);
+                for (c, chunk) in levels.chunks_exact(4).enumerate() {
                     for (dst, &q) in rec[32 * c + 4 * l..][..4].iter_mut().zip(chunk) {
                         *dst = q ^ flip;
                     }
@@ -137,11 +187,13 @@ impl Packed {
                 for h in 0..hd / 2 {
                     dst[2 * h..][..2].copy_from_slice(&rec[lb + 2 * ROWS * h + 2 * l..][..2]);
                 }
-                for (c, chunk) in dst[hd..].chunks_exact_mut(4).enumerate() {
+                let mut levels = [0u8; 32];
+                for (c, chunk) in levels[..bb - hd].chunks_exact_mut(4).enumerate() {
                     for (q, &b) in chunk.iter_mut().zip(&rec[32 * c + 4 * l..][..4]) {
                         *q = b ^ flip;
                     }
                 }
+                dst[hd..].copy_from_slice(&ggml_levels(f, &levels[..bb - hd]));
             }
         }
         ggml
@@ -211,7 +263,9 @@ pub(crate) fn matmul_t(
             match w.format {
                 QFormat::Q8_0 => dispatch::<Q8_0>(isa, &job, range),
                 QFormat::Q4_0 => dispatch::<Q4_0>(isa, &job, range),
-                _ => dispatch::<Q4_1>(isa, &job, range),
+                QFormat::Q4_1 => dispatch::<Q4_1>(isa, &job, range),
+                QFormat::Q5_0 => dispatch::<Q5_0>(isa, &job, range),
+                _ => dispatch::<Q5_1>(isa, &job, range),
             }
         });
     });
@@ -247,7 +301,9 @@ const fn format_of(f: u8) -> QFormat {
     match f {
         Q8_0 => QFormat::Q8_0,
         Q4_0 => QFormat::Q4_0,
-        _ => QFormat::Q4_1,
+        Q4_1 => QFormat::Q4_1,
+        Q5_0 => QFormat::Q5_0,
+        _ => QFormat::Q5_1,
     }
 }
 
@@ -275,11 +331,15 @@ fn groups_portable<const F: u8>(job: &Job<'_>, group: usize) {
             Q8_0 => (rec[32 * (e / 4) + 4 * l + e % 4] ^ 0x80) as i8 as i32,
             _ => {
                 let b = rec[32 * (e % 16 / 4) + 4 * l + e % 4];
-                let q = if e < 16 { b & 0xF } else { b >> 4 } as i32;
-                if F == Q4_0 {
-                    q - 8
-                } else {
-                    q
+                let mut q = if e < 16 { b & 0xF } else { b >> 4 } as i32;
+                if F == Q5_0 || F == Q5_1 {
+                    let fifth = rec[128 + 4 * l + e % 4] >> (e % 16 / 4 + 4 * (e / 16));
+                    q |= (fifth as i32 & 1) << 4;
+                }
+                match F {
+                    Q4_0 => q - 8,
+                    Q5_0 => q - 16,
+                    _ => q,
                 }
             }
         }
@@ -292,7 +352,7 @@ fn groups_portable<const F: u8>(job: &Job<'_>, group: usize) {
                 let isum: i32 = (0..32).map(|e| level(rec, l, e) * x[e] as i32).sum();
                 let scale = half(rec, lb + 2 * l) * a.d[r * blocks + g];
                 *lane = (isum as f32).mul_add(scale, *lane);
-                if F == Q4_1 {
+                if F == Q4_1 || F == Q5_1 {
                     *lane = half(rec, lb + 2 * ROWS + 2 * l).mul_add(a.sum[r * blocks + g], *lane);
                 }
             }
@@ -307,7 +367,7 @@ mod x86 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::{format_of, level_bytes, record, Job, Q4_0, Q4_1, Q8_0, ROWS};
+    use super::{format_of, level_bytes, record, Job, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, ROWS};
 
     /// Activation rows `r0..r0 + R` as a tile reads them.
     struct Acts<const R: usize> {
@@ -338,12 +398,14 @@ mod x86 {
 
         /// Where row `i`'s block `g` sum starts so that it ends at `Σ w x`
         /// for weights stored as unsigned bytes: `−128 Σ x` for Q8_0's
-        /// `w + 128`, `−8 Σ x` for Q4_0's `q = w + 8`, 0 for Q4_1's `q`.
+        /// `w + 128`, `−8 Σ x` for Q4_0's `q = w + 8`, `−16 Σ x` for
+        /// Q5_0's `q = w + 16`, 0 for the formats with a min.
         #[inline(always)]
         unsafe fn start<const F: u8>(&self, i: usize, g: usize) -> __m256i {
             match F {
                 Q8_0 => _mm256_set1_epi32(*self.qoff[i].add(g)),
                 Q4_0 => _mm256_set1_epi32(*self.qoff[i].add(g) >> 4),
+                Q5_0 => _mm256_set1_epi32(*self.qoff[i].add(g) >> 3),
                 _ => _mm256_setzero_si256(),
             }
         }
@@ -371,11 +433,21 @@ mod x86 {
                 }
             }
         } else {
-            let m4 = _mm256_set1_epi8(0xF);
+            let (m4, bit4) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x10));
+            let fifths = _mm256_loadu_si256(rec.add(128) as *const __m256i);
             for u in 0..4 {
                 let v = _mm256_loadu_si256(rec.add(32 * u) as *const __m256i);
-                let lo = _mm256_and_si256(v, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                let mut lo = _mm256_and_si256(v, m4);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                if F == Q5_0 || F == Q5_1 {
+                    // Bit u (low half) and bit 4 + u (high half) to bit 4;
+                    // 16-bit shifts, but no bit crosses into bit 4 of the
+                    // next byte (shifts of at most 4).
+                    let up = _mm256_sll_epi16(fifths, _mm_cvtsi32_si128(4 - u as i32));
+                    let down = _mm256_srl_epi16(fifths, _mm_cvtsi32_si128(u as i32));
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(up, bit4));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(down, bit4));
+                }
                 for (i, s) in isum.iter_mut().enumerate() {
                     let t = dot(*s, lo, act.quad(i, 32 * g + 4 * u));
                     *s = dot(t, hi, act.quad(i, 32 * g + 16 + 4 * u));
@@ -409,7 +481,7 @@ mod x86 {
                 let scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(&*act.d[i].add(g)));
                 *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), scale, *a);
             }
-            if F == Q4_1 {
+            if F == Q4_1 || F == Q5_1 {
                 let mw = half(lb + 2 * ROWS);
                 for (i, a) in acc.iter_mut().enumerate() {
                     *a = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(&*act.sum[i].add(g)), *a);

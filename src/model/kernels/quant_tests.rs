@@ -380,10 +380,12 @@ fn the_simd_tiers_form_the_same_8_bit_sums() {
 }
 
 /// The formats `packed` repacks.
-const PACKED: [(GgmlDType, QFormat); 3] = [
+const PACKED: [(GgmlDType, QFormat); 5] = [
     (GgmlDType::Q8_0, QFormat::Q8_0),
     (GgmlDType::Q4_0, QFormat::Q4_0),
     (GgmlDType::Q4_1, QFormat::Q4_1),
+    (GgmlDType::Q5_0, QFormat::Q5_0),
+    (GgmlDType::Q5_1, QFormat::Q5_1),
 ];
 
 /// An `[n, k]` matrix's GGML bytes, dequantised values, and the same
