@@ -1,5 +1,5 @@
-//! The 32-element GGML formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) repacked
-//! at load for the 8-bit linear's register tile: 8 weight rows
+//! The 32-element GGML formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and Q4_K
+//! repacked at load for the 8-bit linear's register tile: 8 weight rows
 //! interleaved per block, so one `vpdpbusd` of 4 activation bytes
 //! (broadcast to every lane) against 32 weight bytes adds 4 products to
 //! each of 8 outputs, and a block's 8 integer sums are converted, scaled
@@ -25,8 +25,13 @@
 //!   bit `4 + u` for `16 + 4u + b` (one shift and mask per nibble vector);
 //! - then the 8 rows' f16 scales, and for Q4_1 / Q5_1 their 8 f16 mins.
 //!
+//! A Q4_K record covers a 256-element super-block: the nibbles in 32 such
+//! vectors (`K4_*` constants), then the sub-block scales and mins
+//! unpacked from their 6 bits, and the rows' `d` and `dmin`.
+//!
 //! A record holds 8 rows' GGML blocks, permuted: packing and unpacking
-//! lose nothing, and the weights take the same memory.
+//! lose nothing, and the weights take the same memory (Q4_K: 8 % more,
+//! for its unpacked scales).
 //!
 //! # Numerics
 //! Per output and block one exact integer sum `Σ w x` of the signed level
@@ -36,13 +41,16 @@
 //! for Q8_0 as `Σ |w| · sign(w) x` (every pair below 2¹⁵), or plainly
 //! (portable). It is converted, scaled by `d_w · d_x` (one f32 rounding)
 //! and added by a fused multiply-add, blocks in order; a format with a
-//! min then adds `m_w · (d_x Σ x)` by another. So every tier, batch
-//! composition and thread count gives the same bits.
+//! min then adds `m_w · (d_x Σ x)` by another. Q4_K, with activations
+//! scaled per super-block (`q8_K`), sums `Σ_j sc_j Σ q x` and
+//! `Σ_j m_j Σ x` over its sub-blocks in integers and converts each once
+//! per super-block. So every tier, batch composition and thread count
+//! gives the same bits.
 
 use half::f16;
 
 use super::pool::{for_each_range, SharedMut};
-use super::qformat::{QFormat, QuantisedRows8};
+use super::qformat::{k4_scale_bytes, QFormat, QuantisedRows8};
 use super::quant::with_acts8;
 use super::Isa;
 
@@ -55,6 +63,18 @@ const Q4_0: u8 = 1;
 const Q4_1: u8 = 2;
 const Q5_0: u8 = 3;
 const Q5_1: u8 = 4;
+const Q4K: u8 = 5;
+
+/// A Q4_K record (8 rows of a 256-element super-block): the nibbles, then
+/// the 8 sub-block scales of each row (`u8`, sub-block-major), the mins as
+/// `i16` pairs (sub-blocks `2p, 2p + 1` of row `l` in 32-bit lane `l` of
+/// vector `p`: one `vpmaddwd` against the activations' sums), and the
+/// rows' `d` and `dmin` (f16).
+const K4_SCALES: usize = 1024;
+const K4_MINS: usize = K4_SCALES + 8 * ROWS;
+const K4_D: usize = K4_MINS + 16 * ROWS;
+const K4_DMIN: usize = K4_D + 2 * ROWS;
+const K4_RECORD: usize = K4_DMIN + 2 * ROWS;
 
 /// Bytes before a GGML block's levels: the f16 scale (and the f16 min of
 /// the formats with one).
@@ -73,9 +93,84 @@ const fn level_bytes(format: QFormat) -> usize {
     ROWS * (format.block_bytes() - header(format))
 }
 
-/// Bytes of a record: 8 GGML blocks' worth.
+/// Bytes of a record: 8 GGML blocks' worth (Q4_K: plus its scales and
+/// mins unpacked from 6 bits, 96 bytes).
 pub(crate) const fn record(format: QFormat) -> usize {
-    ROWS * format.block_bytes()
+    match format {
+        QFormat::Q4K => K4_RECORD,
+        _ => ROWS * format.block_bytes(),
+    }
+}
+
+/// Writes GGML block `src` into record `rec` as row `l`.
+fn put(format: QFormat, src: &[u8], rec: &mut [u8], l: usize) {
+    if format == QFormat::Q4K {
+        return put_q4k(src, rec, l);
+    }
+    let (hd, lb) = (header(format), level_bytes(format));
+    let flip = if format == QFormat::Q8_0 { 0x80 } else { 0 };
+    for h in 0..hd / 2 {
+        rec[lb + 2 * ROWS * h + 2 * l..][..2].copy_from_slice(&src[2 * h..][..2]);
+    }
+    let levels = interleaved_levels(format, &src[hd..]);
+    for (c, chunk) in levels.chunks_exact(4).enumerate() {
+        for (dst, &q) in rec[32 * c + 4 * l..][..4].iter_mut().zip(chunk) {
+            *dst = q ^ flip;
+        }
+    }
+}
+
+/// Reads row `l` of record `rec` back into GGML block `dst`.
+fn get(format: QFormat, rec: &[u8], l: usize, dst: &mut [u8]) {
+    if format == QFormat::Q4K {
+        return get_q4k(rec, l, dst);
+    }
+    let (hd, lb, bb) = (header(format), level_bytes(format), format.block_bytes());
+    let flip = if format == QFormat::Q8_0 { 0x80 } else { 0 };
+    for h in 0..hd / 2 {
+        dst[2 * h..][..2].copy_from_slice(&rec[lb + 2 * ROWS * h + 2 * l..][..2]);
+    }
+    let mut levels = [0u8; 32];
+    for (c, chunk) in levels[..bb - hd].chunks_exact_mut(4).enumerate() {
+        for (q, &b) in chunk.iter_mut().zip(&rec[32 * c + 4 * l..][..4]) {
+            *q = b ^ flip;
+        }
+    }
+    dst[hd..].copy_from_slice(&ggml_levels(format, &levels[..bb - hd]));
+}
+
+/// [`put`] for Q4_K: nibble vector `8c + v` holds bytes `4v..4v + 4` of
+/// each row's 32-byte chunk `c` (low nibbles: sub-block `2c`, high:
+/// `2c + 1`).
+fn put_q4k(src: &[u8], rec: &mut [u8], l: usize) {
+    rec[K4_D + 2 * l..][..2].copy_from_slice(&src[..2]);
+    rec[K4_DMIN + 2 * l..][..2].copy_from_slice(&src[2..4]);
+    let (sc, m) = k4_scale_bytes(src);
+    for j in 0..8 {
+        rec[K4_SCALES + 8 * j + l] = sc[j];
+        rec[K4_MINS + 32 * (j / 2) + 4 * l + 2 * (j % 2)..][..2]
+            .copy_from_slice(&(m[j] as i16).to_le_bytes());
+    }
+    for (c4, chunk) in src[16..].chunks_exact(4).enumerate() {
+        rec[32 * c4 + 4 * l..][..4].copy_from_slice(chunk);
+    }
+}
+
+/// The inverse of [`put_q4k`], the 6-bit scales packed back as GGML's
+/// `get_scale_min_k4` reads them.
+fn get_q4k(rec: &[u8], l: usize, dst: &mut [u8]) {
+    dst[..2].copy_from_slice(&rec[K4_D + 2 * l..][..2]);
+    dst[2..4].copy_from_slice(&rec[K4_DMIN + 2 * l..][..2]);
+    let sc: [u8; 8] = std::array::from_fn(|j| rec[K4_SCALES + 8 * j + l]);
+    let m: [u8; 8] = std::array::from_fn(|j| rec[K4_MINS + 32 * (j / 2) + 4 * l + 2 * (j % 2)]);
+    for j in 0..4 {
+        dst[4 + j] = sc[j] | (sc[j + 4] >> 4) << 6;
+        dst[8 + j] = m[j] | (m[j + 4] >> 4) << 6;
+        dst[12 + j] = (sc[j + 4] & 0xF) | (m[j + 4] & 0xF) << 4;
+    }
+    for (c4, chunk) in dst[16..].chunks_exact_mut(4).enumerate() {
+        chunk.copy_from_slice(&rec[32 * c4 + 4 * l..][..4]);
+    }
 }
 
 /// A block's level bytes as a record holds them (module docs): GGML's for
@@ -131,7 +226,12 @@ impl Packed {
     pub(crate) fn packs(format: QFormat) -> bool {
         matches!(
             format,
-            QFormat::Q8_0 | QFormat::Q4_0 | QFormat::Q4_1 | QFormat::Q5_0 | QFormat::Q5_1
+            QFormat::Q8_0
+                | QFormat::Q4_0
+                | QFormat::Q4_1
+                | QFormat::Q5_0
+                | QFormat::Q5_1
+                | QFormat::Q4K
         )
     }
 
@@ -142,26 +242,23 @@ impl Packed {
     /// loaded tensor's type and shape say all three).
     pub(crate) fn pack(format: QFormat, ggml: &[u8], n: usize, k: usize) -> Self {
         assert!(Self::packs(format), "Packed: {format:?} is not repacked");
-        assert!(k % 32 == 0, "Packed: k = {k} is not whole blocks");
-        let (blocks, bb, hd) = (k / 32, format.block_bytes(), header(format));
+        assert!(
+            k.is_multiple_of(format.group()),
+            "Packed: k = {k} is not whole blocks"
+        );
+        let (blocks, bb, rec_len) = (k / format.group(), format.block_bytes(), record(format));
         assert!(ggml.len() >= n * blocks * bb, "Packed: too few bytes");
-        let (rec_len, lb) = (record(format), level_bytes(format));
-        let flip = if format == QFormat::Q8_0 { 0x80 } else { 0 };
         let mut bytes = vec![0u8; n.div_ceil(ROWS) * blocks * rec_len];
         for j in 0..n {
             let (group, l) = (j / ROWS, j % ROWS);
             for g in 0..blocks {
                 let src = &ggml[(j * blocks + g) * bb..][..bb];
-                let rec = &mut bytes[(group * blocks + g) * rec_len..][..rec_len];
-                for h in 0..hd / 2 {
-                    rec[lb + 2 * ROWS * h + 2 * l..][..2].copy_from_slice(&src[2 * h..][..2]);
-                }
-                let levels = interleaved_levels(format, &src[hd..]);
-                for (c, chunk) in levels.chunks_exact(4).enumerate() {
-                    for (dst, &q) in rec[32 * c + 4 * l..][..4].iter_mut().zip(chunk) {
-                        *dst = q ^ flip;
-                    }
-                }
+                put(
+                    format,
+                    src,
+                    &mut bytes[(group * blocks + g) * rec_len..][..rec_len],
+                    l,
+                );
             }
         }
         Self {
@@ -175,25 +272,13 @@ impl Packed {
     /// The GGML blocks [`Packed::pack`] was given (its first `n` rows).
     pub(crate) fn unpack(&self) -> Vec<u8> {
         let f = self.format;
-        let (blocks, bb, hd) = (self.k / 32, f.block_bytes(), header(f));
-        let (rec_len, lb) = (record(f), level_bytes(f));
-        let flip = if f == QFormat::Q8_0 { 0x80 } else { 0 };
+        let (blocks, bb, rec_len) = (self.k / f.group(), f.block_bytes(), record(f));
         let mut ggml = vec![0u8; self.n * blocks * bb];
         for j in 0..self.n {
             let (group, l) = (j / ROWS, j % ROWS);
             for g in 0..blocks {
                 let rec = &self.bytes[(group * blocks + g) * rec_len..][..rec_len];
-                let dst = &mut ggml[(j * blocks + g) * bb..][..bb];
-                for h in 0..hd / 2 {
-                    dst[2 * h..][..2].copy_from_slice(&rec[lb + 2 * ROWS * h + 2 * l..][..2]);
-                }
-                let mut levels = [0u8; 32];
-                for (c, chunk) in levels[..bb - hd].chunks_exact_mut(4).enumerate() {
-                    for (q, &b) in chunk.iter_mut().zip(&rec[32 * c + 4 * l..][..4]) {
-                        *q = b ^ flip;
-                    }
-                }
-                dst[hd..].copy_from_slice(&ggml_levels(f, &levels[..bb - hd]));
+                get(f, rec, l, &mut ggml[(j * blocks + g) * bb..][..bb]);
             }
         }
         ggml
@@ -218,7 +303,7 @@ impl Packed {
     /// The records of row group `group`.
     #[inline(always)]
     fn group(&self, group: usize) -> *const u8 {
-        let len = self.k / 32 * record(self.format);
+        let len = self.k / self.format.group() * record(self.format);
         self.bytes[group * len..][..len].as_ptr()
     }
 }
@@ -247,7 +332,9 @@ pub(crate) fn matmul_t(
         return;
     }
     let out = SharedMut(out.as_mut_ptr());
-    with_acts8(isa, x, rows, k, 32, |acts| {
+    // The activations' scales per 32 elements, or per super-block (as
+    // ggml's `q8_K`) for Q4_K, whose sub-block scales are integers.
+    with_acts8(isa, x, rows, k, w.format.group(), |acts| {
         let job = Job {
             w,
             acts,
@@ -265,7 +352,8 @@ pub(crate) fn matmul_t(
                 QFormat::Q4_0 => dispatch::<Q4_0>(isa, &job, range),
                 QFormat::Q4_1 => dispatch::<Q4_1>(isa, &job, range),
                 QFormat::Q5_0 => dispatch::<Q5_0>(isa, &job, range),
-                _ => dispatch::<Q5_1>(isa, &job, range),
+                QFormat::Q5_1 => dispatch::<Q5_1>(isa, &job, range),
+                _ => dispatch::<Q4K>(isa, &job, range),
             }
         });
     });
@@ -303,7 +391,8 @@ const fn format_of(f: u8) -> QFormat {
         Q4_0 => QFormat::Q4_0,
         Q4_1 => QFormat::Q4_1,
         Q5_0 => QFormat::Q5_0,
-        _ => QFormat::Q5_1,
+        Q5_1 => QFormat::Q5_1,
+        _ => QFormat::Q4K,
     }
 }
 
@@ -313,7 +402,45 @@ unsafe fn dispatch<const F: u8>(isa: Isa, job: &Job<'_>, groups: std::ops::Range
         Isa::Avx512Vnni => x86::groups_vnni::<F>(job, groups),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx2 => x86::groups_avx2::<F>(job, groups),
+        _ if F == Q4K => groups.for_each(|g| groups_portable_q4k(job, g)),
         _ => groups.for_each(|g| groups_portable::<F>(job, g)),
+    }
+}
+
+/// Portable tier for Q4_K: per super-block the integer sums
+/// `Σ_j sc_j Σ q x` and `Σ_j m_j Σ x` (sub-blocks `j`), then
+/// `acc + cvt(Σ sc q x) · (d · d_x)` and `+ cvt(Σ m x) · (−dmin · d_x)`.
+fn groups_portable_q4k(job: &Job<'_>, group: usize) {
+    let k = job.w.k;
+    let blocks = k / 256;
+    let recs = &job.w.bytes[group * blocks * K4_RECORD..][..blocks * K4_RECORD];
+    let a = job.acts;
+    let half = |rec: &[u8], at: usize| f16::from_le_bytes([rec[at], rec[at + 1]]).to_f32();
+    for r in 0..job.rows {
+        let mut lanes = [0f32; ROWS];
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            for (g, rec) in recs.chunks_exact(K4_RECORD).enumerate() {
+                let (mut total, mut mins) = (0i32, 0i32);
+                for j in 0..8 {
+                    let x = &a.q[r * k + 256 * g + 32 * j..][..32];
+                    let isum: i32 = (0..32)
+                        .map(|e| {
+                            let b = rec[32 * (8 * (j / 2) + e / 4) + 4 * l + e % 4];
+                            let q = if j % 2 == 0 { b & 0xF } else { b >> 4 };
+                            q as i32 * x[e] as i32
+                        })
+                        .sum();
+                    total += rec[K4_SCALES + 8 * j + l] as i32 * isum;
+                    let m = rec[K4_MINS + 32 * (j / 2) + 4 * l + 2 * (j % 2)] as i32;
+                    mins += m * a.qsum[r * k / 32 + 8 * g + j] as i32;
+                }
+                let dx = a.d[r * blocks + g];
+                *lane = (total as f32).mul_add(half(rec, K4_D + 2 * l) * dx, *lane);
+                *lane = (mins as f32).mul_add(-half(rec, K4_DMIN + 2 * l) * dx, *lane);
+            }
+        }
+        // SAFETY: the group's columns belong to this worker.
+        unsafe { job.store(r, group, &lanes) };
     }
 }
 
@@ -367,7 +494,10 @@ mod x86 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::{format_of, level_bytes, record, Job, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, ROWS};
+    use super::{
+        format_of, level_bytes, record, Job, K4_D, K4_DMIN, K4_MINS, K4_RECORD, K4_SCALES, Q4K,
+        Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, ROWS,
+    };
 
     /// Activation rows `r0..r0 + R` as a tile reads them.
     struct Acts<const R: usize> {
@@ -375,6 +505,7 @@ mod x86 {
         d: [*const f32; R],
         sum: [*const f32; R],
         qoff: [*const i32; R],
+        qsum: [*const i16; R],
     }
 
     impl<const R: usize> Acts<R> {
@@ -382,9 +513,11 @@ mod x86 {
         unsafe fn new(job: &Job<'_>, r0: usize) -> Self {
             let (a, k) = (job.acts, job.w.k);
             let at = |i: usize| (r0 + i) * (k / 32);
+            let group = job.w.format.group();
             Self {
                 q: std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k) as *const u8),
-                d: std::array::from_fn(|i| a.d.as_ptr().add(at(i))),
+                d: std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * (k / group))),
+                qsum: std::array::from_fn(|i| a.qsum.as_ptr().add(at(i))),
                 sum: std::array::from_fn(|i| a.sum.as_ptr().add(at(i))),
                 qoff: std::array::from_fn(|i| a.qoff.as_ptr().add(at(i))),
             }
@@ -498,6 +631,9 @@ mod x86 {
     /// [`tile`] with VNNI's `vpdpbusd`.
     #[inline(always)]
     unsafe fn tile_vnni<const F: u8, const R: usize>(job: &Job<'_>, group: usize, r0: usize) {
+        if F == Q4K {
+            return tile_q4k::<R>(job, group, r0, |s, w, x| _mm256_dpbusd_epi32(s, w, x));
+        }
         tile::<F, R>(job, group, r0, |rec, act, g, isum| {
             *isum = std::array::from_fn(|i| act.start::<F>(i, g));
             block_sums::<F, R>(rec, act, g, isum, |s, w, x| _mm256_dpbusd_epi32(s, w, x))
@@ -514,6 +650,9 @@ mod x86 {
         let flip = _mm256_set1_epi8(-128);
         let pairs =
             |s, w, x| _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+        if F == Q4K {
+            return tile_q4k::<R>(job, group, r0, pairs);
+        }
         tile::<F, R>(job, group, r0, |rec, act, g, isum| {
             if F == Q8_0 {
                 // Signed levels against signed activations: from 0.
@@ -533,6 +672,67 @@ mod x86 {
                 block_sums::<F, R>(rec, act, g, isum, pairs)
             }
         })
+    }
+
+    /// Q4_K: [`groups_portable_q4k`](super::groups_portable_q4k)'s sums,
+    /// each sub-block's 8 block sums (`dot`, from 0) scaled by the rows'
+    /// sub-block scales in 32-bit integers, the mins' sums by one
+    /// `vpmaddwd` per two sub-blocks.
+    #[inline(always)]
+    unsafe fn tile_q4k<const R: usize>(
+        job: &Job<'_>,
+        group: usize,
+        r0: usize,
+        dot: impl Fn(__m256i, __m256i, __m256i) -> __m256i,
+    ) {
+        let act = Acts::<R>::new(job, r0);
+        let recs = job.w.group(group);
+        let m4 = _mm256_set1_epi8(0xF);
+        let sign = _mm256_set1_ps(-0.0);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for g in 0..job.w.k / 256 {
+            let rec = recs.add(g * K4_RECORD);
+            let mut total = [_mm256_setzero_si256(); R];
+            for j in 0..8 {
+                let mut isum = [_mm256_setzero_si256(); R];
+                for v in 0..8 {
+                    let raw = _mm256_loadu_si256(rec.add(32 * (8 * (j / 2) + v)) as *const __m256i);
+                    let w = if j % 2 == 0 {
+                        _mm256_and_si256(raw, m4)
+                    } else {
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4)
+                    };
+                    for (i, s) in isum.iter_mut().enumerate() {
+                        *s = dot(*s, w, act.quad(i, 256 * g + 32 * j + 4 * v));
+                    }
+                }
+                let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                    rec.add(K4_SCALES + 8 * j) as *const __m128i
+                ));
+                for (t, s) in total.iter_mut().zip(&isum) {
+                    *t = _mm256_add_epi32(*t, _mm256_mullo_epi32(*s, sc));
+                }
+            }
+            let half = |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(rec.add(at) as *const __m128i));
+            let (d, dmin) = (half(K4_D), _mm256_xor_ps(half(K4_DMIN), sign));
+            for (i, a) in acc.iter_mut().enumerate() {
+                let mut mins = _mm256_setzero_si256();
+                for p in 0..4 {
+                    let m = _mm256_loadu_si256(rec.add(K4_MINS + 32 * p) as *const __m256i);
+                    let pair =
+                        std::ptr::read_unaligned(act.qsum[i].add(8 * g + 2 * p) as *const i32);
+                    mins = _mm256_add_epi32(mins, _mm256_madd_epi16(m, _mm256_set1_epi32(pair)));
+                }
+                let dx = _mm256_broadcast_ss(&*act.d[i].add(g));
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, dx), *a);
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), *a);
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            let mut lanes = [0f32; ROWS];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), *a);
+            job.store(r0 + i, group, &lanes);
+        }
     }
 
     /// Every activation row of `$job` against row group `$group` through

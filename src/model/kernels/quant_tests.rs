@@ -380,12 +380,13 @@ fn the_simd_tiers_form_the_same_8_bit_sums() {
 }
 
 /// The formats `packed` repacks.
-const PACKED: [(GgmlDType, QFormat); 5] = [
+const PACKED: [(GgmlDType, QFormat); 6] = [
     (GgmlDType::Q8_0, QFormat::Q8_0),
     (GgmlDType::Q4_0, QFormat::Q4_0),
     (GgmlDType::Q4_1, QFormat::Q4_1),
     (GgmlDType::Q5_0, QFormat::Q5_0),
     (GgmlDType::Q5_1, QFormat::Q5_1),
+    (GgmlDType::Q4K, QFormat::Q4K),
 ];
 
 /// An `[n, k]` matrix's GGML bytes, dequantised values, and the same
@@ -400,14 +401,15 @@ fn packed_matrix(dtype: GgmlDType, n: usize, k: usize, seed: u64) -> (Vec<u8>, V
 fn repacking_loses_nothing_and_takes_the_same_memory() {
     for (dtype, format) in PACKED {
         for n in [1, 8, 13, 24] {
-            let (bytes, _, packed) = packed_matrix(dtype, n, 96, n as u64);
-            assert_eq!(packed.dims(), (n, 96));
+            let (bytes, _, packed) = packed_matrix(dtype, n, 768, n as u64);
+            assert_eq!(packed.dims(), (n, 768));
             assert_eq!(packed.unpack(), bytes, "{format:?} n {n}");
             // Whole records of 8 blocks: the last group's padding is the
-            // only extra.
-            let records = n.div_ceil(ROWS) * 3;
-            assert_eq!(packed.bytes_len(), records * ROWS * format.block_bytes());
+            // only extra (and Q4_K's scales unpacked from 6 bits).
+            let records = n.div_ceil(ROWS) * 768 / format.group();
             assert_eq!(packed.bytes_len(), records * record(format));
+            let extra = if format == QFormat::Q4K { 96 } else { 0 };
+            assert_eq!(record(format), ROWS * format.block_bytes() + extra);
         }
     }
 }
@@ -416,12 +418,14 @@ fn repacking_loses_nothing_and_takes_the_same_memory() {
 fn packed_products_equal_the_quantised_activations_product_up_to_f32_rounding() {
     let mut rng = ChaCha8Rng::seed_from_u64(21);
     for (dtype, format) in PACKED {
-        for &(rows, k, n) in &[(1, 256, 13), (5, 512, 8), (9, 96, 21), (17, 768, 9)] {
+        let shapes = [(1, 256, 13), (5, 512, 8), (9, 96, 21), (17, 768, 9)];
+        for &(rows, k, n) in shapes.iter().filter(|s| s.1 % format.group() == 0) {
             let (_, values, packed) = packed_matrix(dtype, n, k, rows as u64 + 40);
             let x: Vec<f32> = (0..rows * k)
                 .map(|i| rng.random_range(-1.0f32..1.0) * if i % 50 == 0 { 8.0 } else { 1.0 })
                 .collect();
-            let want = exact_reference(&x, rows, &values, (n, k), 32, ActivationQuant::Int8);
+            let group = format.group();
+            let want = exact_reference(&x, rows, &values, (n, k), group, ActivationQuant::Int8);
             for isa in Isa::supported() {
                 for threads in [1, 2] {
                     for accumulate in [false, true] {
