@@ -15,7 +15,7 @@
 //! Rows in groups of [`ROWS`]; the last group is padded with zero bytes
 //! (scale 0: those lanes are computed and never stored). Group `G`, block
 //! `g` is one record of [`record`] bytes (8 GGML blocks' worth) at
-//! `(G · k/32 + g) · record`:
+//! `(G · blocks + g) · record`, `blocks = k / 32` (Q4_K: `k / 256`):
 //! - level bytes, in 4-byte chunks: bytes `32c + 4l .. 32c + 4l + 4` are
 //!   chunk `c` of row `8G + l`'s level bytes. For Q8_0 (8 chunks) that is
 //!   elements `4c .. 4c + 4`, offset to unsigned (`w + 128`, `w ^ 0x80`);
