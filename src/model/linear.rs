@@ -86,7 +86,7 @@ pub(crate) enum Linear {
     Dense(Tensor),
     /// Quantised `[n, k]`.
     Quantized(Arc<QTensor>),
-    /// `[n, k]` in a 32-element block format or Q4_K, repacked for the lean CPU path's 8-bit
+    /// `[n, k]` in a 32-element block format, Q4_K or Q6_K, repacked for the lean CPU path's 8-bit
     /// register tile (`kernels::packed`; [`Linear::repacked`]).
     Packed(Arc<Packed>),
 }
@@ -204,8 +204,8 @@ impl Linear {
     }
 
     /// This projection as the lean CPU path multiplies it fastest with
-    /// 8-bit activations: blocks of the 32-element formats and Q4_K on the
-    /// CPU repacked into interleaved records (the same bytes, permuted); anything else
+    /// 8-bit activations: blocks of the 32-element formats, Q4_K and Q6_K
+    /// on the CPU repacked into interleaved records (the same bytes, permuted); anything else
     /// as it is. `TANDEM_QUANT_KERNELS=candle` keeps the blocks for candle.
     pub(crate) fn repacked(self) -> candle_core::Result<Self> {
         let Self::Quantized(q) = &self else {
@@ -242,6 +242,7 @@ impl Linear {
             QFormat::Q5_0 => GgmlDType::Q5_0,
             QFormat::Q5_1 => GgmlDType::Q5_1,
             QFormat::Q4K => GgmlDType::Q4K,
+            QFormat::Q6K => GgmlDType::Q6K,
             _ => GgmlDType::Q8_0,
         };
         qtensor_from_bytes(dtype, &p.unpack(), &[n, k])

@@ -1,5 +1,5 @@
-//! The 32-element GGML formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and Q4_K
-//! repacked at load for the 8-bit linear's register tile: 8 weight rows
+//! The 32-element GGML formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), Q4_K and
+//! Q6_K repacked at load for the 8-bit linear's register tile: 8 weight rows
 //! interleaved per block, so one `vpdpbusd` of 4 activation bytes
 //! (broadcast to every lane) against 32 weight bytes adds 4 products to
 //! each of 8 outputs, and a block's 8 integer sums are converted, scaled
@@ -29,9 +29,14 @@
 //! vectors (`K4_*` constants), then the sub-block scales and mins
 //! unpacked from their 6 bits, and the rows' `d` and `dmin`.
 //!
+//! A Q6_K record holds the 6-bit levels one a byte (16-element
+//! sub-blocks of 4 vectors), the sub-block scales twice (`i8` for the
+//! integer products, `i16` pairs for the `−32` offset against the
+//! activations' per-16 sums) and the rows' `d`.
+//!
 //! A record holds 8 rows' GGML blocks, permuted: packing and unpacking
 //! lose nothing, and the weights take the same memory (Q4_K: 8 % more,
-//! for its unpacked scales).
+//! for its unpacked scales; Q6_K: 46 % more, for its byte levels).
 //!
 //! # Numerics
 //! Per output and block one exact integer sum `Σ w x` of the signed level
@@ -44,7 +49,7 @@
 //! min then adds `m_w · (d_x Σ x)` by another. Q4_K, with activations
 //! scaled per super-block (`q8_K`), sums `Σ_j sc_j Σ q x` and
 //! `Σ_j m_j Σ x` over its sub-blocks in integers and converts each once
-//! per super-block. So every tier, batch composition and thread count
+//! per super-block; Q6_K likewise `Σ_s sc_s Σ (q − 32) x`. So every tier, batch composition and thread count
 //! gives the same bits.
 
 use half::f16;
@@ -64,6 +69,7 @@ const Q4_1: u8 = 2;
 const Q5_0: u8 = 3;
 const Q5_1: u8 = 4;
 const Q4K: u8 = 5;
+const Q6K: u8 = 6;
 
 /// A Q4_K record (8 rows of a 256-element super-block): the nibbles, then
 /// the 8 sub-block scales of each row (`u8`, sub-block-major), the mins as
@@ -75,6 +81,16 @@ const K4_MINS: usize = K4_SCALES + 8 * ROWS;
 const K4_D: usize = K4_MINS + 16 * ROWS;
 const K4_DMIN: usize = K4_D + 2 * ROWS;
 const K4_RECORD: usize = K4_DMIN + 2 * ROWS;
+
+/// A Q6_K record (8 rows of a 256-element super-block): the 6-bit levels
+/// `q` one a byte (vector `4s + v`: elements `16s + 4v .. + 4` of each
+/// row), the 16 sub-block scales of each row (`i8`, sub-block-major),
+/// the same as `i16` pairs (for `vpmaddwd` against the activations'
+/// per-16 sums: the `−32` offset), and the rows' `d` (f16).
+const Q6_SCALES: usize = 2048;
+const Q6_PAIRS: usize = Q6_SCALES + 16 * ROWS;
+const Q6_D: usize = Q6_PAIRS + 32 * ROWS;
+const Q6_RECORD: usize = Q6_D + 2 * ROWS;
 
 /// Bytes before a GGML block's levels: the f16 scale (and the f16 min of
 /// the formats with one).
@@ -98,6 +114,7 @@ const fn level_bytes(format: QFormat) -> usize {
 pub(crate) const fn record(format: QFormat) -> usize {
     match format {
         QFormat::Q4K => K4_RECORD,
+        QFormat::Q6K => Q6_RECORD,
         _ => ROWS * format.block_bytes(),
     }
 }
@@ -106,6 +123,9 @@ pub(crate) const fn record(format: QFormat) -> usize {
 fn put(format: QFormat, src: &[u8], rec: &mut [u8], l: usize) {
     if format == QFormat::Q4K {
         return put_q4k(src, rec, l);
+    }
+    if format == QFormat::Q6K {
+        return put_q6k(src, rec, l);
     }
     let (hd, lb) = (header(format), level_bytes(format));
     let flip = if format == QFormat::Q8_0 { 0x80 } else { 0 };
@@ -124,6 +144,9 @@ fn put(format: QFormat, src: &[u8], rec: &mut [u8], l: usize) {
 fn get(format: QFormat, rec: &[u8], l: usize, dst: &mut [u8]) {
     if format == QFormat::Q4K {
         return get_q4k(rec, l, dst);
+    }
+    if format == QFormat::Q6K {
+        return get_q6k(rec, l, dst);
     }
     let (hd, lb, bb) = (header(format), level_bytes(format), format.block_bytes());
     let flip = if format == QFormat::Q8_0 { 0x80 } else { 0 };
@@ -173,6 +196,53 @@ fn get_q4k(rec: &[u8], l: usize, dst: &mut [u8]) {
     }
 }
 
+/// Q6_K's element `e` of half `h`, chunk `c`, lane `l` (GGML's `ql` /
+/// `qh` order): element `128h + 32c + l`.
+fn q6k_element(h: usize, c: usize, l: usize) -> usize {
+    128 * h + 32 * c + l
+}
+
+/// [`put`] for Q6_K: the levels decoded to bytes.
+fn put_q6k(src: &[u8], rec: &mut [u8], row: usize) {
+    let mut q = [0u8; 256];
+    for h in 0..2 {
+        let (ql, qh) = (&src[64 * h..64 * h + 64], &src[128 + 32 * h..160 + 32 * h]);
+        for l in 0..32 {
+            q[q6k_element(h, 0, l)] = (ql[l] & 0xF) | (qh[l] & 3) << 4;
+            q[q6k_element(h, 1, l)] = (ql[l + 32] & 0xF) | (qh[l] >> 2 & 3) << 4;
+            q[q6k_element(h, 2, l)] = (ql[l] >> 4) | (qh[l] >> 4 & 3) << 4;
+            q[q6k_element(h, 3, l)] = (ql[l + 32] >> 4) | (qh[l] >> 6 & 3) << 4;
+        }
+    }
+    for (c4, chunk) in q.chunks_exact(4).enumerate() {
+        rec[32 * c4 + 4 * row..][..4].copy_from_slice(chunk);
+    }
+    for s in 0..16 {
+        let sc = src[192 + s];
+        rec[Q6_SCALES + 8 * s + row] = sc;
+        let pair = Q6_PAIRS + 32 * (s / 2) + 4 * row + 2 * (s % 2);
+        rec[pair..][..2].copy_from_slice(&(sc as i8 as i16).to_le_bytes());
+    }
+    rec[Q6_D + 2 * row..][..2].copy_from_slice(&src[208..210]);
+}
+
+/// The inverse of [`put_q6k`].
+fn get_q6k(rec: &[u8], row: usize, dst: &mut [u8]) {
+    let q = |e: usize| rec[32 * (e / 4) + 4 * row + e % 4];
+    for h in 0..2 {
+        for l in 0..32 {
+            let [a, b, c, d] = [0, 1, 2, 3].map(|c| q(q6k_element(h, c, l)));
+            dst[64 * h + l] = (a & 0xF) | (c & 0xF) << 4;
+            dst[64 * h + l + 32] = (b & 0xF) | (d & 0xF) << 4;
+            dst[128 + 32 * h + l] = a >> 4 | (b >> 4) << 2 | (c >> 4) << 4 | (d >> 4) << 6;
+        }
+    }
+    for s in 0..16 {
+        dst[192 + s] = rec[Q6_SCALES + 8 * s + row];
+    }
+    dst[208..210].copy_from_slice(&rec[Q6_D + 2 * row..][..2]);
+}
+
 /// A block's level bytes as a record holds them (module docs): GGML's for
 /// Q8_0 and the 4-bit formats; for the 5-bit ones the 16 nibble bytes,
 /// then 4 bytes of fifth bits where bit `u` of byte `b` is element
@@ -211,8 +281,8 @@ fn ggml_levels(format: QFormat, levels: &[u8]) -> Vec<u8> {
     out
 }
 
-/// A `[n, k]` matrix of Q8_0, Q4_0 or Q4_1 blocks in interleaved records
-/// (the module docs).
+/// A `[n, k]` matrix of GGML blocks in interleaved records (the module
+/// docs).
 #[derive(Debug, Clone)]
 pub(crate) struct Packed {
     format: QFormat,
@@ -232,6 +302,7 @@ impl Packed {
                 | QFormat::Q5_0
                 | QFormat::Q5_1
                 | QFormat::Q4K
+                | QFormat::Q6K
         )
     }
 
@@ -353,7 +424,8 @@ pub(crate) fn matmul_t(
                 QFormat::Q4_1 => dispatch::<Q4_1>(isa, &job, range),
                 QFormat::Q5_0 => dispatch::<Q5_0>(isa, &job, range),
                 QFormat::Q5_1 => dispatch::<Q5_1>(isa, &job, range),
-                _ => dispatch::<Q4K>(isa, &job, range),
+                QFormat::Q4K => dispatch::<Q4K>(isa, &job, range),
+                _ => dispatch::<Q6K>(isa, &job, range),
             }
         });
     });
@@ -392,7 +464,8 @@ const fn format_of(f: u8) -> QFormat {
         Q4_1 => QFormat::Q4_1,
         Q5_0 => QFormat::Q5_0,
         Q5_1 => QFormat::Q5_1,
-        _ => QFormat::Q4K,
+        Q4K => QFormat::Q4K,
+        _ => QFormat::Q6K,
     }
 }
 
@@ -403,7 +476,40 @@ unsafe fn dispatch<const F: u8>(isa: Isa, job: &Job<'_>, groups: std::ops::Range
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx2 => x86::groups_avx2::<F>(job, groups),
         _ if F == Q4K => groups.for_each(|g| groups_portable_q4k(job, g)),
+        _ if F == Q6K => groups.for_each(|g| groups_portable_q6k(job, g)),
         _ => groups.for_each(|g| groups_portable::<F>(job, g)),
+    }
+}
+
+/// Portable tier for Q6_K: per super-block the integer sum
+/// `Σ_s sc_s Σ (q − 32) x` over its 16-element sub-blocks `s`, then
+/// `acc + cvt(sum) · (d · d_x)`.
+fn groups_portable_q6k(job: &Job<'_>, group: usize) {
+    let k = job.w.k;
+    let blocks = k / 256;
+    let recs = &job.w.bytes[group * blocks * Q6_RECORD..][..blocks * Q6_RECORD];
+    let a = job.acts;
+    for r in 0..job.rows {
+        let mut lanes = [0f32; ROWS];
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            for (g, rec) in recs.chunks_exact(Q6_RECORD).enumerate() {
+                let mut total = 0i32;
+                for s in 0..16 {
+                    let x = &a.q[r * k + 256 * g + 16 * s..][..16];
+                    let isum: i32 = (0..16)
+                        .map(|e| {
+                            let q = rec[32 * (4 * s + e / 4) + 4 * l + e % 4] as i32;
+                            (q - 32) * x[e] as i32
+                        })
+                        .sum();
+                    total += rec[Q6_SCALES + 8 * s + l] as i8 as i32 * isum;
+                }
+                let d = f16::from_le_bytes([rec[Q6_D + 2 * l], rec[Q6_D + 2 * l + 1]]).to_f32();
+                *lane = (total as f32).mul_add(d * a.d[r * blocks + g], *lane);
+            }
+        }
+        // SAFETY: the group's columns belong to this worker.
+        unsafe { job.store(r, group, &lanes) };
     }
 }
 
@@ -496,7 +602,7 @@ mod x86 {
 
     use super::{
         format_of, level_bytes, record, Job, K4_D, K4_DMIN, K4_MINS, K4_RECORD, K4_SCALES, Q4K,
-        Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, ROWS,
+        Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q6_D, Q6_PAIRS, Q6_RECORD, Q6_SCALES, Q8_0, ROWS,
     };
 
     /// Activation rows `r0..r0 + R` as a tile reads them.
@@ -506,6 +612,7 @@ mod x86 {
         sum: [*const f32; R],
         qoff: [*const i32; R],
         qsum: [*const i16; R],
+        qsum16: [*const i16; R],
     }
 
     impl<const R: usize> Acts<R> {
@@ -518,6 +625,7 @@ mod x86 {
                 q: std::array::from_fn(|i| a.q.as_ptr().add((r0 + i) * k) as *const u8),
                 d: std::array::from_fn(|i| a.d.as_ptr().add((r0 + i) * (k / group))),
                 qsum: std::array::from_fn(|i| a.qsum.as_ptr().add(at(i))),
+                qsum16: std::array::from_fn(|i| a.qsum16.as_ptr().add((r0 + i) * (k / 16))),
                 sum: std::array::from_fn(|i| a.sum.as_ptr().add(at(i))),
                 qoff: std::array::from_fn(|i| a.qoff.as_ptr().add(at(i))),
             }
@@ -634,6 +742,9 @@ mod x86 {
         if F == Q4K {
             return tile_q4k::<R>(job, group, r0, |s, w, x| _mm256_dpbusd_epi32(s, w, x));
         }
+        if F == Q6K {
+            return tile_q6k::<R>(job, group, r0, |s, w, x| _mm256_dpbusd_epi32(s, w, x));
+        }
         tile::<F, R>(job, group, r0, |rec, act, g, isum| {
             *isum = std::array::from_fn(|i| act.start::<F>(i, g));
             block_sums::<F, R>(rec, act, g, isum, |s, w, x| _mm256_dpbusd_epi32(s, w, x))
@@ -652,6 +763,9 @@ mod x86 {
             |s, w, x| _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
         if F == Q4K {
             return tile_q4k::<R>(job, group, r0, pairs);
+        }
+        if F == Q6K {
+            return tile_q6k::<R>(job, group, r0, pairs);
         }
         tile::<F, R>(job, group, r0, |rec, act, g, isum| {
             if F == Q8_0 {
@@ -726,6 +840,60 @@ mod x86 {
                 let dx = _mm256_broadcast_ss(&*act.d[i].add(g));
                 *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, dx), *a);
                 *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), *a);
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            let mut lanes = [0f32; ROWS];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), *a);
+            job.store(r0 + i, group, &lanes);
+        }
+    }
+
+    /// Q6_K: [`groups_portable_q6k`](super::groups_portable_q6k)'s sum,
+    /// each sub-block's 8 sums of `q x` (`dot`, from 0) scaled by the
+    /// rows' sub-block scales in 32-bit integers, less `32 Σ_s sc_s Σ x`
+    /// by one `vpmaddwd` per two sub-blocks.
+    #[inline(always)]
+    unsafe fn tile_q6k<const R: usize>(
+        job: &Job<'_>,
+        group: usize,
+        r0: usize,
+        dot: impl Fn(__m256i, __m256i, __m256i) -> __m256i,
+    ) {
+        let act = Acts::<R>::new(job, r0);
+        let recs = job.w.group(group);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for g in 0..job.w.k / 256 {
+            let rec = recs.add(g * Q6_RECORD);
+            let mut total = [_mm256_setzero_si256(); R];
+            for s in 0..16 {
+                let mut isum = [_mm256_setzero_si256(); R];
+                for v in 0..4 {
+                    let w = _mm256_loadu_si256(rec.add(32 * (4 * s + v)) as *const __m256i);
+                    for (i, t) in isum.iter_mut().enumerate() {
+                        *t = dot(*t, w, act.quad(i, 256 * g + 16 * s + 4 * v));
+                    }
+                }
+                let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                    rec.add(Q6_SCALES + 8 * s) as *const __m128i
+                ));
+                for (t, v) in total.iter_mut().zip(&isum) {
+                    *t = _mm256_add_epi32(*t, _mm256_mullo_epi32(*v, sc));
+                }
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(rec.add(Q6_D) as *const __m128i));
+            for (i, a) in acc.iter_mut().enumerate() {
+                let mut offset = _mm256_setzero_si256();
+                for p in 0..8 {
+                    let sc = _mm256_loadu_si256(rec.add(Q6_PAIRS + 32 * p) as *const __m256i);
+                    let pair =
+                        std::ptr::read_unaligned(act.qsum16[i].add(16 * g + 2 * p) as *const i32);
+                    offset =
+                        _mm256_add_epi32(offset, _mm256_madd_epi16(sc, _mm256_set1_epi32(pair)));
+                }
+                let t = _mm256_sub_epi32(total[i], _mm256_slli_epi32::<5>(offset));
+                let dx = _mm256_broadcast_ss(&*act.d[i].add(g));
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, dx), *a);
             }
         }
         for (i, a) in acc.iter().enumerate() {

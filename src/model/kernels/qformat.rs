@@ -414,7 +414,8 @@ fn quantise_groups<Q>(
 /// `q8_K`): levels `q[r·k + e]`, the same offset to unsigned bytes
 /// `qu = q + 128` (for products with signed weights), scale
 /// `d[r·groups + g]`, and per 32 elements the integer sum `qsum`,
-/// `sum = d · qsum` (the min terms) and `qoff = −128 · qsum` (where a sum
+/// `sum = d · qsum` (the min terms), per 16 elements `qsum16` (Q6_K's
+/// sub-blocks), and `qoff = −128 · qsum` (where a sum
 /// of unsigned weights `w + 128` against the levels starts, so that it
 /// ends at `Σ w q`).
 #[derive(Debug, Default)]
@@ -425,6 +426,7 @@ pub(crate) struct QuantisedRows8 {
     pub(crate) qsum: Vec<i16>,
     pub(crate) sum: Vec<f32>,
     pub(crate) qoff: Vec<i32>,
+    pub(crate) qsum16: Vec<i16>,
 }
 
 impl QuantisedRows8 {
@@ -438,6 +440,7 @@ impl QuantisedRows8 {
         self.qsum.resize(rows * k / 32, 0);
         self.sum.resize(rows * k / 32, 0.0);
         self.qoff.resize(rows * k / 32, 0);
+        self.qsum16.resize(rows * k / 16, 0);
         let x = &x[..rows * k];
         let level = |v: f32| v.clamp(-LEVELS8, LEVELS8) as i8;
         quantise_groups(x, &mut self.q, &mut self.d, group, LEVELS8, level);
@@ -446,6 +449,9 @@ impl QuantisedRows8 {
             self.qsum[b] = s as i16;
             self.sum[b] = self.d[32 * b / group] * s as f32;
             self.qoff[b] = -128 * s;
+        }
+        for (s, half) in self.qsum16.iter_mut().zip(self.q.chunks_exact(16)) {
+            *s = half.iter().map(|&q| q as i16).sum();
         }
         for (u, &q) in self.qu.iter_mut().zip(&self.q) {
             *u = (q as u8) ^ 0x80;

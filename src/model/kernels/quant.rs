@@ -3,7 +3,7 @@
 //! lie (a memory-mapped GGUF or candle's block storage). The lean model
 //! path sends weights here when they are not repacked (`packed`: most
 //! formats with 8-bit activations): always with 15-bit activations, and
-//! Q5_K / Q6_K with 8-bit ones.
+//! Q5_K with 8-bit ones.
 //!
 //! [`qmatmul_t`] is the entry for both activation schemes: it quantises the
 //! activations once per call and splits the weight rows across threads;

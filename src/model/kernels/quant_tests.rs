@@ -380,13 +380,14 @@ fn the_simd_tiers_form_the_same_8_bit_sums() {
 }
 
 /// The formats `packed` repacks.
-const PACKED: [(GgmlDType, QFormat); 6] = [
+const PACKED: [(GgmlDType, QFormat); 7] = [
     (GgmlDType::Q8_0, QFormat::Q8_0),
     (GgmlDType::Q4_0, QFormat::Q4_0),
     (GgmlDType::Q4_1, QFormat::Q4_1),
     (GgmlDType::Q5_0, QFormat::Q5_0),
     (GgmlDType::Q5_1, QFormat::Q5_1),
     (GgmlDType::Q4K, QFormat::Q4K),
+    (GgmlDType::Q6K, QFormat::Q6K),
 ];
 
 /// An `[n, k]` matrix's GGML bytes, dequantised values, and the same
@@ -408,7 +409,11 @@ fn repacking_loses_nothing_and_takes_the_same_memory() {
             // only extra (and Q4_K's scales unpacked from 6 bits).
             let records = n.div_ceil(ROWS) * 768 / format.group();
             assert_eq!(packed.bytes_len(), records * record(format));
-            let extra = if format == QFormat::Q4K { 96 } else { 0 };
+            let extra = match format {
+                QFormat::Q4K => 96,
+                QFormat::Q6K => 768,
+                _ => 0,
+            };
             assert_eq!(record(format), ROWS * format.block_bytes() + extra);
         }
     }
