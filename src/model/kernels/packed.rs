@@ -652,6 +652,22 @@ mod x86 {
         }
     }
 
+    /// Writes a tile's accumulators: row `r0 + i`'s 8 outputs of row group
+    /// `group` from `acc[i]`.
+    #[inline(always)]
+    unsafe fn store_tile<const R: usize>(
+        job: &Job<'_>,
+        r0: usize,
+        group: usize,
+        acc: &[__m256; R],
+    ) {
+        for (i, a) in acc.iter().enumerate() {
+            let mut lanes = [0f32; ROWS];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), *a);
+            job.store(r0 + i, group, &lanes);
+        }
+    }
+
     /// The block sums of rows `R` against one record's level bytes `rec`,
     /// from `isum`: `dot(acc, weights, activations)` multiplies 32
     /// unsigned weight bytes by 4 activation bytes in every lane and adds
@@ -729,11 +745,7 @@ mod x86 {
                 }
             }
         }
-        for (i, a) in acc.iter().enumerate() {
-            let mut lanes = [0f32; ROWS];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), *a);
-            job.store(r0 + i, group, &lanes);
-        }
+        store_tile(job, r0, group, &acc);
     }
 
     /// [`tile`] with VNNI's `vpdpbusd`.
@@ -842,11 +854,7 @@ mod x86 {
                 *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), *a);
             }
         }
-        for (i, a) in acc.iter().enumerate() {
-            let mut lanes = [0f32; ROWS];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), *a);
-            job.store(r0 + i, group, &lanes);
-        }
+        store_tile(job, r0, group, &acc);
     }
 
     /// Q6_K: [`groups_portable_q6k`](super::groups_portable_q6k)'s sum,
@@ -896,11 +904,7 @@ mod x86 {
                 *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, dx), *a);
             }
         }
-        for (i, a) in acc.iter().enumerate() {
-            let mut lanes = [0f32; ROWS];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), *a);
-            job.store(r0 + i, group, &lanes);
-        }
+        store_tile(job, r0, group, &acc);
     }
 
     /// Every activation row of `$job` against row group `$group` through
