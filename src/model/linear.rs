@@ -236,16 +236,7 @@ impl Linear {
     /// A repacked projection's blocks as candle holds them.
     fn unpacked(p: &Packed) -> candle_core::Result<QTensor> {
         let (n, k) = p.dims();
-        let dtype = match p.format() {
-            QFormat::Q4_0 => GgmlDType::Q4_0,
-            QFormat::Q4_1 => GgmlDType::Q4_1,
-            QFormat::Q5_0 => GgmlDType::Q5_0,
-            QFormat::Q5_1 => GgmlDType::Q5_1,
-            QFormat::Q4K => GgmlDType::Q4K,
-            QFormat::Q6K => GgmlDType::Q6K,
-            _ => GgmlDType::Q8_0,
-        };
-        qtensor_from_bytes(dtype, &p.unpack(), &[n, k])
+        qtensor_from_bytes(p.format().dtype(), &p.unpack(), &[n, k])
     }
 
     /// Wraps `w` (`[n, k]`, any dtype, on any device) in `format` on
