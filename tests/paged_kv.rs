@@ -376,12 +376,18 @@ async fn a_request_that_can_never_fit_is_refused_at_the_edge() {
     h.shutdown(ShutdownMode::Drain).await.unwrap();
 }
 
-/// `n` = 4 choices of a 50-token prompt (three full blocks and two tokens),
-/// drafting with an MTP head when `head` (which must then draft).
+/// The 50-token prompt (three full blocks and two tokens) the `n` tests
+/// ask 12 tokens for.
+fn fifty_token_request(sampling: SamplingOptions) -> GenerateRequest {
+    request(tokens(5, 50), 12, sampling)
+}
+
+/// `n` = 4 choices of `req`, drafting with an MTP head when `head` (which
+/// must then draft).
 async fn four_choices(
     prefix_caching: bool,
     head: bool,
-    sampling: SamplingOptions,
+    req: GenerateRequest,
 ) -> (Vec<Vec<u32>>, u64) {
     let log = RoundLog::default();
     let h = start_with_head(
@@ -389,7 +395,6 @@ async fn four_choices(
         4096,
         head.then(|| RecordingHead::boxed(&log)),
     );
-    let req = request(tokens(5, 50), 12, sampling);
     let before = h.stats().await.unwrap();
     let choices = h.complete_choices(req, 4).await.unwrap();
     let after = h.stats().await.unwrap();
@@ -412,14 +417,15 @@ async fn n_four_choices_prefill_once_and_equal_single_requests_with_derived_seed
         let singles: Vec<GenerateRequest> = (0..4)
             .map(|i| {
                 let seed = sampling.seed.map(|s| s + i);
-                request(tokens(5, 50), 12, SamplingOptions { seed, ..sampling })
+                fifty_token_request(SamplingOptions { seed, ..sampling })
             })
             .collect();
         let want = references(&singles).await;
         // A drafting head shares the prompt's blocks (and their hidden
         // states) like any choice.
         for (prefix_caching, head) in [(true, false), (false, false), (true, true), (false, true)] {
-            let (got, computed) = four_choices(prefix_caching, head, sampling).await;
+            let req = fifty_token_request(sampling);
+            let (got, computed) = four_choices(prefix_caching, head, req).await;
             let case = format!("{name}, prefix cache {prefix_caching}, head {head}");
             assert_eq!(got, want, "{case}");
             // One prompt, then three tails of two tokens after 48 shared.
@@ -429,16 +435,15 @@ async fn n_four_choices_prefill_once_and_equal_single_requests_with_derived_seed
             assert!(want.windows(2).any(|w| w[0] != w[1]), "seeds differ");
         }
     }
-    // Without a seed the choices still draw independently.
-    let (got, _) = four_choices(
-        true,
-        false,
-        SamplingOptions {
-            seed: None,
-            ..seeded(0)
-        },
-    )
-    .await;
+    // Without a seed the choices still draw independently. Their draws
+    // are not reproducible, so EOS (id 2) is barred: one choice drawing it
+    // would end short of 12 tokens, now and then.
+    let mut unseeded = fifty_token_request(SamplingOptions {
+        seed: None,
+        ..seeded(0)
+    });
+    unseeded.constraints.logit_bias = vec![(2, -100.0)];
+    let (got, _) = four_choices(true, false, unseeded).await;
     assert!(got.windows(2).any(|w| w[0] != w[1]), "{got:?}");
 }
 
