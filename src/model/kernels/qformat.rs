@@ -418,9 +418,19 @@ fn quantise_groups<Q>(
         *d = amax / levels;
         let id = if *d > 0.0 { 1.0 / *d } else { 0.0 };
         for (q, &v) in qs.iter_mut().zip(xs) {
-            *q = level((v * id).round_ties_even());
+            *q = level(round_ties_even_small(v * id));
         }
     }
+}
+
+/// `v` rounded to nearest, ties to even, for `|v| ≤ 2²²` (levels are at
+/// most [`LEVELS`]): adding and subtracting `1.5 · 2²³` leaves no
+/// fraction bits under the default rounding mode. Plain adds vectorise;
+/// `f32::round_ties_even` was a libm call per element.
+#[inline(always)]
+fn round_ties_even_small(v: f32) -> f32 {
+    const SHIFT: f32 = 12_582_912.0;
+    (v + SHIFT) - SHIFT
 }
 
 /// Activation rows quantised to 8 bits ([`ActivationQuant::Int8`]) in the
@@ -475,7 +485,23 @@ impl QuantisedRows8 {
 
 #[cfg(test)]
 mod tests {
-    use super::{k4_scale_bytes, scale_min_k4};
+    use super::{k4_scale_bytes, round_ties_even_small, scale_min_k4};
+
+    #[test]
+    fn small_values_round_as_round_ties_even_does() {
+        let ties = (-40_000..40_000).map(|i| i as f32 * 0.5);
+        let steps = (-200_000..200_000).map(|i| i as f32 * 0.001_37);
+        let edges = [
+            4_194_304.0f32,
+            -4_194_304.0,
+            4_194_303.5,
+            0.499_999_97,
+            -0.5,
+        ];
+        for v in ties.chain(steps).chain(edges) {
+            assert_eq!(round_ties_even_small(v), v.round_ties_even(), "{v}");
+        }
+    }
 
     #[test]
     fn k4_scale_bytes_unpack_what_scale_min_k4_does() {
