@@ -89,6 +89,11 @@ pub(crate) enum Linear {
     /// `[n, k]` in a 32-element block format, Q4_K or Q6_K, repacked for the lean CPU path's 8-bit
     /// register tile (`kernels::packed`; [`Linear::repacked`]).
     Packed(Arc<Packed>),
+    /// `[Σ n_i, k]`: parts in different GGML block types stacked by rows,
+    /// each multiplied in its own blocks into its own output columns. A
+    /// quantiser's mixes need it: Q4_K_M keeps `attn_v` in Q6_K in some
+    /// layers beside Q4_K `attn_q` and `attn_k`.
+    Stacked(Arc<[Linear]>),
 }
 
 /// One buffer that holds every dense CPU projection weight of a model, on
@@ -200,7 +205,33 @@ impl Linear {
             Linear::Dense(w) => Ok(w.clone()),
             Linear::Quantized(q) => q.dequantize(&q.device()),
             Linear::Packed(p) => Self::unpacked(p)?.dequantize(&Device::Cpu),
+            Linear::Stacked(parts) => {
+                let dense = parts
+                    .iter()
+                    .map(Self::dense)
+                    .collect::<Result<Vec<_>, _>>()?;
+                Tensor::cat(&dense, 0)
+            }
         }
+    }
+
+    /// Whether the weights are GGML blocks (any part's, when stacked).
+    pub(crate) fn quantised(&self) -> bool {
+        match self {
+            Self::Dense(_) => false,
+            Self::Quantized(_) | Self::Packed(_) => true,
+            Self::Stacked(parts) => parts.iter().any(Self::quantised),
+        }
+    }
+
+    /// Output columns (`n`).
+    fn columns(&self) -> candle_core::Result<usize> {
+        Ok(match self {
+            Self::Dense(w) => w.dims2()?.0,
+            Self::Quantized(q) => q.shape().dims2()?.0,
+            Self::Packed(p) => p.dims().0,
+            Self::Stacked(parts) => parts.iter().map(Self::columns).sum::<Result<_, _>>()?,
+        })
     }
 
     /// This projection as the lean CPU path multiplies it fastest with
@@ -208,6 +239,10 @@ impl Linear {
     /// on the CPU repacked into interleaved records (the same bytes, permuted); anything else
     /// as it is. `TANDEM_QUANT_KERNELS=candle` keeps the blocks for candle.
     pub(crate) fn repacked(self) -> candle_core::Result<Self> {
+        if let Self::Stacked(parts) = &self {
+            let parts = parts.iter().map(|p| p.clone().repacked());
+            return Ok(Self::Stacked(parts.collect::<Result<_, _>>()?));
+        }
         let Self::Quantized(q) = &self else {
             return Ok(self);
         };
@@ -280,22 +315,28 @@ impl Linear {
         }
     }
 
-    /// The matrices `parts` (GGML blocks of one type, `[n_i, k]` each)
-    /// stacked by rows into one projection multiplied in those blocks on
-    /// the CPU; `None` when their types or widths differ.
+    /// The matrices `parts` (GGML blocks, `[n_i, k]` each) stacked by rows
+    /// into one projection multiplied in those blocks on the CPU: one
+    /// matrix when their types agree, [`Linear::Stacked`] otherwise;
+    /// `None` when their widths differ.
     pub(crate) fn from_blocks(parts: &[&QTensor]) -> candle_core::Result<Option<Self>> {
         let Some(first) = parts.first() else {
             return Ok(None);
         };
         let (dtype, k) = (first.dtype(), first.shape().dims2()?.1);
+        let mut widths = parts.iter().map(|p| Ok(p.shape().dims2()?.1));
+        if !widths.all(|w: candle_core::Result<usize>| w.is_ok_and(|w| w == k)) {
+            return Ok(None);
+        }
+        if parts.iter().any(|p| p.dtype() != dtype) {
+            let parts = parts.iter().map(|p| Self::from_blocks(&[p]));
+            let parts: Option<Vec<_>> = parts.collect::<candle_core::Result<_>>()?;
+            return Ok(parts.map(|p| Self::Stacked(p.into())));
+        }
         let mut rows = 0;
         let mut bytes = Vec::new();
         for part in parts {
-            let (n, part_k) = part.shape().dims2()?;
-            if part.dtype() != dtype || part_k != k {
-                return Ok(None);
-            }
-            rows += n;
+            rows += part.shape().dims2()?.0;
             bytes.extend_from_slice(&part.data()?);
         }
         let qt = qtensor_from_bytes(dtype, &bytes, &[rows, k])?;
@@ -322,6 +363,11 @@ impl Linear {
                 let dtype = x.dtype();
                 let y = x.contiguous()?.apply_op1_no_bwd(&Self::unpacked(p)?)?;
                 y.to_dtype(dtype)
+            }
+            Self::Stacked(parts) => {
+                let ys = parts.iter().map(|p| p.forward(x));
+                let ys = ys.collect::<candle_core::Result<Vec<_>>>()?;
+                Tensor::cat(&ys, x.rank() - 1)
             }
         }
     }
@@ -366,6 +412,7 @@ impl Linear {
             }
             // Repacked because the activations are 8-bit (Model::load).
             Self::Packed(p) => packed::matmul_t(isa, threads, x, rows, p, out, accumulate),
+            Self::Stacked(parts) => Self::stacked_cpu(parts, call, x, rows, out, accumulate)?,
             Self::Quantized(q) => {
                 let (n, k) = q.shape().dims2()?;
                 if let Some(format) = QFormat::of(q.dtype()).filter(|_| !candle_kernels_forced()) {
@@ -396,6 +443,45 @@ impl Linear {
                     out.copy_from_slice(y);
                 }
             }
+        }
+        Ok(())
+    }
+}
+
+impl Linear {
+    /// [`Linear::forward_cpu`] of stacked parts: a single row's outputs
+    /// are each part's, side by side; more rows go through a buffer per
+    /// part, then to their columns.
+    fn stacked_cpu(
+        parts: &[Linear],
+        call: CpuCall,
+        x: &[f32],
+        rows: usize,
+        out: &mut [f32],
+        accumulate: bool,
+    ) -> candle_core::Result<()> {
+        let n = parts
+            .iter()
+            .map(Self::columns)
+            .sum::<candle_core::Result<usize>>()?;
+        let mut first = 0;
+        for part in parts {
+            let cols = part.columns()?;
+            if rows == 1 {
+                part.forward_cpu(call, x, 1, &mut out[first..first + cols], accumulate)?;
+            } else {
+                let mut y = vec![0f32; rows * cols];
+                part.forward_cpu(call, x, rows, &mut y, false)?;
+                for (o, y) in out.chunks_mut(n).zip(y.chunks(cols)) {
+                    let o = &mut o[first..first + cols];
+                    if accumulate {
+                        o.iter_mut().zip(y).for_each(|(o, y)| *o += y);
+                    } else {
+                        o.copy_from_slice(y);
+                    }
+                }
+            }
+            first += cols;
         }
         Ok(())
     }
@@ -472,11 +558,90 @@ mod tests {
             // 8-bit activations, as llama.cpp: close to the dense product, not equal.
             assert!((o - w).abs() < 0.05 * w.abs().max(1.0), "{o} vs {w}");
         }
-        let q8 = QTensor::quantize(&b, GgmlDType::Q8_0).unwrap();
+        let wide = super::super::weights::uniform_tensor(&[2, 96], 0.5, 3).unwrap();
+        let wide = QTensor::quantize(&wide, GgmlDType::Q4_1).unwrap();
         assert!(
-            Linear::from_blocks(&[&qa, &q8]).unwrap().is_none(),
-            "mixed types do not stack"
+            Linear::from_blocks(&[&qa, &wide]).unwrap().is_none(),
+            "different widths do not stack"
         );
+    }
+
+    #[test]
+    fn mixed_block_types_stack_and_give_each_parts_own_outputs() {
+        let k = 256;
+        let part = |seed: u64, n: usize, dtype: GgmlDType| {
+            let w = super::super::weights::uniform_tensor(&[n, k], 0.5, seed).unwrap();
+            QTensor::quantize(&w, dtype).unwrap()
+        };
+        // Q4_K_M's attention: Q4_K query and key, a Q6_K value.
+        let parts = [
+            part(1, 16, GgmlDType::Q4K),
+            part(2, 5, GgmlDType::Q6K),
+            part(3, 11, GgmlDType::Q4K),
+        ];
+        let refs: Vec<&QTensor> = parts.iter().collect();
+        let stacked = Linear::from_blocks(&refs).unwrap().expect("one width");
+        assert!(matches!(stacked, Linear::Stacked(_)));
+        let singles: Vec<Linear> = parts
+            .iter()
+            .map(|p| Linear::from_blocks(&[p]).unwrap().unwrap())
+            .collect();
+        let dense: Vec<Tensor> = singles.iter().map(|s| s.dense().unwrap()).collect();
+        let dense = Tensor::cat(&dense, 0).unwrap();
+        assert_eq!(
+            stacked.dense().unwrap().to_vec2::<f32>().unwrap(),
+            dense.to_vec2::<f32>().unwrap()
+        );
+        let rows = 3;
+        let x: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
+        for repack in [false, true] {
+            let (stacked, singles) = match repack {
+                false => (stacked.clone(), singles.clone()),
+                true => (
+                    stacked.clone().repacked().unwrap(),
+                    singles
+                        .iter()
+                        .map(|s| s.clone().repacked().unwrap())
+                        .collect(),
+                ),
+            };
+            for (r, accumulate) in [(1, false), (rows, false), (rows, true)] {
+                let mut got = vec![0.5f32; r * 32];
+                stacked
+                    .forward_cpu(solo(), &x, r, &mut got, accumulate)
+                    .unwrap();
+                // Each part alone, its outputs placed in its columns.
+                let mut want = vec![0.5f32; r * 32];
+                let mut first = 0;
+                for single in &singles {
+                    let n = single.columns().unwrap();
+                    let mut y = vec![0f32; r * n];
+                    single.forward_cpu(solo(), &x, r, &mut y, false).unwrap();
+                    for i in 0..r {
+                        for j in 0..n {
+                            let o = &mut want[i * 32 + first + j];
+                            *o = if accumulate {
+                                *o + y[i * n + j]
+                            } else {
+                                y[i * n + j]
+                            };
+                        }
+                    }
+                    first += n;
+                }
+                assert_eq!(
+                    got, want,
+                    "repack {repack}, rows {r}, accumulate {accumulate}"
+                );
+            }
+            let xt = Tensor::from_slice(&x, (rows, k), &Device::Cpu).unwrap();
+            let candle = stacked.forward(&xt).unwrap();
+            let parts: Vec<Tensor> = singles.iter().map(|s| s.forward(&xt).unwrap()).collect();
+            assert_eq!(
+                candle.to_vec2::<f32>().unwrap(),
+                Tensor::cat(&parts, 1).unwrap().to_vec2::<f32>().unwrap()
+            );
+        }
     }
 
     /// One thread on this CPU's tier, 8-bit activations.

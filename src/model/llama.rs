@@ -220,9 +220,8 @@ impl Model {
     /// head then quantises its own projections too, so its cost scales
     /// with the target's.
     pub fn quantized_projections(&self) -> bool {
-        use super::linear::Linear;
-        let q = |l: &Linear| matches!(l, Linear::Quantized(_) | Linear::Packed(_));
-        q(&self.weights.lm_head) || self.weights.layers.first().is_some_and(|l| q(&l.down))
+        let first = self.weights.layers.first();
+        self.weights.lm_head.quantised() || first.is_some_and(|l| l.down.quantised())
     }
 
     /// The KV entry shape this model needs.
