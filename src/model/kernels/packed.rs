@@ -29,14 +29,14 @@
 //! vectors (`K4_*` constants), then the sub-block scales and mins
 //! unpacked from their 6 bits, and the rows' `d` and `dmin`.
 //!
-//! A Q6_K record holds the 6-bit levels one a byte (16-element
-//! sub-blocks of 4 vectors), the sub-block scales twice (`i8` for the
-//! integer products, `i16` pairs for the `−32` offset against the
-//! activations' per-16 sums) and the rows' `d`.
+//! A Q6_K record holds the 6-bit levels as 64 vectors of 4 bytes a row
+//! (`Q6_*` constants): their low 4 bits in 32 nibble vectors, their high
+//! 2 bits in 16 vectors of 4 pairs each; then the sub-block scales (`i8`)
+//! and the rows' `d`.
 //!
 //! A record holds 8 rows' GGML blocks, permuted: packing and unpacking
 //! lose nothing, and the weights take the same memory (Q4_K: 8 % more,
-//! for its unpacked scales; Q6_K: 46 % more, for its byte levels).
+//! for its unpacked scales).
 //!
 //! # Numerics
 //! Per output and block one exact integer sum `Σ w x` of the signed level
@@ -82,15 +82,33 @@ const K4_D: usize = K4_MINS + 16 * ROWS;
 const K4_DMIN: usize = K4_D + 2 * ROWS;
 const K4_RECORD: usize = K4_DMIN + 2 * ROWS;
 
-/// A Q6_K record (8 rows of a 256-element super-block): the 6-bit levels
-/// `q` one a byte (vector `4s + v`: elements `16s + 4v .. + 4` of each
-/// row), the 16 sub-block scales of each row (`i8`, sub-block-major),
-/// the same as `i16` pairs (for `vpmaddwd` against the activations'
-/// per-16 sums: the `−32` offset), and the rows' `d` (f16).
-const Q6_SCALES: usize = 2048;
-const Q6_PAIRS: usize = Q6_SCALES + 16 * ROWS;
-const Q6_D: usize = Q6_PAIRS + 32 * ROWS;
+/// A Q6_K record (8 rows of a 256-element super-block). Level vector `t`
+/// (`4s + v`: elements `16s + 4v .. + 4` of each row, sub-block `s`) is
+/// the low nibbles of nibble vector `t` for `t < 32`, the high ones of
+/// `t − 32` otherwise (the levels' low 4 bits), with bits `2m, 2m + 1` of
+/// high-bits vector `t mod 16`, `m = t / 16` (their high 2 bits). Then
+/// the 16 sub-block scales of each row (`i8`, sub-block-major) and the
+/// rows' `d` (f16): GGML's 210 bytes a row.
+const Q6_HIGH: usize = 1024;
+const Q6_SCALES: usize = Q6_HIGH + 512;
+const Q6_D: usize = Q6_SCALES + 16 * ROWS;
 const Q6_RECORD: usize = Q6_D + 2 * ROWS;
+
+/// Q6_K: byte `b` of row `l` in level vector `t` of a record: the offsets
+/// of its nibble and of its high bits, the nibble's shift and the high
+/// bits' shift.
+fn q6k_at(t: usize, l: usize, b: usize) -> (usize, usize, u32, u32) {
+    let lane = 4 * l + b;
+    let nibble = 32 * (t % 32) + lane;
+    let high = Q6_HIGH + 32 * (t % 16) + lane;
+    (nibble, high, 4 * (t / 32) as u32, 2 * (t / 16) as u32)
+}
+
+/// Q6_K's level (0..64) of element `e` of row `l` in a record.
+fn q6k_level(rec: &[u8], l: usize, e: usize) -> u8 {
+    let (nibble, high, ns, hs) = q6k_at(e / 4, l, e % 4);
+    (rec[nibble] >> ns & 0xF) | (rec[high] >> hs & 3) << 4
+}
 
 /// Bytes before a GGML block's levels: the f16 scale (and the f16 min of
 /// the formats with one).
@@ -202,7 +220,8 @@ fn q6k_element(h: usize, c: usize, l: usize) -> usize {
     128 * h + 32 * c + l
 }
 
-/// [`put`] for Q6_K: the levels decoded to bytes.
+/// [`put`] for Q6_K: the levels decoded, then split as the record holds
+/// them (OR-ed in: `rec` starts zeroed, as [`Packed::pack`] allocates it).
 fn put_q6k(src: &[u8], rec: &mut [u8], row: usize) {
     let mut q = [0u8; 256];
     for h in 0..2 {
@@ -214,21 +233,20 @@ fn put_q6k(src: &[u8], rec: &mut [u8], row: usize) {
             q[q6k_element(h, 3, l)] = (ql[l + 32] >> 4) | (qh[l] >> 6 & 3) << 4;
         }
     }
-    for (c4, chunk) in q.chunks_exact(4).enumerate() {
-        rec[32 * c4 + 4 * row..][..4].copy_from_slice(chunk);
+    for (e, &level) in q.iter().enumerate() {
+        let (nibble, high, ns, hs) = q6k_at(e / 4, row, e % 4);
+        rec[nibble] |= (level & 0xF) << ns;
+        rec[high] |= (level >> 4) << hs;
     }
     for s in 0..16 {
-        let sc = src[192 + s];
-        rec[Q6_SCALES + 8 * s + row] = sc;
-        let pair = Q6_PAIRS + 32 * (s / 2) + 4 * row + 2 * (s % 2);
-        rec[pair..][..2].copy_from_slice(&(sc as i8 as i16).to_le_bytes());
+        rec[Q6_SCALES + 8 * s + row] = src[192 + s];
     }
     rec[Q6_D + 2 * row..][..2].copy_from_slice(&src[208..210]);
 }
 
 /// The inverse of [`put_q6k`].
 fn get_q6k(rec: &[u8], row: usize, dst: &mut [u8]) {
-    let q = |e: usize| rec[32 * (e / 4) + 4 * row + e % 4];
+    let q = |e: usize| q6k_level(rec, row, e);
     for h in 0..2 {
         for l in 0..32 {
             let [a, b, c, d] = [0, 1, 2, 3].map(|c| q(q6k_element(h, c, l)));
@@ -498,7 +516,7 @@ fn groups_portable_q6k(job: &Job<'_>, group: usize) {
                     let x = &a.q[r * k + 256 * g + 16 * s..][..16];
                     let isum: i32 = (0..16)
                         .map(|e| {
-                            let q = rec[32 * (4 * s + e / 4) + 4 * l + e % 4] as i32;
+                            let q = q6k_level(rec, l, 16 * s + e) as i32;
                             (q - 32) * x[e] as i32
                         })
                         .sum();
@@ -602,7 +620,7 @@ mod x86 {
 
     use super::{
         format_of, level_bytes, record, Job, K4_D, K4_DMIN, K4_MINS, K4_RECORD, K4_SCALES, Q4K,
-        Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q6_D, Q6_PAIRS, Q6_RECORD, Q6_SCALES, Q8_0, ROWS,
+        Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q6_D, Q6_HIGH, Q6_RECORD, Q6_SCALES, Q8_0, ROWS,
     };
 
     /// Activation rows `r0..r0 + R` as a tile reads them.
@@ -668,6 +686,63 @@ mod x86 {
         }
     }
 
+    /// How many independent sums a tile of `R` activation rows splits each
+    /// block's sum into. `vpdpbusd` adds into its own destination (5
+    /// cycles' latency, two a cycle), so one chain per row leaves the port
+    /// idle below 8 rows; 8 chains in flight keep it busy. The sums are
+    /// integers: splitting them changes no bit.
+    const fn chains(rows: usize) -> usize {
+        match rows {
+            0..=2 => 4,
+            3 | 4 => 2,
+            _ => 1,
+        }
+    }
+
+    /// `R` rows' sums split over [`chains`]`(R)` partial sums, each
+    /// vector's products added to the partial `v % chains` (so chains stay
+    /// short when `R` is small), then added together.
+    struct Split<const R: usize> {
+        part: [[__m256i; R]; 4],
+    }
+
+    impl<const R: usize> Split<R> {
+        /// Partial sums starting at `start` (in the first) and zero.
+        #[inline(always)]
+        unsafe fn new(start: [__m256i; R]) -> Self {
+            let mut part = [[_mm256_setzero_si256(); R]; 4];
+            part[0] = start;
+            Self { part }
+        }
+
+        /// Adds vector `v`'s products `dot(sum, weights, activations of row i)`.
+        #[inline(always)]
+        unsafe fn add(
+            &mut self,
+            v: usize,
+            w: __m256i,
+            x: impl Fn(usize) -> __m256i,
+            dot: &impl Fn(__m256i, __m256i, __m256i) -> __m256i,
+        ) {
+            let part = &mut self.part[v % chains(R)];
+            for (i, s) in part.iter_mut().enumerate() {
+                *s = dot(*s, w, x(i));
+            }
+        }
+
+        /// The rows' whole sums.
+        #[inline(always)]
+        unsafe fn sum(self) -> [__m256i; R] {
+            let mut out = self.part[0];
+            for p in &self.part[1..chains(R)] {
+                for (o, s) in out.iter_mut().zip(p) {
+                    *o = _mm256_add_epi32(*o, *s);
+                }
+            }
+            out
+        }
+    }
+
     /// The block sums of rows `R` against one record's level bytes `rec`,
     /// from `isum`: `dot(acc, weights, activations)` multiplies 32
     /// unsigned weight bytes by 4 activation bytes in every lane and adds
@@ -682,12 +757,11 @@ mod x86 {
         isum: &mut [__m256i; R],
         dot: impl Fn(__m256i, __m256i, __m256i) -> __m256i,
     ) {
+        let mut split = Split::new(*isum);
         if F == Q8_0 {
             for v in 0..8 {
                 let w = _mm256_loadu_si256(rec.add(32 * v) as *const __m256i);
-                for (i, s) in isum.iter_mut().enumerate() {
-                    *s = dot(*s, w, act.quad(i, 32 * g + 4 * v));
-                }
+                split.add(v, w, |i| act.quad(i, 32 * g + 4 * v), &dot);
             }
         } else {
             let (m4, bit4) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x10));
@@ -705,12 +779,11 @@ mod x86 {
                     lo = _mm256_or_si256(lo, _mm256_and_si256(up, bit4));
                     hi = _mm256_or_si256(hi, _mm256_and_si256(down, bit4));
                 }
-                for (i, s) in isum.iter_mut().enumerate() {
-                    let t = dot(*s, lo, act.quad(i, 32 * g + 4 * u));
-                    *s = dot(t, hi, act.quad(i, 32 * g + 16 + 4 * u));
-                }
+                split.add(2 * u, lo, |i| act.quad(i, 32 * g + 4 * u), &dot);
+                split.add(2 * u + 1, hi, |i| act.quad(i, 32 * g + 16 + 4 * u), &dot);
             }
         }
+        *isum = split.sum();
     }
 
     /// Row groups `group`'s `R` activation rows from `r0`: per block the
@@ -813,31 +886,14 @@ mod x86 {
     ) {
         let act = Acts::<R>::new(job, r0);
         let recs = job.w.group(group);
-        let m4 = _mm256_set1_epi8(0xF);
         let sign = _mm256_set1_ps(-0.0);
         let mut acc = [_mm256_setzero_ps(); R];
         for g in 0..job.w.k / 256 {
             let rec = recs.add(g * K4_RECORD);
             let mut total = [_mm256_setzero_si256(); R];
-            for j in 0..8 {
-                let mut isum = [_mm256_setzero_si256(); R];
-                for v in 0..8 {
-                    let raw = _mm256_loadu_si256(rec.add(32 * (8 * (j / 2) + v)) as *const __m256i);
-                    let w = if j % 2 == 0 {
-                        _mm256_and_si256(raw, m4)
-                    } else {
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4)
-                    };
-                    for (i, s) in isum.iter_mut().enumerate() {
-                        *s = dot(*s, w, act.quad(i, 256 * g + 32 * j + 4 * v));
-                    }
-                }
-                let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                    rec.add(K4_SCALES + 8 * j) as *const __m128i
-                ));
-                for (t, s) in total.iter_mut().zip(&isum) {
-                    *t = _mm256_add_epi32(*t, _mm256_mullo_epi32(*s, sc));
-                }
+            for c in 0..4 {
+                q4k_sub_block::<false, R>(rec, &act, g, c, &mut total, &dot);
+                q4k_sub_block::<true, R>(rec, &act, g, c, &mut total, &dot);
             }
             let half = |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(rec.add(at) as *const __m128i));
             let (d, dmin) = (half(K4_D), _mm256_xor_ps(half(K4_DMIN), sign));
@@ -857,6 +913,95 @@ mod x86 {
         store_tile(job, r0, group, &acc);
     }
 
+    /// Q4_K's sub-block `2c` (the low nibbles of chunk `c`) or, when
+    /// `HIGH`, `2c + 1` (the high ones) of record `rec` (super-block `g`):
+    /// its 8 sums of `q x` (`dot`, from 0) times the rows' scales, added
+    /// to `total`.
+    #[inline(always)]
+    unsafe fn q4k_sub_block<const HIGH: bool, const R: usize>(
+        rec: *const u8,
+        act: &Acts<R>,
+        g: usize,
+        c: usize,
+        total: &mut [__m256i; R],
+        dot: &impl Fn(__m256i, __m256i, __m256i) -> __m256i,
+    ) {
+        let m4 = _mm256_set1_epi8(0xF);
+        let j = 2 * c + HIGH as usize;
+        let mut split = Split::new([_mm256_setzero_si256(); R]);
+        for v in 0..8 {
+            let raw = _mm256_loadu_si256(rec.add(32 * (8 * c + v)) as *const __m256i);
+            let w = match HIGH {
+                false => _mm256_and_si256(raw, m4),
+                true => _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4),
+            };
+            split.add(v, w, |i| act.quad(i, 256 * g + 32 * j + 4 * v), dot);
+        }
+        let sc =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(rec.add(K4_SCALES + 8 * j) as *const __m128i));
+        for (t, s) in total.iter_mut().zip(&split.sum()) {
+            *t = _mm256_add_epi32(*t, _mm256_mullo_epi32(*s, sc));
+        }
+    }
+
+    /// Q6_K's level vector `t` of record `rec` (module docs), `t / 16 =
+    /// M` (a constant, so the shifts are): the low 4 bits from a nibble
+    /// vector, the high 2 from a high-bits vector, moved to bits 4 and 5
+    /// (16-bit shifts: bits crossing from the next byte are masked off).
+    #[inline(always)]
+    unsafe fn q6k_levels<const M: usize>(rec: *const u8, t: usize) -> __m256i {
+        let (m4, m30) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x30));
+        let nibbles = _mm256_loadu_si256(rec.add(32 * (t % 32)) as *const __m256i);
+        let low = match M {
+            0 | 1 => _mm256_and_si256(nibbles, m4),
+            _ => _mm256_and_si256(_mm256_srli_epi16::<4>(nibbles), m4),
+        };
+        let bits = _mm256_loadu_si256(rec.add(Q6_HIGH + 32 * (t % 16)) as *const __m256i);
+        let high = match M {
+            0 => _mm256_slli_epi16::<4>(bits),
+            1 => _mm256_slli_epi16::<2>(bits),
+            2 => bits,
+            _ => _mm256_srli_epi16::<2>(bits),
+        };
+        _mm256_or_si256(low, _mm256_and_si256(high, m30))
+    }
+
+    /// Q6_K's sub-blocks `4M .. 4M + 4` of record `rec` (super-block `g`):
+    /// each one's 8 sums of `q x` (`dot`, from 0) times the rows' scales,
+    /// added to `total`. A quarter at a time so that `M`, which picks the
+    /// shifts of [`q6k_levels`], is a constant.
+    #[inline(always)]
+    unsafe fn q6k_quarter<const M: usize, const R: usize>(
+        rec: *const u8,
+        act: &Acts<R>,
+        g: usize,
+        total: &mut [__m256i; R],
+        dot: &impl Fn(__m256i, __m256i, __m256i) -> __m256i,
+    ) {
+        for s in 4 * M..4 * M + 4 {
+            let mut split = Split::new([_mm256_setzero_si256(); R]);
+            for v in 0..4 {
+                let w = q6k_levels::<M>(rec, 4 * s + v);
+                split.add(v, w, |i| act.quad(i, 256 * g + 16 * s + 4 * v), dot);
+            }
+            let sc =
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64(rec.add(Q6_SCALES + 8 * s) as *const __m128i));
+            for (t, v) in total.iter_mut().zip(&split.sum()) {
+                *t = _mm256_add_epi32(*t, _mm256_mullo_epi32(*v, sc));
+            }
+        }
+    }
+
+    /// Q6_K's sub-block scales `2p, 2p + 1` of the 8 rows as `i16` pairs,
+    /// row `l`'s in 32-bit lane `l` (one `vpmaddwd` against the
+    /// activations' per-16 sums).
+    #[inline(always)]
+    unsafe fn q6k_scale_pairs(rec: *const u8, p: usize) -> __m256i {
+        let rows = _mm_loadu_si128(rec.add(Q6_SCALES + 16 * p) as *const __m128i);
+        let zip = _mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+        _mm256_cvtepi8_epi16(_mm_shuffle_epi8(rows, zip))
+    }
+
     /// Q6_K: [`groups_portable_q6k`](super::groups_portable_q6k)'s sum,
     /// each sub-block's 8 sums of `q x` (`dot`, from 0) scaled by the
     /// rows' sub-block scales in 32-bit integers, less `32 Σ_s sc_s Σ x`
@@ -874,32 +1019,22 @@ mod x86 {
         for g in 0..job.w.k / 256 {
             let rec = recs.add(g * Q6_RECORD);
             let mut total = [_mm256_setzero_si256(); R];
-            for s in 0..16 {
-                let mut isum = [_mm256_setzero_si256(); R];
-                for v in 0..4 {
-                    let w = _mm256_loadu_si256(rec.add(32 * (4 * s + v)) as *const __m256i);
-                    for (i, t) in isum.iter_mut().enumerate() {
-                        *t = dot(*t, w, act.quad(i, 256 * g + 16 * s + 4 * v));
-                    }
-                }
-                let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                    rec.add(Q6_SCALES + 8 * s) as *const __m128i
-                ));
-                for (t, v) in total.iter_mut().zip(&isum) {
-                    *t = _mm256_add_epi32(*t, _mm256_mullo_epi32(*v, sc));
+            q6k_quarter::<0, R>(rec, &act, g, &mut total, &dot);
+            q6k_quarter::<1, R>(rec, &act, g, &mut total, &dot);
+            q6k_quarter::<2, R>(rec, &act, g, &mut total, &dot);
+            q6k_quarter::<3, R>(rec, &act, g, &mut total, &dot);
+            let mut offset = [_mm256_setzero_si256(); R];
+            for p in 0..8 {
+                let sc = q6k_scale_pairs(rec, p);
+                for (i, o) in offset.iter_mut().enumerate() {
+                    let pair =
+                        std::ptr::read_unaligned(act.qsum16[i].add(16 * g + 2 * p) as *const i32);
+                    *o = _mm256_add_epi32(*o, _mm256_madd_epi16(sc, _mm256_set1_epi32(pair)));
                 }
             }
             let d = _mm256_cvtph_ps(_mm_loadu_si128(rec.add(Q6_D) as *const __m128i));
             for (i, a) in acc.iter_mut().enumerate() {
-                let mut offset = _mm256_setzero_si256();
-                for p in 0..8 {
-                    let sc = _mm256_loadu_si256(rec.add(Q6_PAIRS + 32 * p) as *const __m256i);
-                    let pair =
-                        std::ptr::read_unaligned(act.qsum16[i].add(16 * g + 2 * p) as *const i32);
-                    offset =
-                        _mm256_add_epi32(offset, _mm256_madd_epi16(sc, _mm256_set1_epi32(pair)));
-                }
-                let t = _mm256_sub_epi32(total[i], _mm256_slli_epi32::<5>(offset));
+                let t = _mm256_sub_epi32(total[i], _mm256_slli_epi32::<5>(offset[i]));
                 let dx = _mm256_broadcast_ss(&*act.d[i].add(g));
                 *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, dx), *a);
             }

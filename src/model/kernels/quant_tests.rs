@@ -411,7 +411,6 @@ fn repacking_loses_nothing_and_takes_the_same_memory() {
             assert_eq!(packed.bytes_len(), records * record(format));
             let extra = match format {
                 QFormat::Q4K => 96,
-                QFormat::Q6K => 768,
                 _ => 0,
             };
             assert_eq!(record(format), ROWS * format.block_bytes() + extra);
