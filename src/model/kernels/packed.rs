@@ -688,12 +688,14 @@ mod x86 {
 
     /// How many independent sums a tile of `R` activation rows splits each
     /// block's sum into. `vpdpbusd` adds into its own destination (5
-    /// cycles' latency, two a cycle), so one chain per row leaves the port
-    /// idle below 8 rows; 8 chains in flight keep it busy. The sums are
-    /// integers: splitting them changes no bit.
+    /// cycles' latency), so with few rows one chain per row leaves the
+    /// port idle. Measured at one row (Sapphire Rapids, single thread):
+    /// 2 chains beat 1 by ~10 % for Q8_0, and 4 lost to 2 for Q4_K / Q6_K
+    /// (more zeroing and adds). The sums are integers: splitting them
+    /// changes no bit.
     const fn chains(rows: usize) -> usize {
         match rows {
-            0..=2 => 4,
+            0..=2 => 2,
             3 | 4 => 2,
             _ => 1,
         }
