@@ -446,9 +446,7 @@ impl Linear {
         }
         Ok(())
     }
-}
 
-impl Linear {
     /// [`Linear::forward_cpu`] of stacked parts: a single row's outputs
     /// are each part's, side by side; more rows go through a buffer per
     /// part, then to their columns.
