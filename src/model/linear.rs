@@ -324,9 +324,10 @@ impl Linear {
             return Ok(None);
         };
         let (dtype, k) = (first.dtype(), first.shape().dims2()?.1);
-        let mut widths = parts.iter().map(|p| Ok(p.shape().dims2()?.1));
-        if !widths.all(|w: candle_core::Result<usize>| w.is_ok_and(|w| w == k)) {
-            return Ok(None);
+        for part in parts {
+            if part.shape().dims2()?.1 != k {
+                return Ok(None);
+            }
         }
         if parts.iter().any(|p| p.dtype() != dtype) {
             let parts = parts.iter().map(|p| Self::from_blocks(&[p]));

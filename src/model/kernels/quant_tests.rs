@@ -409,10 +409,7 @@ fn repacking_loses_nothing_and_takes_the_same_memory() {
             // only extra (and Q4_K's scales unpacked from 6 bits).
             let records = n.div_ceil(ROWS) * 768 / format.group();
             assert_eq!(packed.bytes_len(), records * record(format));
-            let extra = match format {
-                QFormat::Q4K => 96,
-                _ => 0,
-            };
+            let extra = if format == QFormat::Q4K { 96 } else { 0 };
             assert_eq!(record(format), ROWS * format.block_bytes() + extra);
         }
     }
