@@ -717,10 +717,10 @@ mod x86 {
     /// (more zeroing and adds). The sums are integers: splitting them
     /// changes no bit.
     const fn chains(rows: usize) -> usize {
-        match rows {
-            0..=2 => 2,
-            3 | 4 => 2,
-            _ => 1,
+        if rows <= 4 {
+            2
+        } else {
+            1
         }
     }
 
@@ -728,16 +728,16 @@ mod x86 {
     /// vector's products added to the partial `v % chains` (so chains stay
     /// short when `R` is small), then added together.
     struct Split<const R: usize> {
-        part: [[__m256i; R]; 4],
+        part: [[__m256i; R]; 2],
     }
 
     impl<const R: usize> Split<R> {
         /// Partial sums starting at `start` (in the first) and zero.
         #[inline(always)]
         unsafe fn new(start: [__m256i; R]) -> Self {
-            let mut part = [[_mm256_setzero_si256(); R]; 4];
-            part[0] = start;
-            Self { part }
+            Self {
+                part: [start, [_mm256_setzero_si256(); R]],
+            }
         }
 
         /// Adds vector `v`'s products `dot(sum, weights, activations of row i)`.
@@ -811,6 +811,31 @@ mod x86 {
         *isum = split.sum();
     }
 
+    /// Row group `group`'s records against the `R` activation rows from
+    /// `r0`: `record(rec, g, act, acc)` adds record `g`'s terms to the
+    /// accumulators (one lane per weight row), in order; then the tile is
+    /// stored. Each record's first `lines` cache lines are prefetched
+    /// [`PREFETCH_AHEAD`] ahead.
+    #[inline(always)]
+    unsafe fn records<const R: usize>(
+        job: &Job<'_>,
+        group: usize,
+        r0: usize,
+        lines: usize,
+        record_terms: impl Fn(*const u8, usize, &Acts<R>, &mut [__m256; R]),
+    ) {
+        let act = Acts::<R>::new(job, r0);
+        let recs = job.w.group(group);
+        let len = record(job.w.format);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for g in 0..job.w.k / job.w.format.group() {
+            let rec = recs.add(g * len);
+            prefetch_ahead::<R>(rec, lines);
+            record_terms(rec, g, &act, &mut acc);
+        }
+        store_tile(job, r0, group, &acc);
+    }
+
     /// Row groups `group`'s `R` activation rows from `r0`: per block the
     /// sums `sums` forms from zero, then `acc + cvt(isum) · (d_w · d_x)` (and
     /// Q4_1's `+ m_w · Σ x`), one lane per weight row.
@@ -821,18 +846,12 @@ mod x86 {
         r0: usize,
         sums: impl Fn(*const u8, &Acts<R>, usize, &mut [__m256i; R]),
     ) {
-        let f = format_of(F);
-        let act = Acts::<R>::new(job, r0);
-        let recs = job.w.group(group);
-        let (rec_len, lb) = (record(f), level_bytes(f));
-        let mut acc = [_mm256_setzero_ps(); R];
-        for g in 0..job.w.k / 32 {
-            let rec = recs.add(g * rec_len);
-            // One line a record (at most 272 bytes): measured as fast as
-            // every line of it.
-            prefetch_ahead::<R>(rec, 1);
+        let lb = level_bytes(format_of(F));
+        // One line a record (at most 272 bytes): measured as fast as every
+        // line of it.
+        records::<R>(job, group, r0, 1, |rec, g, act, acc| {
             let mut isum = [_mm256_setzero_si256(); R];
-            sums(rec, &act, g, &mut isum);
+            sums(rec, act, g, &mut isum);
             let half = |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(rec.add(at) as *const __m128i));
             let dw = half(lb);
             for (i, a) in acc.iter_mut().enumerate() {
@@ -845,8 +864,20 @@ mod x86 {
                     *a = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(&*act.sum[i].add(g)), *a);
                 }
             }
+        })
+    }
+
+    /// `total += isum · sc` per 32-bit lane: sub-block sums times the
+    /// rows' sub-block scales.
+    #[inline(always)]
+    unsafe fn add_scaled<const R: usize>(
+        total: &mut [__m256i; R],
+        isum: [__m256i; R],
+        sc: __m256i,
+    ) {
+        for (t, s) in total.iter_mut().zip(isum) {
+            *t = _mm256_add_epi32(*t, _mm256_mullo_epi32(s, sc));
         }
-        store_tile(job, r0, group, &acc);
     }
 
     /// [`tile`] with VNNI's `vpdpbusd`.
@@ -912,35 +943,37 @@ mod x86 {
         r0: usize,
         dot: impl Fn(__m256i, __m256i, __m256i) -> __m256i,
     ) {
-        let act = Acts::<R>::new(job, r0);
-        let recs = job.w.group(group);
         let sign = _mm256_set1_ps(-0.0);
-        let mut acc = [_mm256_setzero_ps(); R];
-        for g in 0..job.w.k / 256 {
-            let rec = recs.add(g * K4_RECORD);
-            // Every line (spread over the sub-blocks: measured no faster).
-            prefetch_ahead::<R>(rec, K4_RECORD.div_ceil(64));
-            let mut total = [_mm256_setzero_si256(); R];
-            for c in 0..4 {
-                q4k_sub_block::<false, R>(rec, &act, g, c, &mut total, &dot);
-                q4k_sub_block::<true, R>(rec, &act, g, c, &mut total, &dot);
-            }
-            let half = |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(rec.add(at) as *const __m128i));
-            let (d, dmin) = (half(K4_D), _mm256_xor_ps(half(K4_DMIN), sign));
-            for (i, a) in acc.iter_mut().enumerate() {
-                let mut mins = _mm256_setzero_si256();
-                for p in 0..4 {
-                    let m = _mm256_loadu_si256(rec.add(K4_MINS + 32 * p) as *const __m256i);
-                    let pair =
-                        std::ptr::read_unaligned(act.qsum[i].add(8 * g + 2 * p) as *const i32);
-                    mins = _mm256_add_epi32(mins, _mm256_madd_epi16(m, _mm256_set1_epi32(pair)));
+        // Every line (spread over the sub-blocks: measured no faster).
+        records::<R>(
+            job,
+            group,
+            r0,
+            K4_RECORD.div_ceil(64),
+            |rec, g, act, acc| {
+                let mut total = [_mm256_setzero_si256(); R];
+                for c in 0..4 {
+                    q4k_sub_block::<false, R>(rec, act, g, c, &mut total, &dot);
+                    q4k_sub_block::<true, R>(rec, act, g, c, &mut total, &dot);
                 }
-                let dx = _mm256_broadcast_ss(&*act.d[i].add(g));
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, dx), *a);
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), *a);
-            }
-        }
-        store_tile(job, r0, group, &acc);
+                let half =
+                    |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(rec.add(at) as *const __m128i));
+                let (d, dmin) = (half(K4_D), _mm256_xor_ps(half(K4_DMIN), sign));
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let mut mins = _mm256_setzero_si256();
+                    for p in 0..4 {
+                        let m = _mm256_loadu_si256(rec.add(K4_MINS + 32 * p) as *const __m256i);
+                        let pair =
+                            std::ptr::read_unaligned(act.qsum[i].add(8 * g + 2 * p) as *const i32);
+                        mins =
+                            _mm256_add_epi32(mins, _mm256_madd_epi16(m, _mm256_set1_epi32(pair)));
+                    }
+                    let dx = _mm256_broadcast_ss(&*act.d[i].add(g));
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, dx), *a);
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), *a);
+                }
+            },
+        )
     }
 
     /// Q4_K's sub-block `2c` (the low nibbles of chunk `c`) or, when
@@ -969,9 +1002,7 @@ mod x86 {
         }
         let sc =
             _mm256_cvtepu8_epi32(_mm_loadl_epi64(rec.add(K4_SCALES + 8 * j) as *const __m128i));
-        for (t, s) in total.iter_mut().zip(&split.sum()) {
-            *t = _mm256_add_epi32(*t, _mm256_mullo_epi32(*s, sc));
-        }
+        add_scaled(total, split.sum(), sc);
     }
 
     /// Q6_K's level vector `t` of record `rec` (module docs), `t / 16 =
@@ -1016,9 +1047,7 @@ mod x86 {
             }
             let sc =
                 _mm256_cvtepi8_epi32(_mm_loadl_epi64(rec.add(Q6_SCALES + 8 * s) as *const __m128i));
-            for (t, v) in total.iter_mut().zip(&split.sum()) {
-                *t = _mm256_add_epi32(*t, _mm256_mullo_epi32(*v, sc));
-            }
+            add_scaled(total, split.sum(), sc);
         }
     }
 
@@ -1043,34 +1072,35 @@ mod x86 {
         r0: usize,
         dot: impl Fn(__m256i, __m256i, __m256i) -> __m256i,
     ) {
-        let act = Acts::<R>::new(job, r0);
-        let recs = job.w.group(group);
-        let mut acc = [_mm256_setzero_ps(); R];
-        for g in 0..job.w.k / 256 {
-            let rec = recs.add(g * Q6_RECORD);
-            prefetch_ahead::<R>(rec, Q6_RECORD.div_ceil(64));
-            let mut total = [_mm256_setzero_si256(); R];
-            q6k_quarter::<0, R>(rec, &act, g, &mut total, &dot);
-            q6k_quarter::<1, R>(rec, &act, g, &mut total, &dot);
-            q6k_quarter::<2, R>(rec, &act, g, &mut total, &dot);
-            q6k_quarter::<3, R>(rec, &act, g, &mut total, &dot);
-            let mut offset = [_mm256_setzero_si256(); R];
-            for p in 0..8 {
-                let sc = q6k_scale_pairs(rec, p);
-                for (i, o) in offset.iter_mut().enumerate() {
-                    let pair =
-                        std::ptr::read_unaligned(act.qsum16[i].add(16 * g + 2 * p) as *const i32);
-                    *o = _mm256_add_epi32(*o, _mm256_madd_epi16(sc, _mm256_set1_epi32(pair)));
+        records::<R>(
+            job,
+            group,
+            r0,
+            Q6_RECORD.div_ceil(64),
+            |rec, g, act, acc| {
+                let mut total = [_mm256_setzero_si256(); R];
+                q6k_quarter::<0, R>(rec, act, g, &mut total, &dot);
+                q6k_quarter::<1, R>(rec, act, g, &mut total, &dot);
+                q6k_quarter::<2, R>(rec, act, g, &mut total, &dot);
+                q6k_quarter::<3, R>(rec, act, g, &mut total, &dot);
+                let mut offset = [_mm256_setzero_si256(); R];
+                for p in 0..8 {
+                    let sc = q6k_scale_pairs(rec, p);
+                    for (i, o) in offset.iter_mut().enumerate() {
+                        let pair = std::ptr::read_unaligned(
+                            act.qsum16[i].add(16 * g + 2 * p) as *const i32
+                        );
+                        *o = _mm256_add_epi32(*o, _mm256_madd_epi16(sc, _mm256_set1_epi32(pair)));
+                    }
                 }
-            }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(rec.add(Q6_D) as *const __m128i));
-            for (i, a) in acc.iter_mut().enumerate() {
-                let t = _mm256_sub_epi32(total[i], _mm256_slli_epi32::<5>(offset[i]));
-                let dx = _mm256_broadcast_ss(&*act.d[i].add(g));
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, dx), *a);
-            }
-        }
-        store_tile(job, r0, group, &acc);
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(rec.add(Q6_D) as *const __m128i));
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let t = _mm256_sub_epi32(total[i], _mm256_slli_epi32::<5>(offset[i]));
+                    let dx = _mm256_broadcast_ss(&*act.d[i].add(g));
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, dx), *a);
+                }
+            },
+        )
     }
 
     /// Every activation row of `$job` against row group `$group` through
