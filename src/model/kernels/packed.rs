@@ -423,7 +423,7 @@ pub(crate) fn matmul_t(
     let out = SharedMut(out.as_mut_ptr());
     // The activations' scales per 32 elements, or per super-block (as
     // ggml's `q8_K`) for Q4_K, whose sub-block scales are integers.
-    with_acts8(isa, x, rows, k, w.format.group(), |acts| {
+    with_acts8(isa, x, rows, k, w.format, |acts| {
         let job = Job {
             w,
             acts,

@@ -439,7 +439,8 @@ fn round_ties_even_small(v: f32) -> f32 {
 /// `qu = q + 128` (for products with signed weights), scale
 /// `d[r·groups + g]`, and per 32 elements the integer sum `qsum`,
 /// `sum = d · qsum` (the min terms), per 16 elements `qsum16` (Q6_K's
-/// sub-blocks), and `qoff = −128 · qsum` (where a sum
+/// sub-blocks: sized by every call, filled only by
+/// [`QuantisedRows8::sum_sixteens`]), and `qoff = −128 · qsum` (where a sum
 /// of unsigned weights `w + 128` against the levels starts, so that it
 /// ends at `Σ w q`).
 #[derive(Debug, Default)]
@@ -474,11 +475,17 @@ impl QuantisedRows8 {
             self.sum[b] = self.d[32 * b / group] * s as f32;
             self.qoff[b] = -128 * s;
         }
-        for (s, half) in self.qsum16.iter_mut().zip(self.q.chunks_exact(16)) {
-            *s = half.iter().map(|&q| q as i16).sum();
-        }
         for (u, &q) in self.qu.iter_mut().zip(&self.q) {
             *u = (q as u8) ^ 0x80;
+        }
+    }
+
+    /// Fills `qsum16`, the levels' sums per 16 elements, which only Q6_K
+    /// reads.
+    #[inline(always)]
+    pub(crate) fn sum_sixteens(&mut self) {
+        for (s, half) in self.qsum16.iter_mut().zip(self.q.chunks_exact(16)) {
+            *s = half.iter().map(|&q| q as i16).sum();
         }
     }
 }

@@ -158,7 +158,7 @@ pub(crate) fn qmatmul_t(
                 js.for_each(|j| unsafe { dispatch(isa, &job, dec, j) })
             });
         }),
-        ActivationQuant::Int8 => with_acts8(isa, x, rows, k, group, |acts| {
+        ActivationQuant::Int8 => with_acts8(isa, x, rows, k, w.format, |acts| {
             let job = Job {
                 w,
                 acts,
@@ -173,22 +173,25 @@ pub(crate) fn qmatmul_t(
     }
 }
 
-/// Quantises `rows` rows of `x` (`k` each) to 8 bits in groups of `group`
-/// into the calling thread's buffer, and hands them to `f`.
+/// Quantises `rows` rows of `x` (`k` each) to 8 bits in `format`'s
+/// groups into the calling thread's buffer, with the per-16 sums only
+/// where `format` reads them, and hands them to `f`.
 pub(super) fn with_acts8<T>(
     isa: Isa,
     x: &[f32],
     rows: usize,
     k: usize,
-    group: usize,
+    format: QFormat,
     f: impl FnOnce(&QuantisedRows8) -> T,
 ) -> T {
     ACTS8.with_borrow_mut(|acts| {
-        quantise(
-            isa,
-            |a: &mut QuantisedRows8| a.quantise(x, rows, k, group),
-            acts,
-        );
+        let quantise_for = |a: &mut QuantisedRows8| {
+            a.quantise(x, rows, k, format.group());
+            if format == QFormat::Q6K {
+                a.sum_sixteens();
+            }
+        };
+        quantise(isa, quantise_for, acts);
         f(acts)
     })
 }
