@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor};
 use half::f16;
 
+use super::kernels::aligned::AlignedF32;
 use super::kernels::attention::{attention, Heads, SeqAttn};
 use super::kernels::math::{narrow, rms_norm, rope, silu_mul};
 use super::kernels::pool::{for_each_range, threads, SharedMut};
@@ -62,12 +63,14 @@ pub(crate) struct LayerVecs {
 /// Buffers of one step, grown to the largest batch seen and then reused.
 #[derive(Default)]
 struct Workspace {
-    x: Vec<f32>,
-    h: Vec<f32>,
-    qkv: Vec<f32>,
-    attn: Vec<f32>,
-    gu: Vec<f32>,
-    act: Vec<f32>,
+    x: AlignedF32,
+    h: AlignedF32,
+    qkv: AlignedF32,
+    attn: AlignedF32,
+    gu: AlignedF32,
+    act: AlignedF32,
+    /// The unembedding's normed rows.
+    normed: AlignedF32,
     positions: Vec<usize>,
     profile: Option<[Duration; PHASES.len()]>,
 }
@@ -90,13 +93,6 @@ pub(crate) struct Lean {
 
 fn to_f32_vec(t: &Tensor) -> candle_core::Result<Vec<f32>> {
     t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
-}
-
-fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
-    if v.len() < n {
-        v.resize(n, 0.0);
-    }
-    &mut v[..n]
 }
 
 /// Rows per parallel grab for row-wise element-wise work.
@@ -360,7 +356,7 @@ impl Lean {
         for s in &batch.seqs {
             ws.positions.extend(s.offset..s.offset + s.len);
         }
-        let x = grow(&mut ws.x, n * d.hidden);
+        let x = ws.x.grow(n * d.hidden);
         match embeddings {
             // Input rows given by the caller (an MTP head's projected inputs).
             Some(e) => x.copy_from_slice(&e.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
@@ -382,7 +378,7 @@ impl Lean {
             kv.set_len(s.slot, s.offset + s.len)?;
         }
 
-        let (x, hsz) = (&ws.x[..n * d.hidden], d.hidden);
+        let (x, hsz) = (ws.x.get(n * d.hidden), d.hidden);
         let wanted = batch.output_indices();
         let mut out = Vec::with_capacity(wanted.len() * hsz);
         for &r in &wanted {
@@ -410,11 +406,11 @@ impl Lean {
             weights: w,
             vecs,
         } = layer;
-        let x = grow(&mut ws.x, n * d.hidden);
-        let h = grow(&mut ws.h, n * d.hidden);
+        let x = ws.x.grow(n * d.hidden);
+        let h = ws.h.grow(n * d.hidden);
         self.norm_rows(x, &vecs.attn_norm, d.eps, h, n);
         times.tick(1);
-        let qkv = grow(&mut ws.qkv, n * d.ldqkv);
+        let qkv = ws.qkv.grow(n * d.ldqkv);
         w.qkv.forward_cpu(self.call(), h, n, qkv, false)?;
         if let Some(b) = &vecs.qkv_bias {
             for row in qkv.chunks_exact_mut(d.ldqkv) {
@@ -442,7 +438,7 @@ impl Lean {
         };
         write_kv(d, batch, &cache, qkv)?;
         times.tick(3);
-        let attn = grow(&mut ws.attn, n * d.qw);
+        let attn = ws.attn.grow(n * d.qw);
         self.attend(d, batch, &cache, kv.layout().dtype, qkv, attn)?;
         times.tick(4);
         w.o_proj.forward_cpu(self.call(), attn, n, x, true)?;
@@ -464,14 +460,14 @@ impl Lean {
         let LayerRef {
             weights: w, vecs, ..
         } = layer;
-        let x = grow(&mut ws.x, n * d.hidden);
-        let h = grow(&mut ws.h, n * d.hidden);
+        let x = ws.x.grow(n * d.hidden);
+        let h = ws.h.grow(n * d.hidden);
         self.norm_rows(x, &vecs.mlp_norm, d.eps, h, n);
         times.tick(1);
-        let gu = grow(&mut ws.gu, n * 2 * inter);
+        let gu = ws.gu.grow(n * 2 * inter);
         w.gate_up.forward_cpu(self.call(), h, n, gu, false)?;
         times.tick(6);
-        let act = grow(&mut ws.act, n * inter);
+        let act = ws.act.grow(n * inter);
         let (gu, a) = (&*gu, SharedMut(act.as_mut_ptr()));
         self.rows(n, inter, |r| {
             let row = &gu[r * 2 * inter..(r + 1) * 2 * inter];
@@ -511,20 +507,14 @@ impl Lean {
         let start = Instant::now();
         let (rows, h) = hidden.dims2()?;
         let x: Vec<f32> = hidden.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        let mut normed = vec![0f32; rows * h];
-        self.norm_rows(
-            &x,
-            &self.final_norm,
-            cfg.rms_norm_eps as f32,
-            &mut normed,
-            rows,
-        );
+        let mut ws = self.ws.lock().unwrap_or_else(|e| e.into_inner());
+        let normed = ws.normed.grow(rows * h);
+        self.norm_rows(&x, &self.final_norm, cfg.rms_norm_eps as f32, normed, rows);
         let vocab = cfg.vocab_size;
         let mut logits = vec![0f32; rows * vocab];
         weights
             .lm_head
-            .forward_cpu(self.call(), &normed, rows, &mut logits, false)?;
-        let mut ws = self.ws.lock().unwrap_or_else(|e| e.into_inner());
+            .forward_cpu(self.call(), normed, rows, &mut logits, false)?;
         if let Some(p) = ws.profile.as_mut() {
             p[PHASES.len() - 1] += start.elapsed();
         }

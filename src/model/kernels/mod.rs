@@ -21,6 +21,7 @@
 //! - Kernels work on plain slices the caller owns; they allocate nothing on
 //!   the hot path except per-thread scratch that is kept between calls.
 
+pub(crate) mod aligned;
 pub(crate) mod attention;
 pub(crate) mod dot;
 pub(crate) mod math;
