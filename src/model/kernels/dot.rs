@@ -468,8 +468,20 @@ mod x86 {
         }
     }
 
-    /// How far ahead of the loads a many-row tile prefetches its weights.
-    const PREFETCH_BYTES: usize = 4096;
+    /// How far ahead of the loads a many-row tile prefetches its weights:
+    /// 8 KiB for tiles of 3 and 4 rows, 4 KiB for the 5-row tile. With 3
+    /// or 4 rows the tile is still close to memory-bound, and 8 KiB made
+    /// SmolLM2's f32 decode at B = 3 / 4 7–12 % faster than 4 KiB
+    /// (alternating runs); the 5-row tile that prompts run was no faster
+    /// with 8 KiB (llama-100m, B = 64 and prompt: within noise, a little
+    /// below). BENCHMARKS.md, session 15.
+    const fn prefetch_bytes(rows: usize) -> usize {
+        if rows >= 5 {
+            4096
+        } else {
+            8192
+        }
+    }
 
     /// MR activation rows × 4 weight rows, 16 lanes.
     #[inline(always)]
@@ -486,9 +498,9 @@ mod x86 {
         let mut kk = 0;
         while kk < full {
             // Software prefetch, measured on Zen 5 (BENCHMARKS.md):
-            // - many activation rows (compute-bound): 4 KiB ahead in each
-            //   weight stream, so the FMAs do not wait on the hardware
-            //   prefetcher (f16 at 4 rows: 25 % faster);
+            // - many activation rows (compute-bound): 4–8 KiB ahead in each
+            //   weight stream (`prefetch_bytes`), so the FMAs do not wait on
+            //   the hardware prefetcher (f16 at 4 rows: 25 % faster);
             // - one or two rows of f32 (memory-bound): none. The hardware
             //   prefetcher covers the four adjacent rows, and prefetch
             //   instructions made the loop 10–21 % slower than without
@@ -500,7 +512,8 @@ mod x86 {
             // cannot fault.
             if MR > 2 {
                 for p in w {
-                    let ahead = (p.wrapping_add(kk) as *const i8).wrapping_add(PREFETCH_BYTES);
+                    let ahead =
+                        (p.wrapping_add(kk) as *const i8).wrapping_add(prefetch_bytes(MR));
                     _mm_prefetch::<_MM_HINT_T0>(ahead);
                 }
             } else if std::mem::size_of::<W>() < 4 {
