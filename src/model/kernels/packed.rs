@@ -631,15 +631,19 @@ mod x86 {
     /// 16 KiB no more than 4.
     const PREFETCH_AHEAD: usize = 4096;
 
+    /// Calls of at most this many activation rows prefetch (every tile of
+    /// them). Decode batches and speculative verification live here:
+    /// their tiles of 2–8 rows compute long enough per record that the
+    /// hardware prefetcher alone fell behind (SmolLM2 Q8_0 at B = 8: 400
+    /// tok/s prefetching only 1–4-row tiles, 490 prefetching all; session
+    /// 15, alternating runs). In a prompt's call, every group is swept by
+    /// many tiles, so all but the first find the records in cache.
+    const PREFETCH_ROWS: usize = 16;
+
     /// Prefetches `lines` cache lines from [`PREFETCH_AHEAD`] past `rec`
-    /// for a tile of up to 4 rows (a prefetch never faults, so past the
-    /// last record is harmless). Wider tiles are compute-bound, and later
-    /// tiles of the same rows find the records in cache.
+    /// (a prefetch never faults, so past the last record is harmless).
     #[inline(always)]
-    unsafe fn prefetch_ahead<const R: usize>(rec: *const u8, lines: usize) {
-        if R > 4 {
-            return;
-        }
+    unsafe fn prefetch_ahead(rec: *const u8, lines: usize) {
         for i in 0..lines {
             let line = rec.wrapping_add(PREFETCH_AHEAD + 64 * i);
             _mm_prefetch::<_MM_HINT_T0>(line as *const i8);
@@ -814,8 +818,8 @@ mod x86 {
     /// Row group `group`'s records against the `R` activation rows from
     /// `r0`: `record(rec, g, act, acc)` adds record `g`'s terms to the
     /// accumulators (one lane per weight row), in order; then the tile is
-    /// stored. Each record's first `lines` cache lines are prefetched
-    /// [`PREFETCH_AHEAD`] ahead.
+    /// stored. In calls of at most [`PREFETCH_ROWS`] rows, each record's
+    /// first `lines` cache lines are prefetched [`PREFETCH_AHEAD`] ahead.
     #[inline(always)]
     unsafe fn records<const R: usize>(
         job: &Job<'_>,
@@ -828,9 +832,12 @@ mod x86 {
         let recs = job.w.group(group);
         let len = record(job.w.format);
         let mut acc = [_mm256_setzero_ps(); R];
+        let prefetch = job.rows <= PREFETCH_ROWS;
         for g in 0..job.w.k / job.w.format.group() {
             let rec = recs.add(g * len);
-            prefetch_ahead::<R>(rec, lines);
+            if prefetch {
+                prefetch_ahead(rec, lines);
+            }
             record_terms(rec, g, &act, &mut acc);
         }
         store_tile(job, r0, group, &acc);
@@ -847,9 +854,10 @@ mod x86 {
         sums: impl Fn(*const u8, &Acts<R>, usize, &mut [__m256i; R]),
     ) {
         let lb = level_bytes(format_of(F));
-        // One line a record (at most 272 bytes): measured as fast as every
-        // line of it.
-        records::<R>(job, group, r0, 1, |rec, g, act, acc| {
+        // Two lines a record (at most 272 bytes): against one, SmolLM2's
+        // Q8_0 and Q4_1 decode at B = 4–8 ran 10–20 % faster, and three
+        // were no better (session 15, alternating runs).
+        records::<R>(job, group, r0, 2, |rec, g, act, acc| {
             let mut isum = [_mm256_setzero_si256(); R];
             sums(rec, act, g, &mut isum);
             let half = |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(rec.add(at) as *const __m128i));
