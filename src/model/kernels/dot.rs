@@ -512,8 +512,7 @@ mod x86 {
             // cannot fault.
             if MR > 2 {
                 for p in w {
-                    let ahead =
-                        (p.wrapping_add(kk) as *const i8).wrapping_add(prefetch_bytes(MR));
+                    let ahead = (p.wrapping_add(kk) as *const i8).wrapping_add(prefetch_bytes(MR));
                     _mm_prefetch::<_MM_HINT_T0>(ahead);
                 }
             } else if std::mem::size_of::<W>() < 4 {
