@@ -170,7 +170,14 @@ struct Job<W> {
     /// Distance between output rows.
     ldo: usize,
     accumulate: bool,
+    /// Whether the call has few rows (at most [`FEW_ROWS`]): then even
+    /// its widest tiles prefetch as far as the narrow ones.
+    few_rows: bool,
 }
+
+/// Calls of at most this many activation rows (decode batches,
+/// speculative verification) prefetch 8 KiB ahead in every tile.
+const FEW_ROWS: usize = 16;
 
 impl<W> Clone for Job<W> {
     fn clone(&self) -> Self {
@@ -219,6 +226,7 @@ pub(crate) fn matmul_t<W: WElem>(
         out: SharedMut(out.as_mut_ptr()),
         ldo: n,
         accumulate,
+        few_rows: rows <= FEW_ROWS,
     };
     let units = n.div_ceil(UNIT);
     let unit_bytes = UNIT * k * std::mem::size_of::<W>();
@@ -307,6 +315,7 @@ unsafe fn widen_unit<W: WElem>(
         out: job.out,
         ldo: job.ldo,
         accumulate: job.accumulate,
+        few_rows: job.few_rows,
     }
 }
 
@@ -337,6 +346,7 @@ pub(crate) unsafe fn dot_rows<W: WElem>(
         out: SharedMut(out),
         ldo,
         accumulate: false,
+        few_rows: rows <= FEW_ROWS,
     };
     dispatch(isa, &job, 0..n, 0..rows);
 }
@@ -468,15 +478,16 @@ mod x86 {
         }
     }
 
-    /// How far ahead of the loads a many-row tile prefetches its weights:
-    /// 8 KiB for tiles of 3 and 4 rows, 4 KiB for the 5-row tile. With 3
-    /// or 4 rows the tile is still close to memory-bound, and 8 KiB made
-    /// SmolLM2's f32 decode at B = 3 / 4 7–12 % faster than 4 KiB
-    /// (alternating runs); the 5-row tile that prompts run was no faster
-    /// with 8 KiB (llama-100m, B = 64 and prompt: within noise, a little
+    /// How far ahead of the loads a tile of `rows` rows prefetches its
+    /// weights: 8 KiB, except the 5-row tile in calls of many rows (4
+    /// KiB). Near memory-bound tiles gain from the longer lead: against 4
+    /// KiB, SmolLM2's f32 decode at B = 3 / 4 ran 7–12 % faster and at B =
+    /// 5–16 about 6 % (alternating runs); a prompt's 5-row tiles were no
+    /// faster (llama-100m, B = 64 and prompt: within noise, a little
     /// below). BENCHMARKS.md, session 15.
-    const fn prefetch_bytes(rows: usize) -> usize {
-        if rows >= 5 {
+    #[inline(always)]
+    fn prefetch_bytes<W>(job: &Job<W>, rows: usize) -> usize {
+        if rows >= 5 && !job.few_rows {
             4096
         } else {
             8192
@@ -512,7 +523,8 @@ mod x86 {
             // cannot fault.
             if MR > 2 {
                 for p in w {
-                    let ahead = (p.wrapping_add(kk) as *const i8).wrapping_add(prefetch_bytes(MR));
+                    let ahead =
+                        (p.wrapping_add(kk) as *const i8).wrapping_add(prefetch_bytes(job, MR));
                     _mm_prefetch::<_MM_HINT_T0>(ahead);
                 }
             } else if std::mem::size_of::<W>() < 4 {
