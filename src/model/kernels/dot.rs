@@ -481,10 +481,10 @@ mod x86 {
     /// How far ahead of the loads a tile of `rows` rows prefetches its
     /// weights: 8 KiB, except the 5-row tile in calls of many rows (4
     /// KiB). Near memory-bound tiles gain from the longer lead: against 4
-    /// KiB, SmolLM2's f32 decode at B = 3 / 4 ran 7–12 % faster and at B =
-    /// 5–16 about 6 % (alternating runs); a prompt's 5-row tiles were no
-    /// faster (llama-100m, B = 64 and prompt: within noise, a little
-    /// below). BENCHMARKS.md, session 15.
+    /// KiB, SmolLM2's f32 decode at B = 3 / 4 / 5 ran 9 / 12 / 12 % faster
+    /// (alternating runs; B = 8 and 16 within noise); a prompt's 5-row
+    /// tiles were no faster (llama-100m, B = 64 and prompt: within noise,
+    /// a little below). BENCHMARKS.md, session 15.
     #[inline(always)]
     fn prefetch_bytes<W>(job: &Job<W>, rows: usize) -> usize {
         if rows >= 5 && !job.few_rows {
