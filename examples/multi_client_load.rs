@@ -36,8 +36,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tandem::api::{Event, GenerateRequest, Prompt};
 use tandem::engine::{
-    Admission, Engine, EngineConfig, KvGrant, SeqWork, SpecConfig, StepExecutor, StepPlan,
-    MAX_DRAFT_TOKENS,
+    Admission, Engine, EngineConfig, KvGrant, PromptLookup, SeqWork, SpecConfig, StepExecutor,
+    StepPlan, MAX_DRAFT_TOKENS,
 };
 use tandem::model::{LoadOptions, Model, ModelConfig, Weights};
 use tandem::sampler::SamplingOptions;
@@ -389,8 +389,9 @@ struct ClientReport {
     ttft: Option<Duration>,
     latency: Duration,
     ok: bool,
-    /// The streamed text (kept for `--prompts`).
+    /// The streamed text and token ids (kept for `--prompts`).
     text: String,
+    ids: Vec<u32>,
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -542,6 +543,7 @@ async fn run_clients(
                     Event::Tokens { tokens, text, .. } => {
                         if job.question.is_some() {
                             report.text.push_str(&text);
+                            report.ids.extend(tokens.iter().map(|t| t.id));
                         }
                         if report.ttft.is_none() && !tokens.is_empty() {
                             report.ttft = Some(t0.elapsed());
@@ -626,6 +628,15 @@ async fn run_clients(
         steps.sample_total,
         100.0 * steps.overhead_fraction()
     );
+    if args.prompt_lookup && jobs.iter().any(|j| j.question.is_some()) {
+        let (tokens, steps) = lookup_ceiling(&jobs, &reports, args.draft_max);
+        println!(
+            "prompt lookup at best: {tokens} tokens in {steps} decode steps = {:.2} tokens per step \
+             (every proposal drafted, up to {}, and verified at no cost)",
+            tokens as f64 / steps.max(1) as f64,
+            args.draft_max
+        );
+    }
     let answered = jobs
         .iter()
         .zip(&reports)
@@ -634,6 +645,34 @@ async fn run_clients(
         println!("\n[client {i}] {question}\n  → {}", report.text.trim());
     }
     Ok(tps)
+}
+
+/// The ceiling of prompt lookup on these answers: decode steps if every step
+/// drafted what the lookup proposes (the engine's default settings, up to
+/// `max_draft` tokens) and verification cost nothing. Returns (answer
+/// tokens, steps); a workload whose answers rarely repeat their context
+/// cannot gain much whatever the policy does.
+fn lookup_ceiling(jobs: &[Job], reports: &[ClientReport], max_draft: usize) -> (usize, usize) {
+    let lookup = PromptLookup::default();
+    let (mut tokens, mut steps) = (0, 0);
+    for (job, report) in jobs.iter().zip(reports) {
+        let mut history = job.prompt.clone();
+        let mut at = 0;
+        while at < report.ids.len() {
+            let drafts = lookup.propose(&history, max_draft).tokens;
+            let accepted = drafts
+                .iter()
+                .zip(&report.ids[at..])
+                .take_while(|(d, t)| d == t)
+                .count();
+            let emitted = (accepted + 1).min(report.ids.len() - at);
+            history.extend_from_slice(&report.ids[at..at + emitted]);
+            at += emitted;
+            steps += 1;
+        }
+        tokens += report.ids.len();
+    }
+    (tokens, steps)
 }
 
 /// The same jobs straight on the engine: admit all, prefill under the same

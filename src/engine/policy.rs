@@ -3,7 +3,8 @@
 //! time.
 //!
 //! # The model
-//! - **Acceptance** per sequence and drafter: the chance that draft `j` is
+//! - **Acceptance** per sequence and drafter (prompt lookup per match
+//!   order): the chance that draft `j` is
 //!   accepted given drafts `1..j` were, by position, from recent
 //!   verifications (decayed counts with a weak prior). A run of `k` drafts
 //!   then yields `1 + Σ_{j≤k} Π_{l≤j} a_l` tokens in expectation.
@@ -36,7 +37,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use super::ngram::PromptLookup;
+use super::ngram::{PromptLookup, Proposal};
 use super::spec::Drafting;
 use super::{DraftSchedule, SlotId, MAX_DRAFT_TOKENS};
 
@@ -45,8 +46,10 @@ use super::{DraftSchedule, SlotId, MAX_DRAFT_TOKENS};
 pub(crate) enum Drafter {
     /// The engine's draft head (MTP head or early exit): batched rounds.
     Head,
-    /// Prompt lookup: the drafts are known before any round.
-    Lookup,
+    /// Prompt lookup: the drafts are known before any round. Its order
+    /// (the matched suffix's length) keys the acceptance apart: a
+    /// one-token match is copied far less often than a four-token one.
+    Lookup(usize),
 }
 
 /// Prior acceptance (and its weight in pseudo-observations).
@@ -233,7 +236,7 @@ pub(crate) struct Candidate {
     /// Drafts the plan and the sequence's room allow.
     pub cap: usize,
     /// What prompt lookup proposes (empty: nothing, or no lookup).
-    pub lookup: Vec<u32>,
+    pub lookup: Proposal,
 }
 
 /// The policy's decision for one candidate.
@@ -361,12 +364,13 @@ impl DraftPolicy {
                 .map_or_else(|| Acceptance::default().reach(k), |a| a.reach(k))
         };
         let head = self.has_head.then(|| reach_of(Drafter::Head, cap));
-        let lookup =
-            (!c.lookup.is_empty()).then(|| reach_of(Drafter::Lookup, c.lookup.len().min(cap)));
+        let by_lookup = Drafter::Lookup(c.lookup.order);
+        let lookup = (!c.lookup.tokens.is_empty())
+            .then(|| reach_of(by_lookup, c.lookup.tokens.len().min(cap)));
         let expected = |r: &Option<Vec<f64>>| r.as_ref().map_or(-1.0, |r| r.iter().sum::<f64>());
         // The longer expected run; prompt lookup on a tie (it costs no round).
         let (drafter, reach) = if expected(&lookup) >= expected(&head) && lookup.is_some() {
-            (Drafter::Lookup, lookup.unwrap_or_default())
+            (by_lookup, lookup.unwrap_or_default())
         } else {
             (Drafter::Head, head.unwrap_or_default())
         };
@@ -469,7 +473,7 @@ impl StepModel {
     /// Time added by drafts `from..to` of one sequence using `drafter`.
     fn added_time(&self, drafter: Drafter, from: usize, to: usize) -> f64 {
         let rounds: f64 = match drafter {
-            Drafter::Lookup => 0.0,
+            Drafter::Lookup(_) => 0.0,
             Drafter::Head => (from..to)
                 .map(|r| {
                     let opens = self.round_members[r] == 0;
@@ -540,7 +544,7 @@ mod tests {
         Candidate {
             slot,
             cap,
-            lookup: Vec::new(),
+            lookup: Proposal::default(),
         }
     }
 
@@ -703,24 +707,59 @@ mod tests {
         measured(&mut policy);
         policy.admit(1, drafting(DraftSchedule::Adaptive));
         for _ in 0..20 {
-            policy.record(1, Drafter::Lookup, 4, 4);
+            policy.record(1, Drafter::Lookup(3), 4, 4);
             policy.record(1, Drafter::Head, 4, 0);
         }
         let c = Candidate {
             slot: 1,
             cap: 6,
-            lookup: vec![5, 6, 7, 8],
+            lookup: Proposal {
+                order: 3,
+                tokens: vec![5, 6, 7, 8],
+            },
         };
         let g = policy.assign(std::slice::from_ref(&c), 1);
         assert_eq!(
             g[0],
             Grant {
                 drafts: 4,
-                drafter: Drafter::Lookup
+                drafter: Drafter::Lookup(3)
             }
         );
         // Without a proposal the head is the only drafter.
         let g = policy.assign(&[candidate(1, 6)], 1);
         assert_eq!(g[0].drafter, Drafter::Head);
+    }
+
+    #[test]
+    fn prompt_lookup_orders_keep_their_own_acceptance() {
+        let mut policy = DraftPolicy::new(false, Some(PromptLookup::default()));
+        measured(&mut policy);
+        policy.admit(1, drafting(DraftSchedule::Adaptive));
+        for _ in 0..20 {
+            policy.record(1, Drafter::Lookup(4), 6, 6);
+            policy.record(1, Drafter::Lookup(1), 6, 0);
+        }
+        let proposal = |order| Candidate {
+            slot: 1,
+            cap: 6,
+            lookup: Proposal {
+                order,
+                tokens: vec![5; 6],
+            },
+        };
+        let long = policy.assign(&[proposal(4)], 1);
+        assert_eq!(
+            long[0].drafts, 6,
+            "a four-token match that pays drafts the cap"
+        );
+        let short = policy.assign(&[proposal(1)], 1);
+        assert_eq!(
+            short[0].drafts, 0,
+            "a one-token match that never pays does not draft"
+        );
+        // An order never verified starts from the prior, not from another's.
+        let fresh = policy.assign(&[proposal(2)], 1);
+        assert!(fresh[0].drafts > 0, "{fresh:?}");
     }
 }

@@ -145,7 +145,7 @@ pub(crate) fn grant_drafts(seqs: &mut Sequences, planned: &mut [Planned]) {
             let p = &planned[i];
             let proposal = match (lookup, seqs.get(p.slot)) {
                 (Some(l), Some(seq)) => l.propose(&seq.history(), p.draft_cap),
-                _ => Vec::new(),
+                _ => Default::default(),
             };
             Candidate {
                 slot: p.slot,
@@ -168,8 +168,8 @@ pub(crate) fn grant_drafts(seqs: &mut Sequences, planned: &mut [Planned]) {
         }
         p.draft_budget = drafts;
         p.drafter = drafter;
-        if drafter == Drafter::Lookup {
-            p.drafts.tokens = c.lookup[..drafts].to_vec();
+        if let Drafter::Lookup(_) = drafter {
+            p.drafts.tokens = c.lookup.tokens[..drafts].to_vec();
         }
     }
 }
