@@ -144,14 +144,20 @@ fn load(name: &str, weights: &Weights, cfg: &ModelConfig, device: &Device) -> Co
 /// Per-phase times of a run's prefill and decode (empty unless profiling).
 type Phases = Vec<(&'static str, Duration)>;
 
+/// What one [`run`] measured.
+struct RunTimes {
+    prefill: Duration,
+    decode: Duration,
+    /// Host time spent issuing the decode steps (on a GPU: from a step's
+    /// start until its last launch returned, before waiting for its ids).
+    issue: Duration,
+    prefill_phases: Phases,
+    decode_phases: Phases,
+}
+
 /// Prefill of `b` prompts and `steps` decode steps; returns both durations
 /// (and, with `profile`, the per-phase times of each part).
-fn run(
-    model: &Model,
-    b: usize,
-    steps: usize,
-    profile: bool,
-) -> (Duration, Duration, Phases, Phases) {
+fn run(model: &Model, b: usize, steps: usize, profile: bool) -> RunTimes {
     model.set_profiling(profile);
     let device = model.device().clone();
     let vocab = model.config().vocab_size as u32;
@@ -185,7 +191,9 @@ fn run(
         }
     };
     let start = Instant::now();
+    let mut issue = Duration::ZERO;
     for step in 0..steps {
+        let step_start = Instant::now();
         let mut t = Instant::now();
         let mut batch = Batch::default();
         for s in 0..b as u32 {
@@ -200,8 +208,9 @@ fn run(
             std::hint::black_box(logits);
         } else {
             // A GPU step ends when its greedy ids reach the host.
-            let ids: Vec<u32> = logits.argmax(1).and_then(|t| t.to_vec1()).expect("ids");
-            std::hint::black_box(ids);
+            let ids = logits.argmax(1).expect("argmax");
+            issue += step_start.elapsed();
+            std::hint::black_box(ids.to_vec1::<u32>().expect("ids"));
         }
         mark(2, &mut t);
     }
@@ -212,7 +221,48 @@ fn run(
         phases.push(("argmax+ids", gpu_phases[2]));
     }
     model.set_profiling(false);
-    (prefill, decode, pre_phases, phases)
+    RunTimes {
+        prefill,
+        decode,
+        issue,
+        prefill_phases: pre_phases,
+        decode_phases: phases,
+    }
+}
+
+/// Decode with CUDA graphs on and off, alternating: step time, host time
+/// to issue a step, and what a graph holds.
+fn graphs_on_off(configs: &[Config], batches: &[usize], steps: usize, reps: usize) {
+    println!("\nCUDA graphs of decode passes, on vs off (alternating, medians of {reps}):");
+    for c in configs {
+        for &b in batches {
+            let mut times = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+            for _ in 0..reps {
+                for (i, on) in [(0, true), (2, false)] {
+                    c.model.set_cuda_graphs(on);
+                    let t = run(&c.model, b, steps, false);
+                    times[i].push(1e3 * t.decode.as_secs_f64() / steps as f64);
+                    times[i + 1].push(1e3 * t.issue.as_secs_f64() / steps as f64);
+                }
+            }
+            c.model.set_cuda_graphs(true);
+            run(&c.model, b, 2, false);
+            let g = c.model.cuda_graph_stats();
+            let [mut on, mut on_host, mut off, mut off_host] = times;
+            println!(
+                "  {:<6} B={b:<3} on: {:.3} ms/step (host {:.3}), off: {:.3} ms/step (host {:.3}); \
+                 {:.2}x tok/s; a graph holds {} kernels ({} nodes)",
+                c.name,
+                median(&mut on),
+                median(&mut on_host),
+                median(&mut off),
+                median(&mut off_host),
+                median(&mut off.clone()) / median(&mut on.clone()),
+                g.kernels,
+                g.nodes,
+            );
+        }
+    }
 }
 
 /// Prints each format's greedy agreement with the f32 configuration.
@@ -553,9 +603,9 @@ fn main() {
     for _ in 0..reps {
         for (bi, &b) in batches.iter().enumerate() {
             for (ci, c) in configs.iter().enumerate() {
-                let (p, d, _, _) = run(&c.model, b, steps, false);
-                pp[ci][bi].push((b * PROMPT) as f64 / p.as_secs_f64());
-                tg[ci][bi].push((b * steps) as f64 / d.as_secs_f64());
+                let t = run(&c.model, b, steps, false);
+                pp[ci][bi].push((b * PROMPT) as f64 / t.prefill.as_secs_f64());
+                tg[ci][bi].push((b * steps) as f64 / t.decode.as_secs_f64());
             }
         }
     }
@@ -584,6 +634,9 @@ fn main() {
         println!("  {:<10} {}", c.name, v.join(", "));
     }
 
+    if !device.is_cpu() {
+        graphs_on_off(&configs, &batches, steps, reps);
+    }
     if agree {
         agreement(&configs);
     }
@@ -594,7 +647,13 @@ fn main() {
         println!("\nper-phase share of time (one more run each, profiling on):");
         for c in &configs {
             for &b in &batches {
-                let (p, d, pre, dec) = run(&c.model, b, steps, true);
+                let RunTimes {
+                    prefill: p,
+                    decode: d,
+                    prefill_phases: pre,
+                    decode_phases: dec,
+                    ..
+                } = run(&c.model, b, steps, true);
                 for (what, total, phases, per) in [
                     ("decode", d, dec, steps),
                     ("prefill", p, pre, b.div_ceil(UBATCH / PROMPT)),

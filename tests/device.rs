@@ -45,11 +45,16 @@ fn options(device: &Device, dtype: DType) -> LoadOptions {
 
 /// A small random GQA model (2 KV heads shared by 4 query heads).
 fn small_model(device: &Device, sliding_window: Option<usize>) -> Model {
+    small_model_for(device, sliding_window, 256)
+}
+
+/// [`small_model`] for contexts up to `max_positions`.
+fn small_model_for(device: &Device, sliding_window: Option<usize>, max_positions: usize) -> Model {
     let json = serde_json::json!({
         "architectures": [if sliding_window.is_some() { "MistralForCausalLM" } else { "LlamaForCausalLM" }],
         "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": false, "sliding_window": sliding_window,
     });
     let cfg = ModelConfig::from_json(&json.to_string()).unwrap();
@@ -128,6 +133,48 @@ fn pooled_batched_attention_equals_per_sequence() {
         for (g, w) in got.iter().zip(&want) {
             let d = max_abs_diff(g, w);
             assert!(d <= 1e-4, "window {window:?}: decode differs by {d}");
+        }
+    }
+}
+
+/// Long histories split their keys across blocks (split-K: one split up to
+/// 64 keys, 2–16 splits of up to 64 keys below 1 024, 16 longer splits
+/// above, with and without a sliding window): a ragged batch of decodes,
+/// verification rows and a prefill chunk over such histories equals each
+/// sequence alone, and agrees with the candle reference ops on the CPU.
+#[test]
+fn split_key_attention_over_long_histories_equals_per_sequence() {
+    let device = test_device();
+    let shapes = [
+        (40, 1, OutputRows::Last),
+        (64, 1, OutputRows::Last),
+        (200, 3, OutputRows::All),
+        (700, 1, OutputRows::Last),
+        (1023, 2, OutputRows::All),
+        (1500, 1, OutputRows::Last),
+        (90, 40, OutputRows::All),
+    ];
+    let run = |device: &Device, window| {
+        let model = small_model_for(device, window, 2048);
+        let mut pooled = KvCache::pooled(model.kv_layout(), device.clone(), 8192);
+        let own = || KvCache::per_slot(model.kv_layout(), device.clone(), 2048);
+        ragged_vs_solo(&model, &shapes, &mut pooled, own)
+    };
+    for window in [None, Some(300)] {
+        let (_, got, solo) = run(&device, window);
+        let (_, reference, _) = run(&Device::Cpu, window);
+        assert_eq!(got.len(), solo.len());
+        for ((g, s), r) in got.iter().zip(&solo).zip(&reference) {
+            let d = max_abs_diff(g, s);
+            assert!(
+                d <= 1e-4,
+                "window {window:?}: batched differs from solo by {d}"
+            );
+            let d = max_abs_diff(g, r);
+            assert!(
+                d <= 1e-3,
+                "window {window:?}: differs from the CPU reference by {d}"
+            );
         }
     }
 }
@@ -400,6 +447,141 @@ fn speculation_with_a_draft_vocab_head_and_lookup_is_exact_on_the_device() {
     assert_speculation_exact(engine_for(model()), spec, &prompts, sampling, |i| {
         SpecOptions::constant(1 + i % 4)
     });
+}
+
+/// Runs `reqs` through `engine`, request `i` admitted at step `joins[i]`
+/// (so the batch grows as requests join and shrinks as they finish: the
+/// decode passes change size from step to step); prompts prefilled whole.
+fn run_staggered(engine: &mut Engine, reqs: &[Req], joins: &[usize]) -> Vec<Vec<u32>> {
+    use std::sync::Arc;
+    use tandem::engine::{Admission, KvGrant, SeqWork, StepExecutor, StepPlan, MAX_DRAFT_TOKENS};
+    let n = reqs.len();
+    let mut out = vec![Vec::new(); n];
+    let mut state = vec![0u8; n]; // 0 waiting, 1 prefilling, 2 decoding, 3 done
+    for step in 0.. {
+        let mut plan = StepPlan {
+            step,
+            ..Default::default()
+        };
+        for (i, r) in reqs.iter().enumerate() {
+            let slot = i as u32 + 100;
+            if state[i] == 0 && joins[i] as u64 <= step {
+                plan.admit.push(Admission {
+                    slot,
+                    prompt: Arc::from(r.prompt.clone()),
+                    sampling: r.sampling,
+                    max_new_tokens: r.max_new,
+                    kv: KvGrant::Reserve(r.prompt.len() + r.max_new),
+                    spec: r.spec,
+                    constraints: Default::default(),
+                });
+                plan.work.push(SeqWork::Prefill {
+                    slot,
+                    start: 0,
+                    len: r.prompt.len(),
+                });
+                state[i] = 1;
+            } else if state[i] == 1 || state[i] == 2 {
+                state[i] = 2;
+                plan.work.push(SeqWork::Decode {
+                    slot,
+                    max_drafts: MAX_DRAFT_TOKENS,
+                });
+            }
+        }
+        if state.iter().all(|&s| s == 3) {
+            break;
+        }
+        let outcome = engine.execute(plan);
+        for s in outcome.seqs {
+            let i = (s.slot - 100) as usize;
+            let p = s.result.unwrap_or_else(|e| panic!("request {i}: {e}"));
+            out[i].extend(p.tokens.iter().map(|t| t.id));
+            if p.finish.is_some() {
+                state[i] = 3;
+            }
+        }
+    }
+    out
+}
+
+/// CUDA graphs of decode passes: replays equal the eager passes token for
+/// token, over decode batches that change size between steps (requests
+/// join late and finish at different lengths), greedy, seeded sampled and
+/// penalised rows together, with MTP drafts on (verification passes stay
+/// eager, plain decode passes replay), and again on the same engine, whose
+/// block tables then differ (freed blocks reused in another order) and
+/// whose pool may have grown. Without a GPU both engines run eagerly, and
+/// the test checks the same path a GPU's eager pass takes.
+#[test]
+fn decode_graph_replays_equal_eager_passes() {
+    let Some(Stories { dir, prompts, .. }) = stories260k() else {
+        return;
+    };
+    let device = test_device();
+    let model = |graphs: bool| {
+        let m = Model::from_dir(&dir, &options(&device, DType::F32)).unwrap();
+        m.set_cuda_graphs(graphs);
+        m
+    };
+    let sampling = [
+        SamplingOptions::greedy(),
+        SamplingOptions {
+            temperature: 0.8,
+            top_p: 0.9,
+            seed: Some(11),
+            ..Default::default()
+        },
+        SamplingOptions {
+            repeat_penalty: 1.3,
+            repeat_last_n: 8,
+            ..Default::default()
+        },
+    ];
+    let reqs: Vec<Req> = (0..9)
+        .map(|i| {
+            let mut r = Req::new(
+                prompts[i % prompts.len()].clone(),
+                sampling[i % sampling.len()],
+                12 + 5 * (i % 4),
+            );
+            // A third draft two tokens every step (those passes verify, and
+            // stay eager); the rest never draft, so some passes are plain
+            // decodes.
+            r.spec = Some(if i % 3 == 1 {
+                SpecOptions::constant(2)
+            } else {
+                SpecOptions::off()
+            });
+            r
+        })
+        .collect();
+    let joins: Vec<usize> = (0..reqs.len())
+        .map(|i| [0, 0, 3, 7, 7, 12, 20, 21, 30][i])
+        .collect();
+    let layers = model(false).config().num_layers / 2;
+    let engine = |graphs: bool| {
+        engine_for(model(graphs))
+            .with_draft(Box::new(EarlyExitDraft { layers }), SpecConfig::default())
+    };
+    let mut eager = engine(false);
+    let mut graphed = engine(true);
+    for round in 0..2 {
+        let want = run_staggered(&mut eager, &reqs, &joins);
+        let got = run_staggered(&mut graphed, &reqs, &joins);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "round {round}, request {i}");
+        }
+    }
+    let stats = graphed.model().cuda_graph_stats();
+    assert_eq!(eager.model().cuda_graph_stats(), Default::default());
+    if device.is_cuda() && cfg!(feature = "cuda") {
+        eprintln!("decode graphs: {stats:?}");
+        assert!(stats.captures > 0 && stats.replays > 0, "{stats:?}");
+        assert!(stats.kernels > 0, "{stats:?}");
+    } else {
+        assert_eq!(stats, Default::default());
+    }
 }
 
 /// Half-precision weights on a GPU: the run completes and its greedy

@@ -167,6 +167,17 @@ pub struct KvCache {
     /// `[rows, width]` once storage exists.
     hidden: Option<HiddenRows>,
     rows: usize,
+    /// Names the current pool buffers, unique across caches: it changes
+    /// whenever they are reallocated, so whoever keeps their device
+    /// addresses (a captured CUDA graph) knows they are stale.
+    generation: u64,
+}
+
+/// Source of [`KvCache::pool_generation`]s.
+static POOL_GENERATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn next_pool_generation() -> u64 {
+    POOL_GENERATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The hidden-state buffer of [`KvCache::store_hidden`].
@@ -226,6 +237,7 @@ impl KvCache {
             blocks,
             slots: HashMap::new(),
             layers: Vec::new(),
+            generation: next_pool_generation(),
             hidden: None,
             rows: 0,
         }
@@ -309,6 +321,12 @@ impl KvCache {
 
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    /// Names the pool buffers [`pool_layer`](Self::pool_layer) returns: equal
+    /// generations mean the same device memory (across all caches).
+    pub fn pool_generation(&self) -> u64 {
+        self.generation
     }
 
     /// Layer `layer`'s (K, V) buffers `[rows, kv_heads, head_dim]` shared by
@@ -516,6 +534,7 @@ impl KvCache {
             layers.push((k, v));
         }
         self.layers = layers;
+        self.generation = next_pool_generation();
         if let Some(
             h @ HiddenRows {
                 buffer: Some(_), ..

@@ -26,10 +26,11 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 
 use super::batched_attention::BatchedAttention;
+use super::decode_graphs::{DecodeGraphs, GraphInputs, GraphKey, MAX_GRAPH_ROWS};
 use super::fused;
 use super::llama_weights::{LayerWeights, ModelWeights, QScale};
-use super::pooled_attention::PooledAttention;
-use super::{Batch, ModelConfig, ModelError, SeqSpan};
+use super::pooled_attention::{PooledAttention, TableLayout};
+use super::{Batch, ModelConfig, ModelError, OutputRows, SeqSpan};
 use crate::kv::KvCache;
 
 /// Phases of the candle path's profile, in step order.
@@ -121,6 +122,8 @@ pub(super) struct CandleStep {
     q_scale: QScale,
     /// Per-phase times while profiling (`None`: off).
     profile: Mutex<Option<PhaseTimes>>,
+    /// Captured decode passes (CUDA).
+    graphs: DecodeGraphs,
 }
 
 impl CandleStep {
@@ -141,6 +144,7 @@ impl CandleStep {
             sin: Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?,
             q_scale,
             profile: Mutex::new(None),
+            graphs: DecodeGraphs::new(device),
         })
     }
 
@@ -180,6 +184,88 @@ impl CandleStep {
         }
     }
 
+    /// The CUDA graphs of decode passes.
+    pub(super) fn graphs(&self) -> &DecodeGraphs {
+        &self.graphs
+    }
+
+    /// The first `num_layers` layers over `batch`'s token embeddings (from
+    /// `embed`; batch already checked, room reserved): a replay of a
+    /// captured graph where the pass is a decode one, else eagerly.
+    pub(super) fn forward_tokens(
+        &self,
+        cfg: &ModelConfig,
+        weights: &ModelWeights,
+        batch: &Batch,
+        kv: &mut KvCache,
+        num_layers: usize,
+    ) -> Result<Tensor, ModelError> {
+        if let Some(hidden) = self.decode_graph(cfg, weights, batch, kv, num_layers)? {
+            for s in &batch.seqs {
+                kv.set_len(s.slot, s.offset + s.len)?;
+            }
+            return Ok(hidden);
+        }
+        let ids = Tensor::new(batch.tokens.as_slice(), &self.device)?;
+        let x = weights.embed.index_select(&ids, 0)?;
+        self.forward(cfg, weights, batch, x, kv, num_layers)
+    }
+
+    /// A decode pass (every sequence one token, every row wanted, pooled
+    /// attention, no sliding window, not profiling) through
+    /// [`DecodeGraphs`]; `None` for any other pass or with graphs off.
+    fn decode_graph(
+        &self,
+        cfg: &ModelConfig,
+        weights: &ModelWeights,
+        batch: &Batch,
+        kv: &mut KvCache,
+        num_layers: usize,
+    ) -> Result<Option<Tensor>, ModelError> {
+        let n = batch.tokens.len();
+        let decode = batch
+            .seqs
+            .iter()
+            .all(|s| s.len == 1 && s.output != OutputRows::None);
+        if !decode
+            || n == 0
+            || n > MAX_GRAPH_ROWS
+            || cfg.sliding_window.is_some()
+            || lock(&self.profile).is_some()
+            || !self.graphs.enabled()
+            || !PooledAttention::supports(kv, cfg, &self.device)
+        {
+            return Ok(None);
+        }
+        let keys = batch.seqs.iter().map(|s| s.offset + 1).max().unwrap_or(1);
+        let key_bound = GraphKey::key_bound(keys);
+        if !PooledAttention::fits(cfg, key_bound, kv.block_size()) {
+            return Ok(None);
+        }
+        let layout = TableLayout::Fixed {
+            blocks: key_bound.div_ceil(kv.block_size()),
+        };
+        let Some(host) = PooledAttention::host_plan(batch, kv, cfg, layout)? else {
+            return Ok(None);
+        };
+        let layers = num_layers.min(weights.layers.len());
+        let key = GraphKey {
+            rows: n,
+            key_bound,
+            layers,
+            pool: kv.pool_generation(),
+        };
+        let inputs = GraphInputs {
+            ids: &batch.tokens,
+            meta: &host.meta,
+        };
+        self.graphs.run(&self.device, key, inputs, |ids, meta| {
+            let x = weights.embed.index_select(ids, 0)?;
+            let plan = AttentionPlan::Pooled(PooledAttention::over(meta.clone(), kv, key_bound));
+            self.layers(cfg, weights, x, kv, layers, &plan)
+        })
+    }
+
     /// The first `num_layers` layers over input rows `x` (`[n, hidden]`,
     /// compute dtype; batch already checked, room reserved). Returns the
     /// hidden states of the rows the batch asks for.
@@ -188,11 +274,29 @@ impl CandleStep {
         cfg: &ModelConfig,
         weights: &ModelWeights,
         batch: &Batch,
-        mut x: Tensor,
+        x: Tensor,
         kv: &mut KvCache,
         num_layers: usize,
     ) -> Result<Tensor, ModelError> {
         let plan = self.plan(cfg, batch, kv)?;
+        let x = self.layers(cfg, weights, x, kv, num_layers, &plan)?;
+        for s in &batch.seqs {
+            kv.set_len(s.slot, s.offset + s.len)?;
+        }
+        self.output_rows(batch, x)
+    }
+
+    /// Runs the first `num_layers` layers over `x` with `plan`; every row's
+    /// output.
+    fn layers(
+        &self,
+        cfg: &ModelConfig,
+        weights: &ModelWeights,
+        mut x: Tensor,
+        kv: &mut KvCache,
+        num_layers: usize,
+        plan: &AttentionPlan,
+    ) -> Result<Tensor, ModelError> {
         let eps = cfg.rms_norm_eps as f32;
         let mut clock = PhaseClock::start(&self.device, lock(&self.profile).take());
         let layers = &weights.layers[..num_layers.min(weights.layers.len())];
@@ -204,7 +308,7 @@ impl CandleStep {
         };
         for (l, layer) in layers.iter().enumerate() {
             clock.lap(0)?;
-            let attn = self.attend(cfg, layer, l, &h, &plan, kv, &mut clock)?;
+            let attn = self.attend(cfg, layer, l, &h, plan, kv, &mut clock)?;
             clock.lap(2)?;
             let o = layer.o_proj.forward(&attn)?;
             (x, h) = fused::add_rms_norm(&x, &o, &layer.mlp_norm, eps)?;
@@ -221,10 +325,7 @@ impl CandleStep {
             clock.lap(4)?;
         }
         *lock(&self.profile) = clock.finish();
-        for s in &batch.seqs {
-            kv.set_len(s.slot, s.offset + s.len)?;
-        }
-        self.output_rows(batch, x)
+        Ok(x)
     }
 
     /// The rows of `x` the batch asks for.

@@ -35,6 +35,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, IndexOp, Tensor};
 
 use super::candle_step::CandleStep;
+use super::decode_graphs::GraphStats;
 use super::kernels::qformat::ActivationQuant;
 use super::lean::Lean;
 use super::linear::WeightFormat;
@@ -195,6 +196,24 @@ impl Model {
         }
     }
 
+    /// Turns CUDA graphs of decode passes on (the default on CUDA, unless
+    /// `TANDEM_CUDA_GRAPHS=0`) or off; a no-op elsewhere. Replays equal the
+    /// eager passes bit for bit: this changes only host time.
+    pub fn set_cuda_graphs(&self, on: bool) {
+        if let Step::Candle(c) = &self.step {
+            c.graphs().set_enabled(on, &self.device);
+        }
+    }
+
+    /// What CUDA graphs of decode passes have done since load (all zero
+    /// off CUDA or with graphs off).
+    pub fn cuda_graph_stats(&self) -> GraphStats {
+        match &self.step {
+            Step::Candle(c) => c.graphs().stats(),
+            Step::Lean(_) => GraphStats::default(),
+        }
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
@@ -285,10 +304,7 @@ impl Model {
         let (cfg, w) = (&self.cfg, &self.weights);
         match &self.step {
             Step::Lean(l) => l.forward(cfg, w, batch, kv, num_layers, None),
-            Step::Candle(c) => {
-                let x = self.token_embeddings(&batch.tokens)?;
-                c.forward(cfg, w, batch, x, kv, num_layers)
-            }
+            Step::Candle(c) => c.forward_tokens(cfg, w, batch, kv, num_layers),
         }
     }
 

@@ -18,6 +18,8 @@
 //!   with the kernels of `kernels` (decode-fast linear, attention in place
 //!   over the KV cache, RMSNorm/RoPE/SiLU), runtime-dispatched to AVX-512,
 //!   AVX2 or portable code.
+//! - `decode_graphs`: CUDA graphs of decode passes, captured per shape and
+//!   replayed with the step's ids and attention metadata.
 //! - `batched_attention` and `pooled_attention`: attention for a whole
 //!   batch over pooled KV (the GPU default): padded candle ops on any
 //!   device, Tandem's own kernels (`cuda/*.cu`, built by `build.rs`) on
@@ -32,6 +34,7 @@ mod candle_step;
 pub mod config;
 #[cfg(feature = "cuda")]
 mod cuda_view;
+mod decode_graphs;
 mod fused;
 pub(crate) mod kernels;
 mod lean;
@@ -48,6 +51,7 @@ use std::path::PathBuf;
 
 pub use batch::{Batch, OutputRows, SeqSpan};
 pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use decode_graphs::GraphStats;
 pub use kernels::pool::fit_cpu_threads_to_affinity;
 pub use kernels::qformat::ActivationQuant;
 pub use kernels::Isa;

@@ -1,20 +1,23 @@
-//! Attention over pooled KV in three kernel launches per layer (CUDA builds),
+//! Attention over pooled KV in four kernel launches per layer (CUDA builds),
 //! straight from the fused q/k/v projection.
 //!
 //! Tandem's own kernels (`cuda/attention.cu`, compiled to PTX by
 //! `build.rs`): one writes the batch's new K rows into the pool, rotated
 //! (RoPE) on the way, one the V rows; the third runs one thread block per
-//! query token and query head, rotates and scales the token's q as it loads
-//! it, and reads the token's keys and values straight from the layer's pool
-//! through its sequence's block table: no gather, no padding, no mask,
-//! whatever mix of
-//! decodes, draft verifications and prefill chunks the batch holds. All
-//! three read the `[n, (heads + 2·kv_heads)·head_dim]` projection rows as
-//! they are, so the q/k/v split copies and the RoPE launches of the candle
-//! path do not exist here: three launches per layer instead of the dozen of
-//! [`super::batched_attention`] (which stays the path of other devices and
-//! of contexts too long for a block's shared memory). candle's own scatter
-//! could do the write, but it walks a batch's rows one after the other.
+//! query token, query head and *split* of the token's keys (split-K, as
+//! flash-decoding does), rotates and scales the token's q as it loads it,
+//! and reads its keys and values straight from the layer's pool through its
+//! sequence's block table: no gather, no padding, no mask, whatever mix of
+//! decodes, draft verifications and prefill chunks the batch holds; the
+//! fourth merges each query's splits. A query's split count is a function
+//! of its own key count alone ([`key_splits`]), so a single decoding
+//! sequence fills the GPU and its sums still never depend on the rest of
+//! the batch. All read the `[n, (heads + 2·kv_heads)·head_dim]` projection
+//! rows as they are, so the q/k/v split copies and the RoPE launches of
+//! the candle path do not exist here: four launches per layer instead of
+//! the dozen of [`super::batched_attention`] (which stays the path of
+//! other devices). candle's own scatter could do the write, but it walks a
+//! batch's rows one after the other.
 //!
 //! The per-pass plan (per query token: where its sequence's block table
 //! starts and its visible positions; the tables themselves) is built on
@@ -39,7 +42,29 @@ const WARPS: usize = 4;
 /// Largest head dimension the kernel covers (8 per lane).
 const MAX_HEAD_DIM: usize = 256;
 
-/// Shared bytes a block needs for a query that sees `keys` keys in blocks
+/// Keys per split below `MAX_SPLITS` splits, and the most splits of one
+/// query's keys (the kernel's `SPLIT_KEYS` and `MAX_SPLITS`: split-K
+/// attention, see `cuda/attention.cu`).
+const SPLIT_KEYS: usize = 64;
+const MAX_SPLITS: usize = 16;
+
+/// How many blocks split the keys of a query that sees `keys` keys: a
+/// function of that count alone, so a query's sums never depend on the
+/// rest of the batch.
+fn key_splits(keys: usize) -> usize {
+    keys.div_ceil(SPLIT_KEYS).clamp(1, MAX_SPLITS)
+}
+
+/// The most keys one split of any query with at most `keys` keys holds.
+fn split_bound(keys: usize) -> usize {
+    if keys <= SPLIT_KEYS * MAX_SPLITS {
+        keys.min(SPLIT_KEYS)
+    } else {
+        keys.div_ceil(MAX_SPLITS)
+    }
+}
+
+/// Shared bytes a block needs for a split of at most `keys` keys in blocks
 /// of `block_size`: the query, reduction scratch, one partial output row
 /// per warp, one score per key and the table entries the keys span.
 fn shared_bytes(cfg: &ModelConfig, keys: usize, block_size: usize) -> usize {
@@ -63,6 +88,23 @@ pub(super) struct PooledAttention {
     max_keys: usize,
 }
 
+/// Where each sequence's block table sits in the plan's metadata.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum TableLayout {
+    /// Back to back, each up to the block of its sequence's last position.
+    Packed,
+    /// Sequence `i`'s at `3·n + i·blocks`, zero-padded to `blocks` entries,
+    /// so a plan of the same rows and bound has the same length and layout
+    /// whatever the positions (what a captured CUDA graph replays over).
+    Fixed { blocks: usize },
+}
+
+/// The host side of a plan: the metadata words and the most keys a query sees.
+pub(super) struct HostPlan {
+    pub(super) meta: Vec<u32>,
+    pub(super) max_keys: usize,
+}
+
 impl PooledAttention {
     /// The plan for `batch`, or `None` off CUDA, without pooled KV, for
     /// head shapes beyond the kernel's bounds or a block size that is not a
@@ -74,32 +116,87 @@ impl PooledAttention {
         cfg: &ModelConfig,
         device: &Device,
     ) -> Result<Option<Self>, ModelError> {
-        let head_fits = cfg.head_dim <= MAX_HEAD_DIM && cfg.head_dim.is_multiple_of(2);
-        let block_size = kv.block_size();
-        if !device.is_cuda() || !kv.is_pooled() || !head_fits || !block_size.is_power_of_two() {
+        if !Self::supports(kv, cfg, device) {
             return Ok(None);
         }
+        let Some(host) = Self::host_plan(batch, kv, cfg, TableLayout::Packed)? else {
+            return Ok(None);
+        };
+        let len = host.meta.len();
+        Ok(Some(Self {
+            meta: Tensor::from_vec(host.meta, len, device)?,
+            block_shift: kv.block_size().trailing_zeros(),
+            max_keys: host.max_keys,
+        }))
+    }
+
+    /// A plan over metadata already on the device (`meta`, laid out by
+    /// [`Self::host_plan`]), sized for queries of at most `max_keys` keys.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) fn over(meta: Tensor, kv: &KvCache, max_keys: usize) -> Self {
+        Self {
+            meta,
+            block_shift: kv.block_size().trailing_zeros(),
+            max_keys,
+        }
+    }
+
+    /// Whether the kernels can attend over `kv` on `device` for `cfg`'s heads.
+    pub(super) fn supports(kv: &KvCache, cfg: &ModelConfig, device: &Device) -> bool {
+        let head_fits = cfg.head_dim <= MAX_HEAD_DIM && cfg.head_dim.is_multiple_of(2);
+        device.is_cuda() && kv.is_pooled() && head_fits && kv.block_size().is_power_of_two()
+    }
+
+    /// Whether the splits of a query that sees `keys` keys fit a block's
+    /// shared memory.
+    pub(super) fn fits(cfg: &ModelConfig, keys: usize, block_size: usize) -> bool {
+        shared_bytes(cfg, split_bound(keys), block_size) <= SHARED_BYTES
+    }
+
+    /// The metadata of `batch`'s queries (see [`PooledAttention::meta`]) in
+    /// `layout`; `None` when a query sees more keys than fit (or, for a
+    /// fixed layout, than its `blocks` cover).
+    pub(super) fn host_plan(
+        batch: &Batch,
+        kv: &KvCache,
+        cfg: &ModelConfig,
+        layout: TableLayout,
+    ) -> Result<Option<HostPlan>, ModelError> {
+        let block_size = kv.block_size();
         let n = batch.tokens.len();
         let mut meta = vec![0u32; 3 * n];
-        let mut tables: Vec<u32> = Vec::new();
         let mut max_keys = 0;
         let mut at = 0;
-        for s in &batch.seqs {
+        for (i, s) in batch.seqs.iter().enumerate() {
             let end = s.offset + s.len;
             if s.len == 0 {
                 continue;
             }
             // A typed error when the table does not reach the last position.
             kv.row(s.slot, end - 1)?;
-            let table_at = u32::try_from(3 * n + tables.len())
+            let used = end.div_ceil(block_size);
+            let table_at = match layout {
+                TableLayout::Packed => meta.len(),
+                TableLayout::Fixed { blocks } if used <= blocks => 3 * n + i * blocks,
+                TableLayout::Fixed { .. } => return Ok(None),
+            };
+            let table_at = u32::try_from(table_at)
                 .map_err(|_| ModelError::InvalidBatch("block tables past 2^32 words".into()))?;
-            tables.extend_from_slice(&kv.table(s.slot)?[..end.div_ceil(block_size)]);
+            let table = &kv.table(s.slot)?[..used];
+            match layout {
+                TableLayout::Packed => meta.extend_from_slice(table),
+                TableLayout::Fixed { blocks } => {
+                    meta.resize(3 * n + (i + 1) * blocks, 0);
+                    let start = table_at as usize;
+                    meta[start..start + used].copy_from_slice(table);
+                }
+            }
             for pos in s.offset..end {
                 let first = match cfg.sliding_window {
                     Some(w) if pos + 1 > w => pos + 1 - w,
                     _ => 0,
                 };
-                if shared_bytes(cfg, pos + 1 - first, block_size) > SHARED_BYTES {
+                if !Self::fits(cfg, pos + 1 - first, block_size) {
                     return Ok(None);
                 }
                 max_keys = max_keys.max(pos + 1 - first);
@@ -109,13 +206,10 @@ impl PooledAttention {
                 at += 1;
             }
         }
-        meta.extend_from_slice(&tables);
-        let len = meta.len();
-        Ok(Some(Self {
-            meta: Tensor::from_vec(meta, len, device)?,
-            block_shift: block_size.trailing_zeros(),
-            max_keys,
-        }))
+        if let TableLayout::Fixed { blocks } = layout {
+            meta.resize(3 * n + batch.seqs.len() * blocks, 0);
+        }
+        Ok(Some(HostPlan { meta, max_keys }))
     }
 
     /// Writes layer `layer`'s new K (rotated) and V rows of `qkv` (the
@@ -171,7 +265,8 @@ fn run_kernels(
         cos,
         sin,
         q_scale,
-        shared_bytes: shared_bytes(cfg, plan.max_keys, 1 << plan.block_shift),
+        shared_bytes: shared_bytes(cfg, split_bound(plan.max_keys), 1 << plan.block_shift),
+        splits: key_splits(plan.max_keys),
         heads: cfg.num_heads,
         kv_heads: cfg.num_kv_heads,
         block_shift: plan.block_shift,
@@ -216,6 +311,8 @@ mod kernel {
         pub(super) sin: &'a Tensor,
         pub(super) q_scale: f32,
         pub(super) shared_bytes: usize,
+        /// Splits of the query with the most keys (the grid's depth).
+        pub(super) splits: usize,
         pub(super) heads: usize,
         pub(super) kv_heads: usize,
         pub(super) block_shift: u32,
@@ -391,9 +488,16 @@ mod kernel {
             let qkv = view::<T>(qkv, ql)?;
             let k = view::<T>(k, kl)?;
             let v = view::<T>(v, vl)?;
-            // SAFETY: every element is written by the kernel below.
+            // SAFETY: every element is written by the kernels below (a
+            // split past a query's own count is never read).
+            let partial = unsafe { dev.alloc::<f32>(n * heads * self.splits * (head_dim + 2))? };
             let out = unsafe { dev.alloc::<T>(n * heads * head_dim)? };
             let func = dev.get_or_load_custom_func(name, "tandem_pooled_attention", PTX)?;
+            let combine = dev.get_or_load_custom_func(
+                &name.replace("attention", "attention_combine"),
+                "tandem_pooled_attention",
+                PTX,
+            )?;
             if self.shared_bytes > 48 * 1024 {
                 // Above 48 KiB a kernel must opt in.
                 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as Attr;
@@ -406,7 +510,7 @@ mod kernel {
             debug_assert_eq!(kv_heads, self.kv_heads);
             let dims = [n, heads, kv_heads, head_dim, self.block_shift as usize].map(|x| x as u32);
             let cfg = LaunchConfig {
-                grid_dim: (dims[0], dims[1], 1),
+                grid_dim: (dims[0], dims[1], self.splits as u32),
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: self.shared_bytes as u32,
             };
@@ -419,7 +523,7 @@ mod kernel {
                 b.arg(&meta);
                 b.arg(&cos);
                 b.arg(&sin);
-                b.arg(&out);
+                b.arg(&partial);
                 for d in &dims[..4] {
                     b.arg(d);
                 }
@@ -428,6 +532,23 @@ mod kernel {
                 // SAFETY: argument types and counts match the kernel's
                 // signature; the metadata keeps every read inside the pools.
                 unsafe { b.launch(cfg) }.w()?;
+                let max_splits = self.splits as u32;
+                let mut b = combine.builder();
+                b.arg(&partial);
+                b.arg(&meta);
+                b.arg(&out);
+                b.arg(&dims[0]);
+                b.arg(&dims[1]);
+                b.arg(&dims[3]);
+                b.arg(&max_splits);
+                let merge = LaunchConfig {
+                    grid_dim: (dims[0], dims[1], 1),
+                    block_dim: (head_dim.div_ceil(32) as u32 * 32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: as above; `partial` holds `splits` rows per
+                // (token, head), the first `key_splits` of each written.
+                unsafe { b.launch(merge) }.w()?;
                 Ok(())
             })?;
             Ok((

@@ -39,8 +39,9 @@ pub fn ragged_vs_solo(
         let slot = i as u32 + 10;
         let toks = prompt(i as u32, history + len, model.config().vocab_size as u32);
         let mut own = own_kv();
-        own.allocate(slot, 64).unwrap();
-        shared.allocate(slot, 64).unwrap();
+        let room = (history + len).max(64);
+        own.allocate(slot, room).unwrap();
+        shared.allocate(slot, room).unwrap();
         if history > 0 {
             for kv in [&mut own, &mut *shared] {
                 let mut b = Batch::default();

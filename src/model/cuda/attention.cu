@@ -8,9 +8,11 @@
 // sequence's block table (position p is row table[p >> shift] << shift |
 // p & (2^shift - 1): block sizes are powers of two here). A block first
 // copies the table entries its keys span into shared memory, so the row of
-// a key costs no dependent global load. No gather, no padding, no mask: the batch
-// may be any mix of decodes, draft verifications and prefill chunks. Scores live in shared memory (the
-// caller keeps keys within its budget).
+// a key costs no dependent global load. No gather, no padding, no mask: the
+// batch may be any mix of decodes, draft verifications and prefill chunks.
+// A query's keys are split across blocks (split-K, below) and the splits
+// merged by a second launch; a split's scores live in shared memory (the
+// caller keeps a split's keys within its budget).
 //
 // q, k and v come straight from the fused projection's rows `qkv`
 // ([n, (heads + 2 kv_heads) * head_dim]: q heads, then k heads, then v
@@ -70,34 +72,61 @@ __device__ __forceinline__ size_t pool_row(const uint32_t *table, uint32_t pos, 
     return ((size_t)table[pos >> shift] << shift) | (pos & ((1u << shift) - 1));
 }
 
-// One block per (query token, query head). qkv as above; out: [n, heads,
-// head_dim]; k, v: [rows, kv_heads, head_dim]; meta: u32, [3, n] = (offset
-// in meta of the sequence's block table, first visible position, last
-// visible position, which is the token's own) per query token, then the
-// tables.
+// Split-K ("flash-decoding") attention: one block per (query token, query
+// head, split of its keys), so a single decoding sequence still fills the
+// GPU. A query that sees `keys` keys splits them into
+// splits(keys) = min(ceil(keys / SPLIT_KEYS), MAX_SPLITS) runs of
+// ceil(keys / splits) keys. The split depends on nothing but the query's
+// own key count, so its sums run in the same order whichever other
+// sequences share the batch: a decode, a draft verification row and a
+// prefill row at the same position give the same bits. The host uses the
+// same rule (src/model/pooled_attention.rs).
+#define SPLIT_KEYS 64
+#define MAX_SPLITS 16
+
+__device__ __forceinline__ uint32_t key_splits(uint32_t keys) {
+    return min((keys + SPLIT_KEYS - 1) / SPLIT_KEYS, (uint32_t)MAX_SPLITS);
+}
+
+// qkv: [n, (heads + 2 kv_heads) * head_dim] projection rows; k, v: [rows,
+// kv_heads, head_dim]; meta: u32, [3, n] = (offset in meta of the
+// sequence's block table, first visible position, last visible position,
+// which is the token's own) per query token, then the tables. Writes, per
+// (token, head, split), a row of `partial` ([n, heads, gridDim.z,
+// head_dim + 2] floats): the split's unnormalised weighted values, its max
+// score and its sum of exponentials. Splits past the query's own count do
+// nothing.
 //
-// Scores: one warp per key, lanes across dimensions. Softmax over the
-// block. Output: warps split the keys, lanes the dimensions, and the
-// warps' partial rows are summed in shared memory.
+// Scores: one warp per key, lanes across dimensions. Values: warps split
+// the keys, lanes the dimensions, and the warps' rows are summed in
+// shared memory in warp order.
 template <typename T>
 __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uint32_t *meta,
-                                 const T *cos, const T *sin, T *out, uint32_t n, uint32_t heads,
-                                 uint32_t kv_heads, uint32_t head_dim, float q_scale,
-                                 uint32_t shift) {
+                                 const T *cos, const T *sin, float *partial, uint32_t n,
+                                 uint32_t heads, uint32_t kv_heads, uint32_t head_dim,
+                                 float q_scale, uint32_t shift) {
     extern __shared__ float smem[];
-    const uint32_t tok = blockIdx.x, h = blockIdx.y;
+    const uint32_t tok = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const uint32_t kvh = h / (heads / kv_heads);
     const uint32_t *table = meta + meta[tok];
-    const uint32_t first = meta[n + tok], last = meta[2 * n + tok];
-    const uint32_t keys = last + 1 - first;
-    float *qs = smem;                             // head_dim
-    float *red = qs + head_dim;                   // 32
-    float *partial = red + 32;                    // warps * head_dim
-    float *scores = partial + (blockDim.x >> 5) * head_dim;  // keys
-    // The table entries of blocks first >> shift ..= last >> shift.
+    const uint32_t first_visible = meta[n + tok], last = meta[2 * n + tok];
+    const uint32_t all_keys = last + 1 - first_visible;
+    const uint32_t splits = key_splits(all_keys);
+    if (split >= splits) return;
+    const uint32_t chunk = (all_keys + splits - 1) / splits;
+    const uint32_t first = first_visible + split * chunk;
+    // chunk * (splits - 1) < all_keys: every split holds a key.
+    const uint32_t keys = min(chunk, last + 1 - first);
+
+    float *qs = smem;                                      // head_dim
+    float *red = qs + head_dim;                            // 32
+    float *wpart = red + 32;                               // warps * head_dim
+    float *scores = wpart + (blockDim.x >> 5) * head_dim;  // keys
+    // The table entries of blocks first >> shift ..= (first + keys - 1) >> shift.
     uint32_t *blocks = (uint32_t *)(scores + keys);
     const uint32_t first_block = first >> shift;
-    for (uint32_t b = threadIdx.x; b <= (last >> shift) - first_block; b += blockDim.x) {
+    const uint32_t last_key = first + keys - 1;
+    for (uint32_t b = threadIdx.x; b <= (last_key >> shift) - first_block; b += blockDim.x) {
         blocks[b] = table[first_block + b];
     }
 
@@ -142,11 +171,8 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
         scores[c] = e;
         local += e;
     }
-    const float inv = 1.f / block_reduce<false>(local, red);
+    const float l = block_reduce<false>(local, red);
 
-    // Weighted values: each warp sums a share of the keys for every
-    // dimension (lanes across dimensions), then the warps' partial rows
-    // are added in warp order.
     float acc[MAX_DIMS_PER_LANE];
 #pragma unroll
     for (uint32_t j = 0; j < MAX_DIMS_PER_LANE; ++j) acc[j] = 0.f;
@@ -162,13 +188,45 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
 #pragma unroll
     for (uint32_t j = 0; j < MAX_DIMS_PER_LANE; ++j) {
         const uint32_t d = lane + 32 * j;
-        if (j < per_lane && d < head_dim) partial[warp * head_dim + d] = acc[j];
+        if (j < per_lane && d < head_dim) wpart[warp * head_dim + d] = acc[j];
     }
     __syncthreads();
+    float *prow = partial + (((size_t)tok * heads + h) * gridDim.z + split) * (head_dim + 2);
+    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float sum = 0.f;
+        for (uint32_t w = 0; w < warps; ++w) sum += wpart[w * head_dim + d];
+        prow[d] = sum;
+    }
+    if (threadIdx.x == 0) {
+        prow[head_dim] = m;
+        prow[head_dim + 1] = l;
+    }
+}
+
+// Merges each (token, head)'s splits (`partial` as above, `max_splits` rows
+// each) into its output row of out [n, heads, head_dim], splits in order:
+// one block per (token, head), a thread per dimension.
+template <typename T>
+__device__ void pooled_attention_combine(const float *partial, const uint32_t *meta, T *out,
+                                         uint32_t n, uint32_t heads, uint32_t head_dim,
+                                         uint32_t max_splits) {
+    const uint32_t tok = blockIdx.x, h = blockIdx.y;
+    const uint32_t splits = key_splits(meta[2 * n + tok] + 1 - meta[n + tok]);
+    const size_t width = head_dim + 2;
+    const float *rows = partial + ((size_t)tok * heads + h) * max_splits * width;
+    float m = -INFINITY;
+    for (uint32_t s = 0; s < splits; ++s) m = fmaxf(m, rows[s * width + head_dim]);
+    float l = 0.f;
+    for (uint32_t s = 0; s < splits; ++s) {
+        l += rows[s * width + head_dim + 1] * __expf(rows[s * width + head_dim] - m);
+    }
+    const float inv = 1.f / l;
     T *orow = out + ((size_t)tok * heads + h) * head_dim;
     for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float sum = 0.f;
-        for (uint32_t w = 0; w < warps; ++w) sum += partial[w * head_dim + d];
+        for (uint32_t s = 0; s < splits; ++s) {
+            sum += rows[s * width + d] * __expf(rows[s * width + head_dim] - m);
+        }
         orow[d] = from_f32<T>(sum * inv);
     }
 }
@@ -208,10 +266,15 @@ __device__ void pooled_write(T *pool, const T *qkv, const uint32_t *meta, const 
 #define POOLED_KERNELS(SUFFIX, T)                                                             \
     extern "C" __global__ void pooled_attention_##SUFFIX(                                     \
         const T *qkv, const T *k, const T *v, const uint32_t *meta, const T *cos, const T *sin, \
-        T *out, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim,             \
+        float *partial, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim,     \
         float q_scale, uint32_t shift) {                                                      \
-        pooled_attention<T>(qkv, k, v, meta, cos, sin, out, n, heads, kv_heads, head_dim,     \
+        pooled_attention<T>(qkv, k, v, meta, cos, sin, partial, n, heads, kv_heads, head_dim, \
                             q_scale, shift);                                                  \
+    }                                                                                         \
+    extern "C" __global__ void pooled_attention_combine_##SUFFIX(                             \
+        const float *partial, const uint32_t *meta, T *out, uint32_t n, uint32_t heads,       \
+        uint32_t head_dim, uint32_t max_splits) {                                             \
+        pooled_attention_combine<T>(partial, meta, out, n, heads, head_dim, max_splits);      \
     }                                                                                         \
     extern "C" __global__ void pooled_write_##SUFFIX(                                         \
         T *pool, const T *qkv, const uint32_t *meta, const T *cos, const T *sin, uint32_t n,  \

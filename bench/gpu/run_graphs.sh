@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 21's device run, in one call: the GPU tests (CUDA graph replays ==
+# eager passes among them), the engine bench with graphs on and off
+# (alternating: step time, host time per step, kernels per graph), and the
+# CUDA-graph PyTorch anchor (`graph_anchor.py`), on a random 1B-class Llama
+# and on a random model of SmolLM2-135M's shape, both bf16.
+#
+# Expects the release binaries built with `--features cuda`, stripped and
+# gzipped, in $BIN (device-tests.gz, forward-bench.gz), and stories260k and
+# SmolLM2's config.json in $BIN/shared/models. Logs go to $LOGS. WHICH
+# picks the models (`big smol` by default; one call fits one with the tests).
+set -uo pipefail
+BIN=${BIN:-.devbin}
+LOGS=${LOGS:-/tmp/tandem-logs}
+BIG=${BIG:-/tmp/llama-1b-random}
+SMOL=${SMOL:-/tmp/smollm2-shape-random}
+REPS=${REPS:-3}
+mkdir -p "$LOGS"
+exec > >(tee -a "$LOGS/run.log") 2>&1
+
+CU13=$(python3 -c 'import nvidia.cu13 as m; print(m.__path__[0])' 2>/dev/null)/lib
+[ -f "$CU13/libcublasLt.so.13" ] || CU13=$(dirname "$(find / -name 'libcublasLt.so.13' 2>/dev/null | head -1)")
+export LD_LIBRARY_PATH="$CU13:${LD_LIBRARY_PATH:-}"
+nvidia-smi -L
+mkdir -p /tmp/bin
+for b in device-tests forward-bench; do
+  gunzip -c "$BIN/$b.gz" >/tmp/bin/$b && chmod +x /tmp/bin/$b
+done
+export TANDEM_SHARED_DIR=$(realpath "$BIN/shared")
+
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  echo "=== (a) GPU tests"
+  RUST_BACKTRACE=1 TANDEM_REQUIRE_GPU=1 timeout 240 /tmp/bin/device-tests --test-threads 1 --nocapture 2>&1 \
+    | grep -v "^ *[0-9]*: \\(<unknown>\\|at \\)" | tail -40
+fi
+
+for which in ${WHICH:-big smol}; do
+  if [ "$which" = big ]; then
+    m=$BIG
+    [ -f "$m/config.json" ] || python3 bench/gpu/hf_anchor.py make "$m"
+  else
+    m=$SMOL
+    [ -f "$m/config.json" ] || python3 bench/gpu/graph_anchor.py make "$m" \
+      --config "$BIN/shared/models/smollm2-135m-instruct/config.json"
+  fi
+  echo "=== (b) engine bench, $m"
+  TANDEM_BENCH_DEVICE=cuda TANDEM_BENCH_MODEL="$m" TANDEM_BENCH_FORMATS=bf16 \
+    TANDEM_BENCH_BATCHES=${BATCHES:-1,16,64} TANDEM_BENCH_REPS=$REPS timeout 200 /tmp/bin/forward-bench --bench
+  echo "=== (c) PyTorch anchor (torch.compile, CUDA graphs), $m"
+  PYTHONUNBUFFERED=1 timeout 240 python3 bench/gpu/graph_anchor.py bench "$m" \
+    --batches ${BATCHES:-1,16,64} --reps "$REPS"
+done
+echo "=== done"

@@ -1,0 +1,337 @@
+//! CUDA graphs for decode passes: the layers of a pass whose every sequence
+//! decodes one token are captured once per shape and replayed, so a step
+//! costs one graph launch instead of ~170 kernel launches of host time.
+//!
+//! # What is captured, and what varies between replays
+//! A graph is keyed by [`GraphKey`]: the number of rows (one per sequence:
+//! no padding, so a replay computes exactly what the eager pass does), the
+//! key bound its attention's shared memory is sized for, the layers run,
+//! and the KV pool it reads ([`KvCache::pool_generation`]). Everything a
+//! pass reads that changes from step to step lives in two device buffers
+//! owned by the graph and rewritten before each replay: the token ids and
+//! the attention plan's metadata (per query: its table, first and own
+//! position; then each sequence's block table at a fixed place,
+//! [`TableLayout::Fixed`]). So a replay after sequences grew, left, joined
+//! or were preempted reads the new positions and tables. Weights, rotary
+//! tables and the pool stay where they were at capture; a pool that is
+//! reallocated gets a new generation, and the graphs over the old one are
+//! dropped.
+//!
+//! # Same kernels, same order
+//! The captured pass is the eager pass ([`super::candle_step`] with a
+//! pooled plan) run under capture: the same launches with the same
+//! arguments, so a replay's outputs equal the eager pass's bit for bit
+//! (`tests/device.rs` checks it token for token). The first pass of a new
+//! shape runs eagerly (it is the step's real work, and warms candle's
+//! parameter caches, since a capture may not upload), then is captured
+//! without running.
+//!
+//! # Failure
+//! Any error while capturing ends the capture, turns graphs off for this
+//! model (logged once) and keeps the eager pass's result: a graph is an
+//! optimisation, never a reason for a step to fail.
+//!
+//! # Ownership
+//! [`DecodeGraphs`] belongs to its model's candle step; the engine thread
+//! is its one user (the mutex keeps the model `Sync`).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use candle_core::{Device, Tensor};
+
+#[cfg(doc)]
+use super::pooled_attention::TableLayout;
+use super::ModelError;
+#[cfg(doc)]
+use crate::kv::KvCache;
+
+/// Rows above which passes stay eager (large batches are not launch-bound).
+pub(super) const MAX_GRAPH_ROWS: usize = 128;
+/// Graphs kept at most; past it the cache starts over.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const MAX_GRAPHS: usize = 256;
+/// The smallest key bound a graph is captured for (bounds are powers of two).
+const MIN_KEY_BOUND: usize = 256;
+
+/// What a captured graph depends on besides its two input buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct GraphKey {
+    pub rows: usize,
+    /// Most keys any query may see (sizes the attention's shared memory).
+    pub key_bound: usize,
+    pub layers: usize,
+    pub pool: u64,
+}
+
+impl GraphKey {
+    /// The key bound for queries that see at most `keys` keys.
+    pub fn key_bound(keys: usize) -> usize {
+        keys.next_power_of_two().max(MIN_KEY_BOUND)
+    }
+}
+
+/// A decode pass's inputs as the host has them.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) struct GraphInputs<'a> {
+    pub ids: &'a [u32],
+    pub meta: &'a [u32],
+}
+
+/// The captured graphs of one model (see the module docs).
+pub(super) struct DecodeGraphs {
+    state: Mutex<State>,
+}
+
+struct State {
+    enabled: bool,
+    #[cfg(feature = "cuda")]
+    graphs: HashMap<GraphKey, cuda::Captured>,
+    #[cfg(not(feature = "cuda"))]
+    graphs: HashMap<GraphKey, ()>,
+    stats: GraphStats,
+}
+
+/// What the graphs of one model have done since load.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Decode passes replayed from a graph.
+    pub replays: u64,
+    /// Graphs captured.
+    pub captures: u64,
+    /// Kernel launches in the last graph captured (what one replay saves).
+    pub kernels: usize,
+    /// All nodes of that graph (kernels, copies, memory allocations and frees).
+    pub nodes: usize,
+}
+
+impl DecodeGraphs {
+    /// Graphs on `device` (CUDA only), unless `TANDEM_CUDA_GRAPHS=0`.
+    pub fn new(device: &Device) -> Self {
+        let off = std::env::var("TANDEM_CUDA_GRAPHS").is_ok_and(|v| v == "0");
+        Self {
+            state: Mutex::new(State {
+                enabled: device.is_cuda() && cfg!(feature = "cuda") && !off,
+                graphs: HashMap::new(),
+                stats: GraphStats::default(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.lock().enabled
+    }
+
+    /// Turns graphs on or off (off drops every captured graph).
+    pub fn set_enabled(&self, on: bool, device: &Device) {
+        let mut s = self.lock();
+        s.enabled = on && device.is_cuda() && cfg!(feature = "cuda");
+        if !s.enabled {
+            s.graphs.clear();
+        }
+    }
+
+    pub fn stats(&self) -> GraphStats {
+        self.lock().stats
+    }
+
+    /// The hidden rows of the pass `key` over `inputs`: a replay of its
+    /// graph, or else `pass` run eagerly and then captured. `pass` maps the
+    /// device ids and metadata to the layers' output; it must read nothing
+    /// else that varies between steps. `None` when graphs are off (the
+    /// caller runs the pass itself).
+    pub fn run(
+        &self,
+        device: &Device,
+        key: GraphKey,
+        inputs: GraphInputs<'_>,
+        pass: impl FnMut(&Tensor, &Tensor) -> Result<Tensor, ModelError>,
+    ) -> Result<Option<Tensor>, ModelError> {
+        let mut s = self.lock();
+        if !s.enabled {
+            return Ok(None);
+        }
+        s.graphs.retain(|k, _| k.pool == key.pool);
+        #[cfg(feature = "cuda")]
+        {
+            if let Some(g) = s.graphs.get(&key) {
+                let out = g.replay(&inputs)?;
+                s.stats.replays += 1;
+                return Ok(Some(out));
+            }
+            if s.graphs.len() >= MAX_GRAPHS {
+                s.graphs.clear();
+            }
+            let (out, captured) = cuda::capture(device, &inputs, pass)?;
+            match captured {
+                Ok(g) => {
+                    s.stats.captures += 1;
+                    (s.stats.kernels, s.stats.nodes) = g.node_counts();
+                    s.graphs.insert(key, g);
+                }
+                Err(e) => {
+                    tracing::warn!("CUDA graphs off for this model: capture failed: {e}");
+                    s.enabled = false;
+                    s.graphs.clear();
+                }
+            }
+            Ok(Some(out))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (device, inputs, pass);
+            Ok(None)
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::sys::{
+        CUgraphInstantiate_flags, CUstreamCaptureMode,
+    };
+    use candle_core::cuda_backend::cudarc::driver::CudaGraph;
+    use candle_core::{CpuStorage, CudaStorage, Device, InplaceOp1, Layout, Tensor};
+
+    use super::GraphInputs;
+    use crate::model::ModelError;
+
+    /// A graph with the buffers it reads and writes. All three are
+    /// ordinary allocations made before the capture: the graph frees every
+    /// allocation it makes, so it owns no memory that outlives a replay
+    /// (cudarc would otherwise free graph memory that a never-launched
+    /// graph has not allocated).
+    pub(super) struct Captured {
+        graph: CudaGraph,
+        ids: Tensor,
+        meta: Tensor,
+        output: Tensor,
+    }
+
+    // SAFETY: the graph is only launched by the engine thread, under the
+    // `DecodeGraphs` mutex (cudarc's `CudaGraph` is not `Send` only because
+    // it holds raw driver handles).
+    unsafe impl Send for Captured {}
+
+    impl Captured {
+        pub(super) fn replay(&self, inputs: &GraphInputs<'_>) -> Result<Tensor, ModelError> {
+            self.ids.inplace_op1(&Upload(inputs.ids))?;
+            self.meta.inplace_op1(&Upload(inputs.meta))?;
+            self.graph.launch().map_err(|e| driver("graph launch", e))?;
+            // The next replay overwrites the output in place: hand out a copy.
+            Ok(self.output.copy()?)
+        }
+
+        /// (kernel nodes, all nodes) of the graph.
+        pub(super) fn node_counts(&self) -> (usize, usize) {
+            use candle_core::cuda_backend::cudarc::driver::sys;
+            let graph = self.graph.cu_graph();
+            let mut count = 0usize;
+            // SAFETY: a null node array asks only for the count.
+            let r = unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut count) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return (0, 0);
+            }
+            let mut nodes = vec![std::ptr::null_mut(); count];
+            // SAFETY: `nodes` holds `count` entries.
+            let r = unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut count) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return (0, count);
+            }
+            let kernels = nodes
+                .iter()
+                .filter(|&&n| {
+                    let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+                    // SAFETY: `n` is a node of this graph.
+                    let r = unsafe { sys::cuGraphNodeGetType(n, &mut t) };
+                    r == sys::CUresult::CUDA_SUCCESS
+                        && t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL
+                })
+                .count();
+            (kernels, count)
+        }
+    }
+
+    /// Runs `pass` eagerly over fresh input buffers (the result), then
+    /// captures it over the same buffers. The outer error is the eager
+    /// pass's; the inner one a failed capture's.
+    pub(super) fn capture(
+        device: &Device,
+        inputs: &GraphInputs<'_>,
+        mut pass: impl FnMut(&Tensor, &Tensor) -> Result<Tensor, ModelError>,
+    ) -> Result<(Tensor, Result<Captured, ModelError>), ModelError> {
+        let ids = Tensor::from_slice(inputs.ids, inputs.ids.len(), device)?;
+        let meta = Tensor::from_slice(inputs.meta, inputs.meta.len(), device)?;
+        let Device::Cuda(cuda) = device else {
+            return Err(ModelError::InvalidBatch(
+                "CUDA graphs need a CUDA device".into(),
+            ));
+        };
+        // Small uploads inside the pass (candle's layout parameters) come
+        // from a cache the eager run fills, so the capture uploads nothing.
+        let _cache = cuda.enable_cuda_graph_htod_cache();
+        let out = pass(&ids, &meta)?;
+        let output = out.zeros_like()?;
+        output.slice_set(&out, 0, 0)?;
+        device.synchronize()?;
+        let stream = cuda.cuda_stream();
+        let captured = (|| {
+            stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                .map_err(|e| driver("begin capture", e))?;
+            // The capture always ends, so a failed pass leaves the stream
+            // out of capture mode.
+            let written = pass(&ids, &meta).and_then(|o| Ok(output.slice_set(&o, 0, 0)?));
+            let graph = stream.end_capture(
+                CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            );
+            written?;
+            let graph = graph
+                .map_err(|e| driver("end capture", e))?
+                .ok_or_else(|| driver("end capture", "no graph recorded"))?;
+            graph.upload().map_err(|e| driver("graph upload", e))?;
+            Ok(Captured {
+                graph,
+                ids: ids.clone(),
+                meta: meta.clone(),
+                output: output.clone(),
+            })
+        })();
+        Ok((out, captured))
+    }
+
+    fn driver(what: &str, e: impl std::fmt::Display) -> ModelError {
+        ModelError::Tensor(candle_core::Error::Msg(format!("CUDA {what}: {e}")))
+    }
+
+    /// Overwrites a u32 device tensor with host words (same length).
+    struct Upload<'a>(&'a [u32]);
+
+    impl InplaceOp1 for Upload<'_> {
+        fn name(&self) -> &'static str {
+            "graph-input-upload"
+        }
+
+        fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+            candle_core::bail!("graph inputs live on CUDA")
+        }
+
+        fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+            if layout.shape().elem_count() != self.0.len() || !layout.is_contiguous() {
+                candle_core::bail!(
+                    "graph input of {} words into a buffer of {:?}",
+                    self.0.len(),
+                    layout.shape()
+                );
+            }
+            let dev = storage.device().clone();
+            let slice = storage.as_cuda_slice_mut::<u32>()?;
+            dev.memcpy_htod(self.0, slice)
+        }
+    }
+}
