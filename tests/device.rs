@@ -10,7 +10,7 @@
 mod support;
 
 use candle_core::{DType, Device, Tensor};
-use support::engine_driver::{run_tokens, Req};
+use support::engine_driver::{run_staggered, run_tokens, Req};
 use support::ragged::{assert_commit_equals_feeding_accepted, prompt, ragged_vs_solo, step};
 use support::reference::{stories260k, Stories};
 use tandem::engine::{
@@ -447,62 +447,6 @@ fn speculation_with_a_draft_vocab_head_and_lookup_is_exact_on_the_device() {
     assert_speculation_exact(engine_for(model()), spec, &prompts, sampling, |i| {
         SpecOptions::constant(1 + i % 4)
     });
-}
-
-/// Runs `reqs` through `engine`, request `i` admitted at step `joins[i]`
-/// (so the batch grows as requests join and shrinks as they finish: the
-/// decode passes change size from step to step); prompts prefilled whole.
-fn run_staggered(engine: &mut Engine, reqs: &[Req], joins: &[usize]) -> Vec<Vec<u32>> {
-    use std::sync::Arc;
-    use tandem::engine::{Admission, KvGrant, SeqWork, StepExecutor, StepPlan, MAX_DRAFT_TOKENS};
-    let n = reqs.len();
-    let mut out = vec![Vec::new(); n];
-    let mut state = vec![0u8; n]; // 0 waiting, 1 prefilling, 2 decoding, 3 done
-    for step in 0.. {
-        let mut plan = StepPlan {
-            step,
-            ..Default::default()
-        };
-        for (i, r) in reqs.iter().enumerate() {
-            let slot = i as u32 + 100;
-            if state[i] == 0 && joins[i] as u64 <= step {
-                plan.admit.push(Admission {
-                    slot,
-                    prompt: Arc::from(r.prompt.clone()),
-                    sampling: r.sampling,
-                    max_new_tokens: r.max_new,
-                    kv: KvGrant::Reserve(r.prompt.len() + r.max_new),
-                    spec: r.spec,
-                    constraints: Default::default(),
-                });
-                plan.work.push(SeqWork::Prefill {
-                    slot,
-                    start: 0,
-                    len: r.prompt.len(),
-                });
-                state[i] = 1;
-            } else if state[i] == 1 || state[i] == 2 {
-                state[i] = 2;
-                plan.work.push(SeqWork::Decode {
-                    slot,
-                    max_drafts: MAX_DRAFT_TOKENS,
-                });
-            }
-        }
-        if state.iter().all(|&s| s == 3) {
-            break;
-        }
-        let outcome = engine.execute(plan);
-        for s in outcome.seqs {
-            let i = (s.slot - 100) as usize;
-            let p = s.result.unwrap_or_else(|e| panic!("request {i}: {e}"));
-            out[i].extend(p.tokens.iter().map(|t| t.id));
-            if p.finish.is_some() {
-                state[i] = 3;
-            }
-        }
-    }
-    out
 }
 
 /// CUDA graphs of decode passes: replays equal the eager passes token for

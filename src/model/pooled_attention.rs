@@ -42,23 +42,36 @@ const WARPS: usize = 4;
 /// Largest head dimension the kernel covers (8 per lane).
 const MAX_HEAD_DIM: usize = 256;
 
-/// Keys per split below `MAX_SPLITS` splits, and the most splits of one
-/// query's keys (the kernel's `SPLIT_KEYS` and `MAX_SPLITS`: split-K
+/// The most splits of one query's keys (the kernel's `MAX_SPLITS`: split-K
 /// attention, see `cuda/attention.cu`).
-const SPLIT_KEYS: usize = 64;
 const MAX_SPLITS: usize = 16;
+
+/// Keys per split below `MAX_SPLITS` splits: 64, or
+/// `TANDEM_ATTENTION_SPLIT_KEYS` (16–4096; a tuning knob read once per
+/// process, so every launch splits alike).
+fn split_keys() -> usize {
+    static KEYS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *KEYS.get_or_init(|| {
+        std::env::var("TANDEM_ATTENTION_SPLIT_KEYS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(64, |k: usize| k.clamp(16, 4096))
+    })
+}
 
 /// How many blocks split the keys of a query that sees `keys` keys: a
 /// function of that count alone, so a query's sums never depend on the
 /// rest of the batch.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn key_splits(keys: usize) -> usize {
-    keys.div_ceil(SPLIT_KEYS).clamp(1, MAX_SPLITS)
+    keys.div_ceil(split_keys()).clamp(1, MAX_SPLITS)
 }
 
 /// The most keys one split of any query with at most `keys` keys holds.
 fn split_bound(keys: usize) -> usize {
-    if keys <= SPLIT_KEYS * MAX_SPLITS {
-        keys.min(SPLIT_KEYS)
+    let per_split = split_keys();
+    if keys <= per_split * MAX_SPLITS {
+        keys.min(per_split)
     } else {
         keys.div_ceil(MAX_SPLITS)
     }
@@ -529,6 +542,8 @@ mod kernel {
                 }
                 b.arg(&self.q_scale);
                 b.arg(&dims[4]);
+                let split_keys = super::split_keys() as u32;
+                b.arg(&split_keys);
                 // SAFETY: argument types and counts match the kernel's
                 // signature; the metadata keeps every read inside the pools.
                 unsafe { b.launch(cfg) }.w()?;
@@ -541,6 +556,7 @@ mod kernel {
                 b.arg(&dims[1]);
                 b.arg(&dims[3]);
                 b.arg(&max_splits);
+                b.arg(&split_keys);
                 let merge = LaunchConfig {
                     grid_dim: (dims[0], dims[1], 1),
                     block_dim: (head_dim.div_ceil(32) as u32 * 32, 1, 1),

@@ -114,3 +114,57 @@ pub fn run(engine: &mut Engine, reqs: &[Req], chunk: usize) -> RunResult {
 pub fn run_tokens(engine: &mut Engine, reqs: &[Req], chunk: usize) -> Vec<Vec<GeneratedToken>> {
     run(engine, reqs, chunk).tokens
 }
+
+/// Runs `reqs` through `engine`, request `i` admitted at step `joins[i]`
+/// (so the batch grows as requests join and shrinks as they finish: the
+/// decode passes change size from step to step); prompts prefilled whole.
+pub fn run_staggered(engine: &mut Engine, reqs: &[Req], joins: &[usize]) -> Vec<Vec<u32>> {
+    let n = reqs.len();
+    let mut out = vec![Vec::new(); n];
+    let mut state = vec![0u8; n]; // 0 waiting, 1 prefilling, 2 decoding, 3 done
+    for step in 0.. {
+        let mut plan = StepPlan {
+            step,
+            ..Default::default()
+        };
+        for (i, r) in reqs.iter().enumerate() {
+            let slot = i as u32 + 100;
+            if state[i] == 0 && joins[i] as u64 <= step {
+                plan.admit.push(Admission {
+                    slot,
+                    prompt: Arc::from(r.prompt.clone()),
+                    sampling: r.sampling,
+                    max_new_tokens: r.max_new,
+                    kv: KvGrant::Reserve(r.prompt.len() + r.max_new),
+                    spec: r.spec,
+                    constraints: Default::default(),
+                });
+                plan.work.push(SeqWork::Prefill {
+                    slot,
+                    start: 0,
+                    len: r.prompt.len(),
+                });
+                state[i] = 1;
+            } else if state[i] == 1 || state[i] == 2 {
+                state[i] = 2;
+                plan.work.push(SeqWork::Decode {
+                    slot,
+                    max_drafts: MAX_DRAFT_TOKENS,
+                });
+            }
+        }
+        if state.iter().all(|&s| s == 3) {
+            break;
+        }
+        let outcome = engine.execute(plan);
+        for s in outcome.seqs {
+            let i = (s.slot - 100) as usize;
+            let p = s.result.unwrap_or_else(|e| panic!("request {i}: {e}"));
+            out[i].extend(p.tokens.iter().map(|t| t.id));
+            if p.finish.is_some() {
+                state[i] = 3;
+            }
+        }
+    }
+    out
+}

@@ -75,17 +75,17 @@ __device__ __forceinline__ size_t pool_row(const uint32_t *table, uint32_t pos, 
 // Split-K ("flash-decoding") attention: one block per (query token, query
 // head, split of its keys), so a single decoding sequence still fills the
 // GPU. A query that sees `keys` keys splits them into
-// splits(keys) = min(ceil(keys / SPLIT_KEYS), MAX_SPLITS) runs of
-// ceil(keys / splits) keys. The split depends on nothing but the query's
+// splits(keys) = min(ceil(keys / split_keys), MAX_SPLITS) runs of
+// ceil(keys / splits) keys (`split_keys` is a launch argument, the same for
+// every launch of a process). The split depends on nothing but the query's
 // own key count, so its sums run in the same order whichever other
 // sequences share the batch: a decode, a draft verification row and a
 // prefill row at the same position give the same bits. The host uses the
 // same rule (src/model/pooled_attention.rs).
-#define SPLIT_KEYS 64
 #define MAX_SPLITS 16
 
-__device__ __forceinline__ uint32_t key_splits(uint32_t keys) {
-    return min((keys + SPLIT_KEYS - 1) / SPLIT_KEYS, (uint32_t)MAX_SPLITS);
+__device__ __forceinline__ uint32_t key_splits(uint32_t keys, uint32_t split_keys) {
+    return min((keys + split_keys - 1) / split_keys, (uint32_t)MAX_SPLITS);
 }
 
 // qkv: [n, (heads + 2 kv_heads) * head_dim] projection rows; k, v: [rows,
@@ -104,14 +104,14 @@ template <typename T>
 __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uint32_t *meta,
                                  const T *cos, const T *sin, float *partial, uint32_t n,
                                  uint32_t heads, uint32_t kv_heads, uint32_t head_dim,
-                                 float q_scale, uint32_t shift) {
+                                 float q_scale, uint32_t shift, uint32_t split_keys) {
     extern __shared__ float smem[];
     const uint32_t tok = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const uint32_t kvh = h / (heads / kv_heads);
     const uint32_t *table = meta + meta[tok];
     const uint32_t first_visible = meta[n + tok], last = meta[2 * n + tok];
     const uint32_t all_keys = last + 1 - first_visible;
-    const uint32_t splits = key_splits(all_keys);
+    const uint32_t splits = key_splits(all_keys, split_keys);
     if (split >= splits) return;
     const uint32_t chunk = (all_keys + splits - 1) / splits;
     const uint32_t first = first_visible + split * chunk;
@@ -209,9 +209,9 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
 template <typename T>
 __device__ void pooled_attention_combine(const float *partial, const uint32_t *meta, T *out,
                                          uint32_t n, uint32_t heads, uint32_t head_dim,
-                                         uint32_t max_splits) {
+                                         uint32_t max_splits, uint32_t split_keys) {
     const uint32_t tok = blockIdx.x, h = blockIdx.y;
-    const uint32_t splits = key_splits(meta[2 * n + tok] + 1 - meta[n + tok]);
+    const uint32_t splits = key_splits(meta[2 * n + tok] + 1 - meta[n + tok], split_keys);
     const size_t width = head_dim + 2;
     const float *rows = partial + ((size_t)tok * heads + h) * max_splits * width;
     float m = -INFINITY;
@@ -267,14 +267,15 @@ __device__ void pooled_write(T *pool, const T *qkv, const uint32_t *meta, const 
     extern "C" __global__ void pooled_attention_##SUFFIX(                                     \
         const T *qkv, const T *k, const T *v, const uint32_t *meta, const T *cos, const T *sin, \
         float *partial, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim,     \
-        float q_scale, uint32_t shift) {                                                      \
+        float q_scale, uint32_t shift, uint32_t split_keys) {                                 \
         pooled_attention<T>(qkv, k, v, meta, cos, sin, partial, n, heads, kv_heads, head_dim, \
-                            q_scale, shift);                                                  \
+                            q_scale, shift, split_keys);                                      \
     }                                                                                         \
     extern "C" __global__ void pooled_attention_combine_##SUFFIX(                             \
         const float *partial, const uint32_t *meta, T *out, uint32_t n, uint32_t heads,       \
-        uint32_t head_dim, uint32_t max_splits) {                                             \
-        pooled_attention_combine<T>(partial, meta, out, n, heads, head_dim, max_splits);      \
+        uint32_t head_dim, uint32_t max_splits, uint32_t split_keys) {                        \
+        pooled_attention_combine<T>(partial, meta, out, n, heads, head_dim, max_splits,       \
+                                    split_keys);                                              \
     }                                                                                         \
     extern "C" __global__ void pooled_write_##SUFFIX(                                         \
         T *pool, const T *qkv, const uint32_t *meta, const T *cos, const T *sin, uint32_t n,  \
