@@ -85,12 +85,12 @@ impl Default for LoadOptions {
 
 /// How a model runs its steps, chosen once at load.
 enum Step {
-    /// Tandem's CPU kernels over reused f32 buffers ([`super::lean`]);
-    /// boxed, as its workspace makes it several times the other's size.
+    /// Tandem's CPU kernels over reused f32 buffers ([`super::lean`]).
     Lean(Box<Lean>),
     /// candle ops ([`super::candle_step`]): GPUs (with Tandem's attention
-    /// kernels over pooled KV on CUDA), and the CPU reference.
-    Candle(CandleStep),
+    /// kernels over pooled KV and CUDA graphs on CUDA), and the CPU
+    /// reference. Both boxed: their state differs in size.
+    Candle(Box<CandleStep>),
 }
 
 /// A loaded model. Immutable after load; the engine owns it with the caches.
@@ -154,7 +154,9 @@ impl Model {
                 opts.activation_quant,
             )?))
         } else {
-            Step::Candle(CandleStep::new(&cfg, tables, q_scale, dtype, dev)?)
+            Step::Candle(Box::new(CandleStep::new(
+                &cfg, tables, q_scale, dtype, dev,
+            )?))
         };
         Ok(Self {
             cfg,

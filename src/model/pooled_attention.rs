@@ -614,3 +614,92 @@ mod kernel {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device};
+
+    use super::*;
+    use crate::kv::KvLayout;
+    use crate::model::OutputRows;
+
+    fn config() -> ModelConfig {
+        ModelConfig::from_json(
+            r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 32,
+                "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "max_position_embeddings": 4096}"#,
+        )
+        .unwrap()
+    }
+
+    /// Three decoding sequences at positions 40, 3 and 70 (blocks of 16).
+    fn cache_and_batch() -> (KvCache, Batch) {
+        let layout = KvLayout {
+            num_layers: 1,
+            num_kv_heads: 2,
+            head_dim: 8,
+            dtype: DType::F32,
+        };
+        let mut kv = KvCache::own(layout, Device::Cpu, 4096, 16);
+        let mut batch = Batch::default();
+        for (slot, len) in [(1u32, 40usize), (2, 3), (3, 70)] {
+            kv.allocate(slot, len + 1).unwrap();
+            kv.ensure_room(slot, len + 1).unwrap();
+            kv.set_len(slot, len).unwrap();
+            batch.push(slot, len, &[5], OutputRows::Last);
+        }
+        (kv, batch)
+    }
+
+    /// The fixed layout a graph replays over: same per-token words as the
+    /// packed one, each table at `3·n + i·blocks` padded with zeros, and no
+    /// plan when a table needs more blocks than the layout holds.
+    #[test]
+    fn fixed_tables_sit_at_fixed_places() {
+        let (kv, batch) = cache_and_batch();
+        let cfg = config();
+        let n = batch.tokens.len();
+        let packed = PooledAttention::host_plan(&batch, &kv, &cfg, TableLayout::Packed)
+            .unwrap()
+            .unwrap();
+        let blocks = 8;
+        let fixed = PooledAttention::host_plan(&batch, &kv, &cfg, TableLayout::Fixed { blocks })
+            .unwrap()
+            .unwrap();
+        assert_eq!(fixed.max_keys, 71);
+        assert_eq!(packed.max_keys, 71);
+        assert_eq!(fixed.meta.len(), 3 * n + n * blocks);
+        assert_eq!(
+            fixed.meta[n..3 * n],
+            packed.meta[n..3 * n],
+            "first and own positions"
+        );
+        for (i, s) in batch.seqs.iter().enumerate() {
+            let at = fixed.meta[i] as usize;
+            assert_eq!(at, 3 * n + i * blocks);
+            let table = kv.table(s.slot).unwrap();
+            let used = (s.offset + 1).div_ceil(16);
+            assert_eq!(&fixed.meta[at..at + used], &table[..used]);
+            assert!(fixed.meta[at + used..at + blocks].iter().all(|&b| b == 0));
+            let p = packed.meta[i] as usize;
+            assert_eq!(&packed.meta[p..p + used], &table[..used]);
+        }
+        let short = TableLayout::Fixed { blocks: 4 };
+        assert!(PooledAttention::host_plan(&batch, &kv, &cfg, short)
+            .unwrap()
+            .is_none());
+    }
+
+    /// Split counts depend on a query's own keys, never exceed the kernel's
+    /// bound, and every split fits the shared memory `split_bound` sizes.
+    #[test]
+    fn key_splits_cover_every_key() {
+        for keys in [1, 63, 64, 65, 200, 1023, 1024, 1025, 5000, 20_000] {
+            let splits = key_splits(keys);
+            assert!((1..=MAX_SPLITS).contains(&splits));
+            let chunk = keys.div_ceil(splits);
+            assert!(chunk * (splits - 1) < keys, "{keys}: an empty split");
+            assert!(chunk <= split_bound(keys), "{keys}: chunk {chunk}");
+        }
+    }
+}
