@@ -25,6 +25,19 @@ impl Req {
             spec: None,
         }
     }
+
+    /// Its admission into `slot`, room reserved for its whole run.
+    pub fn admission(&self, slot: u32) -> Admission {
+        Admission {
+            slot,
+            prompt: Arc::from(self.prompt.clone()),
+            sampling: self.sampling,
+            max_new_tokens: self.max_new,
+            kv: KvGrant::Reserve(self.prompt.len() + self.max_new),
+            spec: self.spec,
+            constraints: Default::default(),
+        }
+    }
 }
 
 /// What a run produced, per request, plus the engine's per-step stats.
@@ -56,15 +69,7 @@ pub fn run(engine: &mut Engine, reqs: &[Req], chunk: usize) -> RunResult {
     let mut live = vec![true; n];
     let mut plan = StepPlan::default();
     for (i, r) in reqs.iter().enumerate() {
-        plan.admit.push(Admission {
-            slot: i as u32 + 100,
-            prompt: Arc::from(r.prompt.clone()),
-            sampling: r.sampling,
-            max_new_tokens: r.max_new,
-            kv: KvGrant::Reserve(r.prompt.len() + r.max_new),
-            spec: r.spec,
-            constraints: Default::default(),
-        });
+        plan.admit.push(r.admission(i as u32 + 100));
     }
     for step in 0.. {
         plan.step = step;
@@ -130,15 +135,7 @@ pub fn run_staggered(engine: &mut Engine, reqs: &[Req], joins: &[usize]) -> Vec<
         for (i, r) in reqs.iter().enumerate() {
             let slot = i as u32 + 100;
             if state[i] == 0 && joins[i] as u64 <= step {
-                plan.admit.push(Admission {
-                    slot,
-                    prompt: Arc::from(r.prompt.clone()),
-                    sampling: r.sampling,
-                    max_new_tokens: r.max_new,
-                    kv: KvGrant::Reserve(r.prompt.len() + r.max_new),
-                    spec: r.spec,
-                    constraints: Default::default(),
-                });
+                plan.admit.push(r.admission(slot));
                 plan.work.push(SeqWork::Prefill {
                     slot,
                     start: 0,
