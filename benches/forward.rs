@@ -149,7 +149,7 @@ struct RunTimes {
     prefill: Duration,
     decode: Duration,
     /// Host time spent issuing the decode steps (on a GPU: from a step's
-    /// start until its last launch returned, before waiting for its ids).
+    /// start until the sampler call that waits for its ids).
     issue: Duration,
     prefill_phases: Phases,
     decode_phases: Phases,
@@ -164,6 +164,14 @@ fn run(model: &Model, b: usize, steps: usize, profile: bool) -> RunTimes {
     let mut kv = KvCache::new(model.kv_layout(), device.clone(), b * (PROMPT + steps));
     for s in 0..b as u32 {
         kv.allocate(s, PROMPT + steps).expect("KV room");
+    }
+    // A GPU step ends as the engine's does: its greedy ids through the
+    // sampler (an all-greedy call: one argmax launch, the ids to the host).
+    let slots: Vec<u32> = (0..b as u32).collect();
+    let mut sampler = tandem::sampler::Sampler::with_seed(4096, 1);
+    for &s in &slots {
+        let greedy = tandem::sampler::SamplingOptions::greedy();
+        sampler.add(s, greedy, &[]).expect("sampler slot");
     }
     // Prefill: whole prompts packed into passes of at most UBATCH tokens.
     let start = Instant::now();
@@ -208,9 +216,8 @@ fn run(model: &Model, b: usize, steps: usize, profile: bool) -> RunTimes {
             std::hint::black_box(logits);
         } else {
             // A GPU step ends when its greedy ids reach the host.
-            let ids = logits.argmax(1).expect("argmax");
             issue += step_start.elapsed();
-            std::hint::black_box(ids.to_vec1::<u32>().expect("ids"));
+            std::hint::black_box(sampler.sample(&slots, &logits).expect("ids"));
         }
         mark(2, &mut t);
     }

@@ -269,6 +269,36 @@ pub(crate) fn sample(
     run().map_err(tensor_err)
 }
 
+/// The first maximum of every row of `logits` (`[rows, V]` on a CUDA
+/// device; a NaN never wins, a row without a number gives 0): the greedy
+/// ids of an all-greedy call, with a row spread over many blocks.
+#[cfg(feature = "cuda")]
+pub(crate) fn argmax(logits: &Tensor) -> Result<Vec<u32>, SamplerError> {
+    let run = || -> candle_core::Result<Vec<u32>> {
+        let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+        let keys = logits
+            .apply_op1_no_bwd(&kernel::ArgmaxOp)?
+            .to_vec1::<i64>()?;
+        Ok(keys
+            .into_iter()
+            .map(|k| match k as u64 {
+                0 => 0,
+                k => u32::MAX - (k & 0xffff_ffff) as u32,
+            })
+            .collect())
+    };
+    run().map_err(tensor_err)
+}
+
+/// Without the `cuda` feature no tensor is on a CUDA device, so the
+/// sampler never comes here.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn argmax(_: &Tensor) -> Result<Vec<u32>, SamplerError> {
+    Err(SamplerError::Tensor(
+        "the device sampler needs a --features cuda build".into(),
+    ))
+}
+
 /// Without the `cuda` feature no tensor is on a CUDA device, so the
 /// sampler never comes here.
 #[cfg(not(feature = "cuda"))]
@@ -312,9 +342,54 @@ mod kernel {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::WrapErr;
-    use candle_core::{CpuStorage, CudaStorage, CustomOp3, InplaceOp3, Layout, Shape};
+    use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp3, InplaceOp3, Layout, Shape};
 
     use super::{out_width, PARAM_WIDTH};
+
+    /// Columns one argmax block walks.
+    const ARGMAX_COLUMNS: usize = 4096;
+
+    /// `logits.apply_op1_no_bwd(&ArgmaxOp)` → `[rows]` keys (i64 holding
+    /// the kernel's u64; see `argmax_rows_f32`).
+    pub(super) struct ArgmaxOp;
+
+    impl CustomOp1 for ArgmaxOp {
+        fn name(&self) -> &'static str {
+            "argmax-rows"
+        }
+
+        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+            candle_core::bail!("the argmax kernel runs on CUDA only")
+        }
+
+        fn cuda_fwd(
+            &self,
+            logits: &CudaStorage,
+            l: &Layout,
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
+            contiguous("logits", l)?;
+            let (rows, vocab) = l.shape().dims2()?;
+            let dev = logits.device().clone();
+            let func = dev.get_or_load_custom_func("argmax_rows_f32", MODULE, PTX)?;
+            let logits = logits.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
+            let best = dev.alloc_zeros::<i64>(rows.max(1))?;
+            let (vocab32, per_block) = (vocab as u32, ARGMAX_COLUMNS as u32);
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, vocab.div_ceil(ARGMAX_COLUMNS).max(1) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&logits);
+            b.arg(&vocab32);
+            b.arg(&per_block);
+            b.arg(&best);
+            // SAFETY: argument types match the kernel (the i64 buffer holds
+            // its u64 keys); every read is inside row `blockIdx.x`.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok((CudaStorage::wrap_cuda_slice(best, dev), Shape::from(rows)))
+        }
+    }
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sampling.ptx"));
     const MODULE: &str = "tandem_sampling";

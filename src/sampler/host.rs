@@ -55,8 +55,16 @@ pub(crate) fn with_host_f32<R>(
 
 /// Argmax per row computed where the tensor lives, so only B ids cross to
 /// the host. Used only for all-greedy calls without penalties or logprobs
-/// on a non-CPU device; the rows are not checked for NaN there.
+/// on a non-CPU device; the rows are not checked for NaN there. On CUDA,
+/// Tandem's kernel spreads a row over many blocks (candle's argmax gives a
+/// row one block); ties go to the lowest id either way.
 pub(crate) fn device_argmax(logits: &Tensor) -> Result<Vec<u32>, SamplerError> {
+    if logits.device().is_cuda() {
+        if logits.dims().first() == Some(&0) {
+            return Ok(Vec::new());
+        }
+        return super::device::argmax(logits);
+    }
     logits
         .argmax(1)
         .and_then(|t| t.to_dtype(DType::U32))

@@ -567,3 +567,44 @@ extern "C" __global__ void history_write(
     if (!(p[P_FLAGS] & F_HISTORY)) return;
     history[(size_t)p[P_POOL_ROW] * history_width + p[P_WRITE_POS]] = out[(size_t)i * out_width];
 }
+
+// The first maximum of each row of f32 logits [rows, vocab], for calls whose
+// every row is plain greedy: blockIdx.x is the row, blockIdx.y a run of
+// `per_block` columns, so a single row still spreads over many SMs (the
+// sampling kernel above gives a row one block). Each value becomes a key
+// (order-preserving bits of the value, then the bitwise complement of its
+// id), so the largest key is the largest value at its lowest id; NaN never
+// wins. Blocks combine by atomicMax on `best` (zeroed by the caller: 0 means
+// the row had no number).
+extern "C" __global__ void argmax_rows_f32(const float *logits, uint32_t vocab,
+                                           uint32_t per_block, unsigned long long *best) {
+    const uint32_t row = blockIdx.x;
+    const uint32_t start = blockIdx.y * per_block;
+    const uint32_t end = min(vocab, start + per_block);
+    const float *r = logits + (size_t)row * vocab;
+    unsigned long long key = 0;
+    for (uint32_t i = start + threadIdx.x; i < end; i += blockDim.x) {
+        const float v = r[i];
+        if (v != v) continue;
+        uint32_t u = __float_as_uint(v);
+        u ^= (u >> 31) ? 0xffffffffu : 0x80000000u;
+        const unsigned long long k = ((unsigned long long)u << 32) | (0xffffffffu - i);
+        key = k > key ? k : key;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, o);
+        key = other > key ? other : key;
+    }
+    __shared__ unsigned long long warp_best[32];
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_best[warp] = key;
+    __syncthreads();
+    if (warp == 0) {
+        key = lane < (blockDim.x >> 5) ? warp_best[lane] : 0;
+        for (int o = 16; o > 0; o >>= 1) {
+            const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, o);
+            key = other > key ? other : key;
+        }
+        if (lane == 0 && key != 0) atomicMax(best + row, key);
+    }
+}
