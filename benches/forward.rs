@@ -243,28 +243,24 @@ fn graphs_on_off(configs: &[Config], batches: &[usize], steps: usize, reps: usiz
     println!("\nCUDA graphs of decode passes, on vs off (alternating, medians of {reps}):");
     for c in configs {
         for &b in batches {
+            // Per setting: ms per step, then host ms per step. Graphs run
+            // last in each round, so the stats below are this batch's graph.
             let mut times = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
             for _ in 0..reps {
-                for (i, on) in [(0, true), (2, false)] {
+                for (i, on) in [(2, false), (0, true)] {
                     c.model.set_cuda_graphs(on);
                     let t = run(&c.model, b, steps, false);
                     times[i].push(1e3 * t.decode.as_secs_f64() / steps as f64);
                     times[i + 1].push(1e3 * t.issue.as_secs_f64() / steps as f64);
                 }
             }
-            c.model.set_cuda_graphs(true);
-            run(&c.model, b, 2, false);
             let g = c.model.cuda_graph_stats();
-            let [mut on, mut on_host, mut off, mut off_host] = times;
+            let [on, on_host, off, off_host] = times.map(|mut v| median(&mut v));
             println!(
-                "  {:<6} B={b:<3} on: {:.3} ms/step (host {:.3}), off: {:.3} ms/step (host {:.3}); \
-                 {:.2}x tok/s; a graph holds {} kernels ({} nodes)",
+                "  {:<6} B={b:<3} on: {on:.3} ms/step (host {on_host:.3}), off: {off:.3} ms/step \
+                 (host {off_host:.3}); {:.2}x tok/s; a graph holds {} kernels ({} nodes)",
                 c.name,
-                median(&mut on),
-                median(&mut on_host),
-                median(&mut off),
-                median(&mut off_host),
-                median(&mut off.clone()) / median(&mut on.clone()),
+                off / on,
                 g.kernels,
                 g.nodes,
             );

@@ -253,17 +253,19 @@ impl CandleStep {
             rows: n,
             key_bound,
             layers,
-            pool: kv.pool_generation(),
         };
         let inputs = GraphInputs {
             ids: &batch.tokens,
             meta: &host.meta,
         };
-        self.graphs.run(&self.device, key, inputs, |ids, meta| {
-            let x = weights.embed.index_select(ids, 0)?;
-            let plan = AttentionPlan::Pooled(PooledAttention::over(meta.clone(), kv, key_bound));
-            self.layers(cfg, weights, x, kv, layers, &plan)
-        })
+        let pool = kv.pool_generation();
+        self.graphs
+            .run(&self.device, key, pool, inputs, |ids, meta| {
+                let x = weights.embed.index_select(ids, 0)?;
+                let plan =
+                    AttentionPlan::Pooled(PooledAttention::over(meta.clone(), kv, key_bound));
+                self.layers(cfg, weights, x, kv, layers, &plan)
+            })
     }
 
     /// The first `num_layers` layers over input rows `x` (`[n, hidden]`,

@@ -5,8 +5,9 @@
 //! # What is captured, and what varies between replays
 //! A graph is keyed by [`GraphKey`]: the number of rows (one per sequence:
 //! no padding, so a replay computes exactly what the eager pass does), the
-//! key bound its attention's shared memory is sized for, the layers run,
-//! and the KV pool it reads ([`KvCache::pool_generation`]). Everything a
+//! key bound its attention's shared memory is sized for, and the layers
+//! run; every kept graph reads one KV pool ([`KvCache::pool_generation`]).
+//! Everything a
 //! pass reads that changes from step to step lives in two device buffers
 //! owned by the graph and rewritten before each replay: the token ids and
 //! the attention plan's metadata (per query: its table, first and own
@@ -54,14 +55,14 @@ const MAX_GRAPHS: usize = 256;
 /// The smallest key bound a graph is captured for (bounds are powers of two).
 const MIN_KEY_BOUND: usize = 256;
 
-/// What a captured graph depends on besides its two input buffers.
+/// What a captured graph depends on besides its two input buffers and the
+/// KV pool it reads (see [`DecodeGraphs::run`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) struct GraphKey {
     pub rows: usize,
     /// Most keys any query may see (sizes the attention's shared memory).
     pub key_bound: usize,
     pub layers: usize,
-    pub pool: u64,
 }
 
 impl GraphKey {
@@ -85,6 +86,8 @@ pub(super) struct DecodeGraphs {
 
 struct State {
     enabled: bool,
+    /// The [`KvCache::pool_generation`] every kept graph reads.
+    pool: u64,
     #[cfg(feature = "cuda")]
     graphs: HashMap<GraphKey, cuda::Captured>,
     #[cfg(not(feature = "cuda"))]
@@ -112,6 +115,7 @@ impl DecodeGraphs {
         Self {
             state: Mutex::new(State {
                 enabled: device.is_cuda() && cfg!(feature = "cuda") && !off,
+                pool: 0,
                 graphs: HashMap::new(),
                 stats: GraphStats::default(),
             }),
@@ -139,15 +143,17 @@ impl DecodeGraphs {
         self.lock().stats
     }
 
-    /// The hidden rows of the pass `key` over `inputs`: a replay of its
-    /// graph, or else `pass` run eagerly and then captured. `pass` maps the
-    /// device ids and metadata to the layers' output; it must read nothing
-    /// else that varies between steps. `None` when graphs are off (the
-    /// caller runs the pass itself).
+    /// The hidden rows of the pass `key` over `inputs` and the KV pool of
+    /// generation `pool`: a replay of its graph, or else `pass` run eagerly
+    /// and then captured. `pass` maps the device ids and metadata to the
+    /// layers' output; it must read nothing else that varies between
+    /// steps. Graphs over another pool are dropped. `None` when graphs are
+    /// off (the caller runs the pass itself).
     pub fn run(
         &self,
         device: &Device,
         key: GraphKey,
+        pool: u64,
         inputs: GraphInputs<'_>,
         pass: impl FnMut(&Tensor, &Tensor) -> Result<Tensor, ModelError>,
     ) -> Result<Option<Tensor>, ModelError> {
@@ -155,7 +161,10 @@ impl DecodeGraphs {
         if !s.enabled {
             return Ok(None);
         }
-        s.graphs.retain(|k, _| k.pool == key.pool);
+        if s.pool != pool {
+            s.graphs.clear();
+            s.pool = pool;
+        }
         #[cfg(feature = "cuda")]
         {
             if let Some(g) = s.graphs.get(&key) {
@@ -183,7 +192,7 @@ impl DecodeGraphs {
         }
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = (device, inputs, pass);
+            let _ = (device, key, inputs, pass);
             Ok(None)
         }
     }

@@ -178,6 +178,9 @@ impl PooledAttention {
         let block_size = kv.block_size();
         let n = batch.tokens.len();
         let mut meta = vec![0u32; 3 * n];
+        if let TableLayout::Fixed { blocks } = layout {
+            meta.resize(3 * n + batch.seqs.len() * blocks, 0);
+        }
         let mut max_keys = 0;
         let mut at = 0;
         for (i, s) in batch.seqs.iter().enumerate() {
@@ -188,30 +191,26 @@ impl PooledAttention {
             // A typed error when the table does not reach the last position.
             kv.row(s.slot, end - 1)?;
             let used = end.div_ceil(block_size);
+            let table = &kv.table(s.slot)?[..used];
             let table_at = match layout {
-                TableLayout::Packed => meta.len(),
-                TableLayout::Fixed { blocks } if used <= blocks => 3 * n + i * blocks,
+                TableLayout::Packed => {
+                    meta.extend_from_slice(table);
+                    meta.len() - used
+                }
+                TableLayout::Fixed { blocks } if used <= blocks => {
+                    let start = 3 * n + i * blocks;
+                    meta[start..start + used].copy_from_slice(table);
+                    start
+                }
                 TableLayout::Fixed { .. } => return Ok(None),
             };
             let table_at = u32::try_from(table_at)
                 .map_err(|_| ModelError::InvalidBatch("block tables past 2^32 words".into()))?;
-            let table = &kv.table(s.slot)?[..used];
-            match layout {
-                TableLayout::Packed => meta.extend_from_slice(table),
-                TableLayout::Fixed { blocks } => {
-                    meta.resize(3 * n + (i + 1) * blocks, 0);
-                    let start = table_at as usize;
-                    meta[start..start + used].copy_from_slice(table);
-                }
-            }
             for pos in s.offset..end {
                 let first = match cfg.sliding_window {
                     Some(w) if pos + 1 > w => pos + 1 - w,
                     _ => 0,
                 };
-                if !Self::fits(cfg, pos + 1 - first, block_size) {
-                    return Ok(None);
-                }
                 max_keys = max_keys.max(pos + 1 - first);
                 meta[at] = table_at;
                 meta[n + at] = first as u32;
@@ -219,8 +218,9 @@ impl PooledAttention {
                 at += 1;
             }
         }
-        if let TableLayout::Fixed { blocks } = layout {
-            meta.resize(3 * n + batch.seqs.len() * blocks, 0);
+        // `fits` only loosens as keys shrink: the longest query decides.
+        if !Self::fits(cfg, max_keys, block_size) {
+            return Ok(None);
         }
         Ok(Some(HostPlan { meta, max_keys }))
     }
