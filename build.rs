@@ -31,6 +31,7 @@ fn main() {
     for (dir, kernel) in [
         ("model", "attention"),
         ("model", "fused"),
+        ("model", "gemv"),
         ("sampler", "sampling"),
     ] {
         let src = format!("src/{dir}/cuda/{kernel}.cu");

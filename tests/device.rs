@@ -50,6 +50,16 @@ fn small_model(device: &Device, sliding_window: Option<usize>) -> Model {
 
 /// [`small_model`] for contexts up to `max_positions`.
 fn small_model_for(device: &Device, sliding_window: Option<usize>, max_positions: usize) -> Model {
+    small_model_in(device, sliding_window, max_positions, DType::F32)
+}
+
+/// [`small_model_for`] computing in `dtype`.
+fn small_model_in(
+    device: &Device,
+    sliding_window: Option<usize>,
+    max_positions: usize,
+    dtype: DType,
+) -> Model {
     let json = serde_json::json!({
         "architectures": [if sliding_window.is_some() { "MistralForCausalLM" } else { "LlamaForCausalLM" }],
         "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64,
@@ -59,7 +69,7 @@ fn small_model_for(device: &Device, sliding_window: Option<usize>, max_positions
     });
     let cfg = ModelConfig::from_json(&json.to_string()).unwrap();
     let w = Weights::random(&cfg, 7, 0.5).unwrap();
-    Model::load(cfg, &w, &options(device, DType::F32)).unwrap()
+    Model::load(cfg, &w, &options(device, dtype)).unwrap()
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -133,6 +143,62 @@ fn pooled_batched_attention_equals_per_sequence() {
         for (g, w) in got.iter().zip(&want) {
             let d = max_abs_diff(g, w);
             assert!(d <= 1e-4, "window {window:?}: decode differs by {d}");
+        }
+    }
+}
+
+/// Against small weights (this model's) decode batches of up to 8 rows
+/// take Tandem's GEMV kernel on a GPU, whose sums do not depend on the row
+/// count, beside per-row attention and norms: there a sequence's logits
+/// are the same bits in any decode batch of up to 8, in any order. Above 8
+/// rows (cuBLAS) and off the GPU they agree within rounding.
+#[test]
+fn small_decode_batches_are_batch_invariant() {
+    let device = test_device();
+    let dtypes: &[DType] = if device.is_cuda() {
+        &[DType::F32, DType::BF16]
+    } else {
+        &[DType::F32]
+    };
+    let histories = [3usize, 17, 40, 1, 64, 9, 25, 33, 12];
+    for &dtype in dtypes {
+        let model = small_model_in(&device, None, 256, dtype);
+        // Every history prefilled alone, so the caches hold the same bits.
+        let prefilled = || {
+            let mut kv = KvCache::pooled(model.kv_layout(), device.clone(), 4096);
+            for (i, &h) in histories.iter().enumerate() {
+                kv.allocate(i as u32, 128).unwrap();
+                let mut b = Batch::default();
+                b.push(i as u32, 0, &prompt(i as u32, h, 97), OutputRows::Last);
+                step(&model, &mut kv, &b);
+            }
+            kv
+        };
+        let decode = |seqs: &[usize]| {
+            let mut b = Batch::default();
+            for &i in seqs {
+                let token = (i as u32 * 7 + 2) % 97;
+                b.push(i as u32, histories[i], &[token], OutputRows::Last);
+            }
+            step(&model, &mut prefilled(), &b)
+        };
+        let solo: Vec<Vec<f32>> = (0..histories.len())
+            .map(|i| decode(&[i]).remove(0))
+            .collect();
+        for size in [2, 5, 8, 9] {
+            let seqs: Vec<usize> = (0..size).rev().collect();
+            for (row, &i) in decode(&seqs).iter().zip(&seqs) {
+                if device.is_cuda() && size <= 8 {
+                    assert!(
+                        row == &solo[i],
+                        "{dtype:?}: sequence {i} in a batch of {size}"
+                    );
+                } else {
+                    let d = max_abs_diff(row, &solo[i]);
+                    let tolerance = if dtype == DType::F32 { 1e-4 } else { 5e-2 };
+                    assert!(d <= tolerance, "{dtype:?}: batch of {size} differs by {d}");
+                }
+            }
         }
     }
 }

@@ -3,7 +3,10 @@
 //!
 //! A pass embeds nothing itself (the [`Model`](super::Model) hands it the
 //! input rows), runs every layer with candle ops over the fused weights of
-//! [`ModelWeights`] and writes each sequence's K/V into its slot. Attention
+//! [`ModelWeights`] and writes each sequence's K/V into its slot. Each
+//! projection gets its input as a [`Normed`] (residual add and RMSNorm
+//! still to apply), so a small-batch GPU projection can fold them into its
+//! own launch (`super::gemv`); elsewhere they run first. Attention
 //! is the only per-sequence part, and how it runs is chosen once per pass,
 //! before the layer loop, as an [`AttentionPlan`]:
 //! - **pooled**: over pooled KV on CUDA, Tandem's own kernels
@@ -27,8 +30,8 @@ use candle_core::{DType, Device, Tensor};
 
 use super::batched_attention::BatchedAttention;
 use super::decode_graphs::{DecodeGraphs, GraphInputs, GraphKey, MAX_GRAPH_ROWS};
-use super::fused;
-use super::llama_weights::{LayerWeights, ModelWeights, QScale};
+use super::fused::Normed;
+use super::llama_weights::{ModelWeights, QScale};
 use super::pooled_attention::{PooledAttention, TableLayout};
 use super::{Batch, ModelConfig, ModelError, OutputRows, SeqSpan};
 use crate::kv::KvCache;
@@ -302,27 +305,43 @@ impl CandleStep {
         let eps = cfg.rms_norm_eps as f32;
         let mut clock = PhaseClock::start(&self.device, lock(&self.profile).take());
         let layers = &weights.layers[..num_layers.min(weights.layers.len())];
-        // `h` is the normed input of the next block; each residual add is
-        // fused with the norm that follows it.
-        let mut h = match layers.first() {
-            Some(first) => candle_nn::ops::rms_norm(&x, &first.attn_norm, eps)?,
-            None => x.clone(),
-        };
+        // The next projection's input, its residual add and norm deferred
+        // so a small-batch GPU projection folds them into its launch.
+        let mut next = layers.first().map(|first| Normed {
+            x: x.clone(),
+            addend: None,
+            norm: first.attn_norm.clone(),
+            eps,
+        });
         for (l, layer) in layers.iter().enumerate() {
             clock.lap(0)?;
-            let attn = self.attend(cfg, layer, l, &h, plan, kv, &mut clock)?;
+            let input = next.take().expect("every layer has its input");
+            let (mut qkv, residual) = input.project(&layer.qkv, None)?;
+            if let Some(b) = &layer.qkv_bias {
+                qkv = qkv.broadcast_add(b)?;
+            }
+            let attn = self.attend(cfg, l, &qkv, plan, kv, &mut clock)?;
             clock.lap(2)?;
             let o = layer.o_proj.forward(&attn)?;
-            (x, h) = fused::add_rms_norm(&x, &o, &layer.mlp_norm, eps)?;
+            let input = Normed {
+                x: residual,
+                addend: Some(o),
+                norm: layer.mlp_norm.clone(),
+                eps,
+            };
             clock.lap(3)?;
-
-            let gu = layer.gate_up.forward(&h)?;
-            let down = layer
-                .down
-                .forward(&fused::silu_mul(&gu, cfg.intermediate_size)?)?;
+            let (act, residual) = input.project(&layer.gate_up, Some(cfg.intermediate_size))?;
+            let down = layer.down.forward(&act)?;
             match layers.get(l + 1) {
-                Some(next) => (x, h) = fused::add_rms_norm(&x, &down, &next.attn_norm, eps)?,
-                None => x = (x + down)?,
+                Some(following) => {
+                    next = Some(Normed {
+                        x: residual,
+                        addend: Some(down),
+                        norm: following.attn_norm.clone(),
+                        eps,
+                    })
+                }
+                None => x = (residual + down)?,
             }
             clock.lap(4)?;
         }
@@ -393,25 +412,20 @@ impl CandleStep {
     fn attend(
         &self,
         cfg: &ModelConfig,
-        layer: &LayerWeights,
         l: usize,
-        h: &Tensor,
+        qkv: &Tensor,
         plan: &AttentionPlan,
         kv: &mut KvCache,
         clock: &mut PhaseClock<'_>,
     ) -> Result<Tensor, ModelError> {
-        let mut qkv = layer.qkv.forward(h)?;
-        if let Some(b) = &layer.qkv_bias {
-            qkv = qkv.broadcast_add(b)?;
-        }
         match plan {
             AttentionPlan::Pooled(pooled) => {
                 clock.lap(1)?;
                 let q_scale = self.query_scale(cfg) as f32;
-                pooled.forward(cfg, kv, l, &qkv, (&self.cos, &self.sin), q_scale)
+                pooled.forward(cfg, kv, l, qkv, (&self.cos, &self.sin), q_scale)
             }
             AttentionPlan::Batched { rope, plan } => {
-                let r = self.rotated(cfg, &qkv, rope)?;
+                let r = self.rotated(cfg, qkv, rope)?;
                 clock.lap(1)?;
                 if plan.singles().is_empty() {
                     return plan.forward(cfg, kv, l, &r.q, &r.k, &r.v);
@@ -421,7 +435,7 @@ impl CandleStep {
                 plan.reorder(&parts)
             }
             AttentionPlan::PerSequence { rope, spans } => {
-                let r = self.rotated(cfg, &qkv, rope)?;
+                let r = self.rotated(cfg, qkv, rope)?;
                 clock.lap(1)?;
                 let mut parts = self.attend_each(cfg, spans, kv, l, &r)?;
                 Ok(if parts.len() == 1 {

@@ -7,8 +7,29 @@
 //! time saved per token. The kernels round once where the candle pair
 //! rounded twice (in f16/bf16). Every other device, and every build
 //! without the `cuda` feature, runs the candle ops.
+//!
+//! Smaller steps on CUDA fold further ([`super::gemv`]): a layer hands its
+//! projections a [`Normed`] input, the residual add and norm still to
+//! apply, and the GEMV kernel applies them as it loads it; SwiGLU ends the
+//! gate/up projection's launch.
 
 use candle_core::Tensor;
+
+use super::linear::Linear;
+
+/// Widest row the fused norm kernel keeps in registers (16 elements for
+/// each of at most 1 024 threads; `ITEMS` in `cuda/fused.cu`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const MAX_NORM_WIDTH: usize = 16 * 1024;
+
+/// Threads of the norm kernel's block for rows of `d`: up to 512, more
+/// only where a row needs them (16 elements a thread).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn norm_threads(d: usize) -> usize {
+    d.next_multiple_of(32)
+        .clamp(32, 512)
+        .max(d.div_ceil(16).next_multiple_of(32))
+}
 
 /// `(x + y, rms_norm(x + y) · w)`.
 pub(super) fn add_rms_norm(
@@ -18,7 +39,7 @@ pub(super) fn add_rms_norm(
     eps: f32,
 ) -> candle_core::Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && x.dim(0)? > 0 {
+    if x.device().is_cuda() && x.dim(0)? > 0 && x.dim(1)? <= MAX_NORM_WIDTH {
         let both = x.apply_op3_no_bwd(y, w, &kernel::AddRmsNorm { eps })?;
         return Ok((both.get(0)?, both.get(1)?));
     }
@@ -35,6 +56,63 @@ pub(super) fn silu_mul(gu: &Tensor, inter: usize) -> candle_core::Result<Tensor>
         return gu.apply_op1_no_bwd(&kernel::SiluMul { inter });
     }
     candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)? * gu.narrow(1, inter, inter)?
+}
+
+/// A projection's input still to be normed: `rms_norm(x + addend) · norm`
+/// (no add without `addend`). Deferring the norm lets a small-batch GPU
+/// projection fold the residual add and the norm into its own launch.
+pub(super) struct Normed {
+    pub(super) x: Tensor,
+    pub(super) addend: Option<Tensor>,
+    pub(super) norm: Tensor,
+    pub(super) eps: f32,
+}
+
+impl Normed {
+    /// The projection of the normed rows by `linear` (with `mlp =
+    /// Some(inter)`, the MLP's SwiGLU activation of its fused gate/up
+    /// rows) and the residual stream `x + addend`.
+    pub(super) fn project(
+        &self,
+        linear: &Linear,
+        mlp: Option<usize>,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        if let Linear::Dense(w) = linear {
+            let input = super::gemv::PendingNorm {
+                x: &self.x,
+                addend: self.addend.as_ref(),
+                norm: &self.norm,
+                eps: self.eps,
+            };
+            if let Some(both) = super::gemv::project_normed(&input, w, mlp.is_some())? {
+                return Ok(both);
+            }
+        }
+        let (x, h) = match &self.addend {
+            Some(y) => add_rms_norm(&self.x, y, &self.norm, self.eps)?,
+            None => (
+                self.x.clone(),
+                candle_nn::ops::rms_norm(&self.x, &self.norm, self.eps)?,
+            ),
+        };
+        let out = match mlp {
+            Some(inter) => swiglu(&h, linear, inter)?,
+            None => linear.forward(&h)?,
+        };
+        Ok((out, x))
+    }
+}
+
+/// The MLP's activation `silu(gate) · up` of the fused gate/up projection
+/// of `h`: one launch of the GEMV kernel where it takes the rows (a decode
+/// step on CUDA), else the projection and [`silu_mul`].
+pub(super) fn swiglu(h: &Tensor, gate_up: &Linear, inter: usize) -> candle_core::Result<Tensor> {
+    if let Linear::Dense(w) = gate_up {
+        if let Some(y) = super::gemv::project_swiglu(h, w)? {
+            return Ok(y);
+        }
+    }
+    silu_mul(&gate_up.forward(h)?, inter)
 }
 
 #[cfg(feature = "cuda")]
@@ -98,7 +176,7 @@ mod kernel {
             let (n32, d32) = (n as u32, d as u32);
             let cfg = LaunchConfig {
                 grid_dim: (n32.max(1), 1, 1),
-                block_dim: (d.next_multiple_of(32).clamp(32, 512) as u32, 1, 1),
+                block_dim: (super::norm_threads(d) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
             if n > 0 {

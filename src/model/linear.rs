@@ -352,7 +352,10 @@ impl Linear {
     /// The candle path: `x: [rows, k]` → `[rows, n]` in `x`'s dtype.
     pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
-            Self::Dense(w) => x.matmul(&w.t()?),
+            Self::Dense(w) => match super::gemv::project(x, w)? {
+                Some(y) => Ok(y),
+                None => x.matmul(&w.t()?),
+            },
             Self::Quantized(q) => {
                 let dtype = x.dtype();
                 let y = x.contiguous()?.apply_op1_no_bwd(q.as_ref())?;

@@ -36,6 +36,7 @@ pub mod config;
 mod cuda_view;
 mod decode_graphs;
 mod fused;
+mod gemv;
 pub(crate) mod kernels;
 mod lean;
 #[cfg(test)]

@@ -1,20 +1,21 @@
-//! Attention over pooled KV in four kernel launches per layer (CUDA builds),
+//! Attention over pooled KV in three kernel launches per layer (CUDA builds),
 //! straight from the fused q/k/v projection.
 //!
 //! Tandem's own kernels (`cuda/attention.cu`, compiled to PTX by
-//! `build.rs`): one writes the batch's new K rows into the pool, rotated
-//! (RoPE) on the way, one the V rows; the third runs one thread block per
-//! query token, query head and *split* of the token's keys (split-K, as
+//! `build.rs`): one writes the batch's new K rows (rotated by RoPE on the
+//! way) and V rows into the pools; the second runs one thread block per
+//! query token, group of query heads sharing a KV head (one by default;
+//! see [`head_group`]) and *split* of the token's keys (split-K, as
 //! flash-decoding does), rotates and scales the token's q as it loads it,
 //! and reads its keys and values straight from the layer's pool through its
 //! sequence's block table: no gather, no padding, no mask, whatever mix of
 //! decodes, draft verifications and prefill chunks the batch holds; the
-//! fourth merges each query's splits. A query's split count is a function
+//! third merges each query's splits. A query's split count is a function
 //! of its own key count alone ([`key_splits`]), so a single decoding
 //! sequence fills the GPU and its sums still never depend on the rest of
 //! the batch. All read the `[n, (heads + 2·kv_heads)·head_dim]` projection
 //! rows as they are, so the q/k/v split copies and the RoPE launches of
-//! the candle path do not exist here: four launches per layer instead of
+//! the candle path do not exist here: three launches per layer instead of
 //! the dozen of [`super::batched_attention`] (which stays the path of
 //! other devices). candle's own scatter could do the write, but it walks a
 //! batch's rows one after the other.
@@ -39,7 +40,8 @@ const SHARED_BYTES: usize = 96 * 1024;
 
 /// Warps per attention block (the kernel's block is 32 × this threads).
 const WARPS: usize = 4;
-/// Largest head dimension the kernel covers (8 per lane).
+/// Largest head dimension the kernel covers (two 16-byte packs per lane),
+/// which must be a multiple of 8 (whole packs in every dtype).
 const MAX_HEAD_DIM: usize = 256;
 
 /// The most splits of one query's keys (the kernel's `MAX_SPLITS`: split-K
@@ -78,10 +80,42 @@ fn split_bound(keys: usize) -> usize {
 }
 
 /// Shared bytes a block needs for a split of at most `keys` keys in blocks
-/// of `block_size`: the query, reduction scratch, one partial output row
-/// per warp, one score per key and the table entries the keys span.
+/// of `block_size`: its queries, reduction scratch, a partial output row
+/// per warp and query, a score per key and query, and the table entries
+/// the keys span.
 fn shared_bytes(cfg: &ModelConfig, keys: usize, block_size: usize) -> usize {
-    4 * (cfg.head_dim + 32 + WARPS * cfg.head_dim + keys + keys / block_size + 2)
+    let (group, dim) = (MAX_GROUP, cfg.head_dim);
+    4 * (group * dim + 32 + WARPS * group * dim + group * keys + keys / block_size + 2)
+}
+
+/// The most query heads one attention block serves with their shared KV
+/// head's keys (the kernel's largest `G`).
+const MAX_GROUP: usize = 4;
+
+/// Query heads per attention block for `per_kv` query heads per KV head:
+/// `TANDEM_ATTENTION_GROUP` (1, 2 or 4, read once per process; default
+/// 1), no more than a power of two covering `per_kv`. Grouping reads each
+/// key once for the group, but gives the grid fewer, longer blocks.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn head_group(per_kv: usize) -> usize {
+    static GROUP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let group =
+        *GROUP.get_or_init(
+            || match std::env::var("TANDEM_ATTENTION_GROUP").ok().as_deref() {
+                Some("2") => 2,
+                Some("4") => 4,
+                _ => 1,
+            },
+        );
+    group.min(per_kv.next_power_of_two())
+}
+
+/// Attention blocks per (query token, split): each KV head's query heads
+/// in groups of [`head_group`].
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn head_blocks(heads: usize, kv_heads: usize) -> usize {
+    let per_kv = heads / kv_heads;
+    kv_heads * per_kv.div_ceil(head_group(per_kv))
 }
 
 /// The per-pass part: where each query token's keys are.
@@ -156,7 +190,7 @@ impl PooledAttention {
 
     /// Whether the kernels can attend over `kv` on `device` for `cfg`'s heads.
     pub(super) fn supports(kv: &KvCache, cfg: &ModelConfig, device: &Device) -> bool {
-        let head_fits = cfg.head_dim <= MAX_HEAD_DIM && cfg.head_dim.is_multiple_of(2);
+        let head_fits = cfg.head_dim <= MAX_HEAD_DIM && cfg.head_dim.is_multiple_of(8);
         device.is_cuda() && kv.is_pooled() && head_fits && kv.block_size().is_power_of_two()
     }
 
@@ -259,20 +293,14 @@ fn run_kernels(
     cfg: &ModelConfig,
 ) -> Result<Tensor, ModelError> {
     let qkv = qkv.contiguous()?;
-    let write = |first_head: usize, rope: bool| kernel::PoolWriteOp {
+    let write = kernel::PoolWriteOp {
+        meta: &plan.meta,
         cos,
         sin,
         heads: cfg.num_heads,
-        first_head,
-        rope,
         block_shift: plan.block_shift,
     };
-    k_pool.inplace_op3(&qkv, &plan.meta, &write(cfg.num_heads, true))?;
-    v_pool.inplace_op3(
-        &qkv,
-        &plan.meta,
-        &write(cfg.num_heads + cfg.num_kv_heads, false),
-    )?;
+    k_pool.inplace_op3(v_pool, &qkv, &write)?;
     let op = kernel::PooledAttentionOp {
         meta: &plan.meta,
         cos,
@@ -331,15 +359,17 @@ mod kernel {
         pub(super) block_shift: u32,
     }
 
-    /// The K (rotated) or V heads of the projection rows into a pool, in
-    /// place: `pool.inplace_op3(qkv, meta, &PoolWriteOp)`.
+    /// The K (rotated) and V heads of the projection rows into a layer's
+    /// two pools, in place, in one launch: `k_pool.inplace_op3(v_pool, qkv,
+    /// &PoolWriteOp)`. candle's in-place ops take one mutable operand, so
+    /// the V pool is written through its storage's device pointer; both
+    /// pools are the KV cache's own, and every later reader of them runs on
+    /// the same stream after this launch.
     pub(super) struct PoolWriteOp<'a> {
+        pub(super) meta: &'a Tensor,
         pub(super) cos: &'a Tensor,
         pub(super) sin: &'a Tensor,
         pub(super) heads: usize,
-        /// Head index within a qkv row where the written heads start.
-        pub(super) first_head: usize,
-        pub(super) rope: bool,
         pub(super) block_shift: u32,
     }
 
@@ -394,45 +424,41 @@ mod kernel {
         fn launch<T: CudaDType + DeviceRepr>(
             &self,
             name: &str,
-            (pool, pl): (&mut CudaStorage, &Layout),
+            (k_pool, kl): (&mut CudaStorage, &Layout),
+            (v_pool, vl): (&CudaStorage, &Layout),
             (qkv, ql): (&CudaStorage, &Layout),
-            (meta, ml): (&CudaStorage, &Layout),
         ) -> candle_core::Result<()> {
-            let (_, kv_heads, head_dim) = pl.shape().dims3()?;
+            let (_, kv_heads, head_dim) = kl.shape().dims3()?;
             let (n, width) = ql.shape().dims2()?;
-            if width != (self.heads + 2 * kv_heads) * head_dim || !pl.is_contiguous() {
+            let pools_match = kl.shape() == vl.shape() && kl.is_contiguous();
+            if width != (self.heads + 2 * kv_heads) * head_dim || !pools_match {
                 candle_core::bail!(
-                    "pool write: projection rows {:?} into pool {:?}",
+                    "pool write: projection rows {:?} into pools {:?} and {:?}",
                     ql.shape(),
-                    pl.shape()
+                    kl.shape(),
+                    vl.shape()
                 );
             }
-            let dev = pool.device().clone();
+            let dev = k_pool.device().clone();
             let func = dev.get_or_load_custom_func(name, "tandem_pooled_attention", PTX)?;
-            let meta = view::<u32>(meta, ml)?;
             let qkv = view::<T>(qkv, ql)?;
-            let start = pl.start_offset();
-            let pool = pool.as_cuda_slice_mut::<T>()?;
-            let mut pool = pool.slice_mut(start..);
-            let args = [
-                n,
-                self.heads,
-                kv_heads,
-                head_dim,
-                self.first_head,
-                self.rope as usize,
-                self.block_shift as usize,
-            ]
-            .map(|x| x as u32);
-            let total = n * kv_heads * head_dim / 2;
+            let v_pool = view::<T>(v_pool, vl)?;
+            let start = kl.start_offset();
+            let k_pool = k_pool.as_cuda_slice_mut::<T>()?;
+            let mut k_pool = k_pool.slice_mut(start..);
+            let args =
+                [n, self.heads, kv_heads, head_dim, self.block_shift as usize].map(|x| x as u32);
+            let total = n * kv_heads * head_dim;
             let cfg = LaunchConfig {
                 grid_dim: (total.div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            with_tables::<T, _>(None, self.cos, self.sin, |_, cos, sin| {
+            with_tables::<T, _>(Some(self.meta), self.cos, self.sin, |meta, cos, sin| {
+                let meta = meta.expect("meta view");
                 let mut b = func.builder();
-                b.arg(&mut pool);
+                b.arg(&mut k_pool);
+                b.arg(&v_pool);
                 b.arg(&qkv);
                 b.arg(&meta);
                 b.arg(&cos);
@@ -441,7 +467,8 @@ mod kernel {
                     b.arg(a);
                 }
                 // SAFETY: argument types match the kernel; every row comes
-                // from a block table the plan checked against the slot's.
+                // from a block table the plan checked against the slot's,
+                // in pools of one shape.
                 unsafe { b.launch(cfg) }.w()?;
                 Ok(())
             })
@@ -467,14 +494,14 @@ mod kernel {
 
         fn cuda_fwd(
             &self,
-            pool: &mut CudaStorage,
-            pl: &Layout,
+            k_pool: &mut CudaStorage,
+            kl: &Layout,
+            v_pool: &CudaStorage,
+            vl: &Layout,
             qkv: &CudaStorage,
             ql: &Layout,
-            meta: &CudaStorage,
-            ml: &Layout,
         ) -> candle_core::Result<()> {
-            let args = ((pool, pl), (qkv, ql), (meta, ml));
+            let args = ((k_pool, kl), (v_pool, vl), (qkv, ql));
             match qkv.dtype() {
                 DType::F32 => self.launch::<f32>("pooled_write_f32", args.0, args.1, args.2),
                 DType::F16 => self.launch::<half::f16>("pooled_write_f16", args.0, args.1, args.2),
@@ -489,7 +516,7 @@ mod kernel {
     impl PooledAttentionOp<'_> {
         fn launch<T: CudaDType + DeviceRepr>(
             &self,
-            name: &str,
+            suffix: &str,
             (qkv, ql): (&CudaStorage, &Layout),
             (k, kl): (&CudaStorage, &Layout),
             (v, vl): (&CudaStorage, &Layout),
@@ -498,6 +525,15 @@ mod kernel {
             let (n, _) = ql.shape().dims2()?;
             let (_, kv_heads, head_dim) = kl.shape().dims3()?;
             let heads = self.heads;
+            // A lane reads 16-byte packs: `pack` elements of a head.
+            let pack = 16 / std::mem::size_of::<T>();
+            if [kl, vl]
+                .iter()
+                .any(|l| !l.start_offset().is_multiple_of(pack))
+            {
+                candle_core::bail!("pooled attention: pool views off a 16-byte boundary");
+            }
+            let lanes = (head_dim / pack).next_power_of_two().min(32) as u32;
             let qkv = view::<T>(qkv, ql)?;
             let k = view::<T>(k, kl)?;
             let v = view::<T>(v, vl)?;
@@ -505,9 +541,14 @@ mod kernel {
             // split past a query's own count is never read).
             let partial = unsafe { dev.alloc::<f32>(n * heads * self.splits * (head_dim + 2))? };
             let out = unsafe { dev.alloc::<T>(n * heads * head_dim)? };
-            let func = dev.get_or_load_custom_func(name, "tandem_pooled_attention", PTX)?;
+            let group = super::head_group(heads / kv_heads);
+            let func = dev.get_or_load_custom_func(
+                &format!("pooled_attention_g{group}_{suffix}"),
+                "tandem_pooled_attention",
+                PTX,
+            )?;
             let combine = dev.get_or_load_custom_func(
-                &name.replace("attention", "attention_combine"),
+                &format!("pooled_attention_combine_{suffix}"),
                 "tandem_pooled_attention",
                 PTX,
             )?;
@@ -523,7 +564,11 @@ mod kernel {
             debug_assert_eq!(kv_heads, self.kv_heads);
             let dims = [n, heads, kv_heads, head_dim, self.block_shift as usize].map(|x| x as u32);
             let cfg = LaunchConfig {
-                grid_dim: (dims[0], dims[1], self.splits as u32),
+                grid_dim: (
+                    dims[0],
+                    super::head_blocks(heads, kv_heads) as u32,
+                    self.splits as u32,
+                ),
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: self.shared_bytes as u32,
             };
@@ -544,6 +589,7 @@ mod kernel {
                 b.arg(&dims[4]);
                 let split_keys = super::split_keys() as u32;
                 b.arg(&split_keys);
+                b.arg(&lanes);
                 // SAFETY: argument types and counts match the kernel's
                 // signature; the metadata keeps every read inside the pools.
                 unsafe { b.launch(cfg) }.w()?;
@@ -602,13 +648,9 @@ mod kernel {
         ) -> candle_core::Result<(CudaStorage, Shape)> {
             let args = ((qkv, ql), (k, kl), (v, vl));
             match qkv.dtype() {
-                DType::F32 => self.launch::<f32>("pooled_attention_f32", args.0, args.1, args.2),
-                DType::F16 => {
-                    self.launch::<half::f16>("pooled_attention_f16", args.0, args.1, args.2)
-                }
-                DType::BF16 => {
-                    self.launch::<half::bf16>("pooled_attention_bf16", args.0, args.1, args.2)
-                }
+                DType::F32 => self.launch::<f32>("f32", args.0, args.1, args.2),
+                DType::F16 => self.launch::<half::f16>("f16", args.0, args.1, args.2),
+                DType::BF16 => self.launch::<half::bf16>("bf16", args.0, args.1, args.2),
                 other => candle_core::bail!("pooled attention has no {other:?} kernel"),
             }
         }

@@ -34,8 +34,9 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
-// Head dimensions a lane covers (head_dim <= 32 * this; the host checks).
-#define MAX_DIMS_PER_LANE 8
+// 16-byte packs of a head one lane covers: head_dim <= 32 * N * this,
+// where N is Pack<T>::N (the host checks).
+#define MAX_PACKS_PER_LANE 2
 
 // Reduces over the block (blockDim.x a multiple of 32); every thread gets
 // the result. `red` holds at least 32 floats.
@@ -88,26 +89,26 @@ __device__ __forceinline__ uint32_t key_splits(uint32_t keys, uint32_t split_key
     return min((keys + split_keys - 1) / split_keys, (uint32_t)MAX_SPLITS);
 }
 
-// qkv: [n, (heads + 2 kv_heads) * head_dim] projection rows; k, v: [rows,
-// kv_heads, head_dim]; meta: u32, [3, n] = (offset in meta of the
-// sequence's block table, first visible position, last visible position,
-// which is the token's own) per query token, then the tables. Writes, per
-// (token, head, split), a row of `partial` ([n, heads, gridDim.z,
-// head_dim + 2] floats): the split's unnormalised weighted values, its max
-// score and its sum of exponentials. Splits past the query's own count do
-// nothing.
-//
-// Scores: one warp per key, lanes across dimensions. Values: warps split
-// the keys, lanes the dimensions, and the warps' rows are summed in
-// shared memory in warp order.
-template <typename T>
+// G: query heads one block attends with the keys of their shared KV head
+// (grouped-query attention then reads each key once for all of them); a KV
+// head with more query heads gives them ceil(heads per KV head / G)
+// blocks. The host picks G (1, 2 or 4) per process.
+
+template <typename T, uint32_t G>
 __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uint32_t *meta,
                                  const T *cos, const T *sin, float *partial, uint32_t n,
                                  uint32_t heads, uint32_t kv_heads, uint32_t head_dim,
-                                 float q_scale, uint32_t shift, uint32_t split_keys) {
+                                 float q_scale, uint32_t shift, uint32_t split_keys,
+                                 uint32_t lanes) {
+    constexpr uint32_t N = Pack<T>::N;
+    constexpr uint32_t D = MAX_PACKS_PER_LANE * N;  // dimensions a lane holds
     extern __shared__ float smem[];
-    const uint32_t tok = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
-    const uint32_t kvh = h / (heads / kv_heads);
+    const uint32_t tok = blockIdx.x, split = blockIdx.z;
+    const uint32_t per_kv = heads / kv_heads;
+    const uint32_t chunks = (per_kv + G - 1) / G;
+    const uint32_t kvh = blockIdx.y / chunks;
+    const uint32_t h0 = kvh * per_kv + (blockIdx.y % chunks) * G;
+    const uint32_t hb = min(G, (kvh + 1) * per_kv - h0);  // heads here
     const uint32_t *table = meta + meta[tok];
     const uint32_t first_visible = meta[n + tok], last = meta[2 * n + tok];
     const uint32_t all_keys = last + 1 - first_visible;
@@ -118,88 +119,174 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
     // chunk * (splits - 1) < all_keys: every split holds a key.
     const uint32_t keys = min(chunk, last + 1 - first);
 
-    float *qs = smem;                                      // head_dim
-    float *red = qs + head_dim;                            // 32
-    float *wpart = red + 32;                               // warps * head_dim
-    float *scores = wpart + (blockDim.x >> 5) * head_dim;  // keys
+    const uint32_t warps = blockDim.x >> 5;
+    float *qs = smem;                                  // G * head_dim
+    float *red = qs + G * head_dim;            // 32
+    float *wpart = red + 32;                           // warps * G * head_dim
+    float *scores = wpart + warps * G * head_dim;  // G * keys
     // The table entries of blocks first >> shift ..= (first + keys - 1) >> shift.
-    uint32_t *blocks = (uint32_t *)(scores + keys);
+    uint32_t *blocks = (uint32_t *)(scores + G * keys);
     const uint32_t first_block = first >> shift;
     const uint32_t last_key = first + keys - 1;
     for (uint32_t b = threadIdx.x; b <= (last_key >> shift) - first_block; b += blockDim.x) {
         blocks[b] = table[first_block + b];
     }
 
-    const T *qrow = qkv + (size_t)tok * (heads + 2 * kv_heads) * head_dim + (size_t)h * head_dim;
+    const T *qrow = qkv + (size_t)tok * (heads + 2 * kv_heads) * head_dim + (size_t)h0 * head_dim;
     const uint32_t half = head_dim / 2;
-    for (uint32_t d = threadIdx.x; d < half; d += blockDim.x) {
+    for (uint32_t i = threadIdx.x; i < hb * half; i += blockDim.x) {
+        const uint32_t g = i / half, d = i % half;
         float o1, o2;
-        rope_pair(qrow, cos, sin, last, half, d, &o1, &o2);
-        qs[d] = o1 * q_scale;
-        qs[d + half] = o2 * q_scale;
+        rope_pair(qrow + g * head_dim, cos, sin, last, half, d, &o1, &o2);
+        qs[g * head_dim + d] = o1 * q_scale;
+        qs[g * head_dim + d + half] = o2 * q_scale;
     }
     __syncthreads();
 
     const size_t stride = (size_t)kv_heads * head_dim;
     const T *kbase = k + (size_t)kvh * head_dim;
     const T *vbase = v + (size_t)kvh * head_dim;
-    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const uint32_t warps = blockDim.x >> 5;
-    const uint32_t per_lane = (head_dim + 31) / 32;  // <= MAX_DIMS_PER_LANE
-
-    // Scores: a warp per key, its lanes across the dimensions (coalesced
-    // row reads), the dot closed by a warp tree.
-    float local = -INFINITY;
-#pragma unroll 4
-    for (uint32_t c = warp; c < keys; c += warps) {
-        const T *krow = kbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
-        float acc = 0.f;
+    const uint32_t group = threadIdx.x / lanes, sub = threadIdx.x % lanes;
+    const uint32_t groups = blockDim.x / lanes;
+    // This lane's dimensions: packs sub, sub + lanes, ... of the head.
+    float q[G][D];
 #pragma unroll
-        for (uint32_t j = 0; j < MAX_DIMS_PER_LANE; ++j) {
-            const uint32_t d = lane + 32 * j;
-            if (j < per_lane && d < head_dim) acc += qs[d] * to_f32(krow[d]);
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) scores[c] = acc;
-        local = fmaxf(local, acc);
-    }
-    __syncthreads();
-    const float m = block_reduce<true>(local, red);
-    local = 0.f;
-    for (uint32_t c = threadIdx.x; c < keys; c += blockDim.x) {
-        const float e = __expf(scores[c] - m);
-        scores[c] = e;
-        local += e;
-    }
-    const float l = block_reduce<false>(local, red);
-
-    float acc[MAX_DIMS_PER_LANE];
+    for (uint32_t g = 0; g < G; ++g) {
 #pragma unroll
-    for (uint32_t j = 0; j < MAX_DIMS_PER_LANE; ++j) acc[j] = 0.f;
-    for (uint32_t c = warp; c < keys; c += warps) {
-        const T *vrow = vbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
-        const float p = scores[c];
+        for (uint32_t j = 0; j < MAX_PACKS_PER_LANE; ++j) {
+            const uint32_t d = (j * lanes + sub) * N;
 #pragma unroll
-        for (uint32_t j = 0; j < MAX_DIMS_PER_LANE; ++j) {
-            const uint32_t d = lane + 32 * j;
-            if (j < per_lane && d < head_dim) acc[j] += p * to_f32(vrow[d]);
+            for (uint32_t e = 0; e < N; ++e) {
+                q[g][j * N + e] = (g < hb && d < head_dim) ? qs[g * head_dim + d + e] : 0.f;
+            }
         }
     }
+
+    float local[G];
 #pragma unroll
-    for (uint32_t j = 0; j < MAX_DIMS_PER_LANE; ++j) {
-        const uint32_t d = lane + 32 * j;
-        if (j < per_lane && d < head_dim) wpart[warp * head_dim + d] = acc[j];
+    for (uint32_t g = 0; g < G; ++g) local[g] = -INFINITY;
+#pragma unroll 2
+    for (uint32_t round = 0; round < keys; round += groups) {
+        const uint32_t c = round + group;
+        float acc[G];
+#pragma unroll
+        for (uint32_t g = 0; g < G; ++g) acc[g] = 0.f;
+        if (c < keys) {
+            const T *krow =
+                kbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
+#pragma unroll
+            for (uint32_t j = 0; j < MAX_PACKS_PER_LANE; ++j) {
+                const uint32_t d = (j * lanes + sub) * N;
+                if (d < head_dim) {
+                    float x[N];
+                    Pack<T>::load(krow + d, x);
+#pragma unroll
+                    for (uint32_t g = 0; g < G; ++g) {
+#pragma unroll
+                        for (uint32_t e = 0; e < N; ++e) acc[g] += q[g][j * N + e] * x[e];
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (uint32_t g = 0; g < G; ++g) {
+            if (g >= hb) continue;  // uniform across the block
+            for (uint32_t o = lanes >> 1; o > 0; o >>= 1) {
+                acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
+            }
+            if (c < keys && g < hb) {
+                if (sub == 0) scores[g * keys + c] = acc[g];
+                local[g] = fmaxf(local[g], acc[g]);
+            }
+        }
     }
     __syncthreads();
-    float *prow = partial + (((size_t)tok * heads + h) * gridDim.z + split) * (head_dim + 2);
-    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float m[G], l[G];
+#pragma unroll
+    for (uint32_t g = 0; g < G; ++g) {
+        if (g < hb) m[g] = block_reduce<true>(local[g], red);
+    }
+#pragma unroll
+    for (uint32_t g = 0; g < G; ++g) {
+        if (g >= hb) continue;
         float sum = 0.f;
-        for (uint32_t w = 0; w < warps; ++w) sum += wpart[w * head_dim + d];
-        prow[d] = sum;
+        for (uint32_t c = threadIdx.x; c < keys; c += blockDim.x) {
+            const float e = __expf(scores[g * keys + c] - m[g]);
+            scores[g * keys + c] = e;
+            sum += e;
+        }
+        l[g] = block_reduce<false>(sum, red);
+    }
+
+    float acc[G][D];
+#pragma unroll
+    for (uint32_t g = 0; g < G; ++g) {
+#pragma unroll
+        for (uint32_t i = 0; i < D; ++i) acc[g][i] = 0.f;
+    }
+#pragma unroll 2
+    for (uint32_t c = group; c < keys; c += groups) {
+        const T *vrow = vbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
+        float p[G];
+#pragma unroll
+        for (uint32_t g = 0; g < G; ++g) p[g] = g < hb ? scores[g * keys + c] : 0.f;
+#pragma unroll
+        for (uint32_t j = 0; j < MAX_PACKS_PER_LANE; ++j) {
+            const uint32_t d = (j * lanes + sub) * N;
+            if (d < head_dim) {
+                float x[N];
+                Pack<T>::load(vrow + d, x);
+#pragma unroll
+                for (uint32_t g = 0; g < G; ++g) {
+#pragma unroll
+                    for (uint32_t e = 0; e < N; ++e) acc[g][j * N + e] += p[g] * x[e];
+                }
+            }
+        }
+    }
+    // Across the warp's lane groups (lanes differing above the group bits).
+#pragma unroll
+    for (uint32_t g = 0; g < G; ++g) {
+        if (g >= hb) continue;  // uniform across the block
+#pragma unroll
+        for (uint32_t i = 0; i < D; ++i) {
+            for (uint32_t o = 16; o >= lanes; o >>= 1) {
+                acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+            }
+        }
+    }
+    const uint32_t warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) < lanes) {
+#pragma unroll
+        for (uint32_t g = 0; g < G; ++g) {
+#pragma unroll
+            for (uint32_t j = 0; j < MAX_PACKS_PER_LANE; ++j) {
+                const uint32_t d = (j * lanes + sub) * N;
+#pragma unroll
+                for (uint32_t e = 0; e < N; ++e) {
+                    if (g < hb && d < head_dim) {
+                        wpart[(warp * G + g) * head_dim + d + e] = acc[g][j * N + e];
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+    for (uint32_t i = threadIdx.x; i < hb * head_dim; i += blockDim.x) {
+        const uint32_t g = i / head_dim, d = i % head_dim;
+        float sum = 0.f;
+        for (uint32_t w = 0; w < warps; ++w) sum += wpart[(w * G + g) * head_dim + d];
+        const size_t at = ((size_t)tok * heads + h0 + g) * gridDim.z + split;
+        partial[at * (head_dim + 2) + d] = sum;
     }
     if (threadIdx.x == 0) {
-        prow[head_dim] = m;
-        prow[head_dim + 1] = l;
+#pragma unroll
+        for (uint32_t g = 0; g < G; ++g) {
+            if (g >= hb) continue;
+            const size_t at = ((size_t)tok * heads + h0 + g) * gridDim.z + split;
+            partial[at * (head_dim + 2) + head_dim] = m[g];
+            partial[at * (head_dim + 2) + head_dim + 1] = l[g];
+        }
     }
 }
 
@@ -231,27 +318,30 @@ __device__ void pooled_attention_combine(const float *partial, const uint32_t *m
     }
 }
 
-// Writes the batch's new K (rotated) or V rows into the pool ([rows,
-// kv_heads, head_dim]) at the row of each token's position (meta as
-// above): heads `first_head ..` of each qkv row, one thread per pair.
+// Writes the batch's new K (rotated) and V rows into their pools ([rows,
+// kv_heads, head_dim] each) at the row of each token's position (meta as
+// above), from the K and V heads of each qkv row: one launch, one thread
+// per pair of dimensions.
 template <typename T>
-__device__ void pooled_write(T *pool, const T *qkv, const uint32_t *meta, const T *cos,
-                             const T *sin, uint32_t n, uint32_t heads, uint32_t kv_heads,
-                             uint32_t head_dim, uint32_t first_head, uint32_t rope,
-                             uint32_t shift) {
+__device__ void pooled_write(T *k_pool, T *v_pool, const T *qkv, const uint32_t *meta,
+                             const T *cos, const T *sin, uint32_t n, uint32_t heads,
+                             uint32_t kv_heads, uint32_t head_dim, uint32_t shift) {
     const uint32_t half = head_dim / 2;
-    const size_t total = (size_t)n * kv_heads * half;
+    const size_t total = (size_t)n * 2 * kv_heads * half;
     const size_t qkv_stride = (size_t)(heads + 2 * kv_heads) * head_dim;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
          i += (size_t)blockDim.x * gridDim.x) {
         const uint32_t d = i % half;
-        const uint32_t kvh = (i / half) % kv_heads;
-        const size_t t = i / ((size_t)half * kv_heads);
+        const uint32_t head = (i / half) % (2 * kv_heads);  // K heads, then V heads
+        const size_t t = i / ((size_t)half * 2 * kv_heads);
+        const bool is_k = head < kv_heads;
+        const uint32_t kvh = is_k ? head : head - kv_heads;
         const uint32_t pos = meta[2 * n + t];
-        const T *src = qkv + t * qkv_stride + (size_t)(first_head + kvh) * head_dim;
-        T *dst = pool + pool_row(meta + meta[t], pos, shift) * kv_heads * head_dim +
+        const T *src = qkv + t * qkv_stride + (size_t)(heads + head) * head_dim;
+        T *dst = (is_k ? k_pool : v_pool) +
+                 pool_row(meta + meta[t], pos, shift) * kv_heads * head_dim +
                  (size_t)kvh * head_dim;
-        if (rope) {
+        if (is_k) {
             float o1, o2;
             rope_pair(src, cos, sin, pos, half, d, &o1, &o2);
             dst[d] = from_f32<T>(o1);
@@ -263,14 +353,19 @@ __device__ void pooled_write(T *pool, const T *qkv, const uint32_t *meta, const 
     }
 }
 
-#define POOLED_KERNELS(SUFFIX, T)                                                             \
-    extern "C" __global__ void pooled_attention_##SUFFIX(                                     \
+#define POOLED_ATTENTION(SUFFIX, T, G)                                                        \
+    extern "C" __global__ void pooled_attention_g##G##_##SUFFIX(                              \
         const T *qkv, const T *k, const T *v, const uint32_t *meta, const T *cos, const T *sin, \
         float *partial, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim,     \
-        float q_scale, uint32_t shift, uint32_t split_keys) {                                 \
-        pooled_attention<T>(qkv, k, v, meta, cos, sin, partial, n, heads, kv_heads, head_dim, \
-                            q_scale, shift, split_keys);                                      \
-    }                                                                                         \
+        float q_scale, uint32_t shift, uint32_t split_keys, uint32_t lanes) {                 \
+        pooled_attention<T, G>(qkv, k, v, meta, cos, sin, partial, n, heads, kv_heads,        \
+                               head_dim, q_scale, shift, split_keys, lanes);                  \
+    }
+
+#define POOLED_KERNELS(SUFFIX, T)                                                             \
+    POOLED_ATTENTION(SUFFIX, T, 1)                                                            \
+    POOLED_ATTENTION(SUFFIX, T, 2)                                                            \
+    POOLED_ATTENTION(SUFFIX, T, 4)                                                            \
     extern "C" __global__ void pooled_attention_combine_##SUFFIX(                             \
         const float *partial, const uint32_t *meta, T *out, uint32_t n, uint32_t heads,       \
         uint32_t head_dim, uint32_t max_splits, uint32_t split_keys) {                        \
@@ -278,11 +373,10 @@ __device__ void pooled_write(T *pool, const T *qkv, const uint32_t *meta, const 
                                     split_keys);                                              \
     }                                                                                         \
     extern "C" __global__ void pooled_write_##SUFFIX(                                         \
-        T *pool, const T *qkv, const uint32_t *meta, const T *cos, const T *sin, uint32_t n,  \
-        uint32_t heads, uint32_t kv_heads, uint32_t head_dim, uint32_t first_head,            \
-        uint32_t rope, uint32_t shift) {                                                      \
-        pooled_write<T>(pool, qkv, meta, cos, sin, n, heads, kv_heads, head_dim, first_head,  \
-                        rope, shift);                                                         \
+        T *k_pool, T *v_pool, const T *qkv, const uint32_t *meta, const T *cos, const T *sin, \
+        uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim, uint32_t shift) {   \
+        pooled_write<T>(k_pool, v_pool, qkv, meta, cos, sin, n, heads, kv_heads, head_dim,    \
+                        shift);                                                               \
     }
 
 POOLED_KERNELS(f32, float)

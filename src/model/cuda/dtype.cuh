@@ -1,6 +1,9 @@
 // Element conversions shared by Tandem's model kernels (attention.cu,
-// fused.cu): every kernel loads f32 / f16 / bf16 and computes in f32.
+// fused.cu, gemv.cu): every kernel loads f32 / f16 / bf16 and computes in
+// f32.
 #pragma once
+
+#include <stdint.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -18,3 +21,47 @@ template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
     return __float2bfloat16(x);
 }
+
+// A 16-byte load of N contiguous elements (16-byte aligned), as floats;
+// `raw` and `unpack` split it, so a kernel can keep loads in flight as
+// four registers each and widen them only when it uses them.
+template <typename T> struct Pack;
+template <> struct Pack<float> {
+    static constexpr uint32_t N = 4;
+    static __device__ __forceinline__ uint4 raw(const float *p) { return *(const uint4 *)p; }
+    static __device__ __forceinline__ void unpack(uint4 r, float *x) {
+        x[0] = __uint_as_float(r.x), x[1] = __uint_as_float(r.y);
+        x[2] = __uint_as_float(r.z), x[3] = __uint_as_float(r.w);
+    }
+    static __device__ __forceinline__ void load(const float *p, float *x) { unpack(raw(p), x); }
+};
+template <> struct Pack<__half> {
+    static constexpr uint32_t N = 8;
+    static __device__ __forceinline__ uint4 raw(const __half *p) { return *(const uint4 *)p; }
+    static __device__ __forceinline__ void unpack(uint4 r, float *x) {
+        const __half2 *h = (const __half2 *)&r;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __half22float2(h[i]);
+            x[2 * i] = f.x, x[2 * i + 1] = f.y;
+        }
+    }
+    static __device__ __forceinline__ void load(const __half *p, float *x) { unpack(raw(p), x); }
+};
+template <> struct Pack<__nv_bfloat16> {
+    static constexpr uint32_t N = 8;
+    static __device__ __forceinline__ uint4 raw(const __nv_bfloat16 *p) {
+        return *(const uint4 *)p;
+    }
+    static __device__ __forceinline__ void unpack(uint4 r, float *x) {
+        const __nv_bfloat162 *h = (const __nv_bfloat162 *)&r;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            x[2 * i] = f.x, x[2 * i + 1] = f.y;
+        }
+    }
+    static __device__ __forceinline__ void load(const __nv_bfloat16 *p, float *x) {
+        unpack(raw(p), x);
+    }
+};

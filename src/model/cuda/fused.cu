@@ -21,9 +21,15 @@ __device__ float block_sum(float x, float *red) {
     return red[0];
 }
 
+// Elements of a row one thread keeps in registers (d <= blockDim * this;
+// the host checks).
+#define ITEMS 16
+
 // One block per row: out[0] = x + y (the residual stream, rounded to T),
 // out[1] = RMSNorm(out[0]) * w, with candle's rms_norm arithmetic (f32 sum
-// of squares, scale * x * w).
+// of squares, scale * x * w). Each thread loads its elements of x, y and w
+// at once and keeps the sums in registers, so a row costs one round trip
+// to memory and one reduction.
 template <typename T>
 __device__ void add_rms_norm(const T *x, const T *y, const T *w, T *out, uint32_t n, uint32_t d,
                              float eps) {
@@ -31,16 +37,24 @@ __device__ void add_rms_norm(const T *x, const T *y, const T *w, T *out, uint32_
     const size_t row = blockIdx.x;
     const T *xr = x + row * d, *yr = y + row * d;
     T *sum = out + row * d, *normed = out + (size_t)n * d + row * d;
+    float s[ITEMS], wv[ITEMS];
     float local = 0.f;
-    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
-        const T s = from_f32<T>(to_f32(xr[i]) + to_f32(yr[i]));
-        sum[i] = s;
-        const float f = to_f32(s);
-        local += f * f;
+#pragma unroll
+    for (uint32_t j = 0; j < ITEMS; ++j) {
+        const uint32_t i = threadIdx.x + j * blockDim.x;
+        if (i < d) {
+            const T r = from_f32<T>(to_f32(xr[i]) + to_f32(yr[i]));
+            wv[j] = to_f32(w[i]);
+            sum[i] = r;
+            s[j] = to_f32(r);
+            local += s[j] * s[j];
+        }
     }
     const float scale = rsqrtf(block_sum(local, red) / (float)d + eps);
-    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
-        normed[i] = from_f32<T>(scale * to_f32(sum[i]) * to_f32(w[i]));
+#pragma unroll
+    for (uint32_t j = 0; j < ITEMS; ++j) {
+        const uint32_t i = threadIdx.x + j * blockDim.x;
+        if (i < d) normed[i] = from_f32<T>(scale * s[j] * wv[j]);
     }
 }
 

@@ -1,0 +1,389 @@
+//! Small-batch projections on CUDA: Tandem's GEMV kernel (`cuda/gemv.cu`)
+//! for the few rows of a decode step.
+//!
+//! At one to a few rows a projection is a stream over its weights, and
+//! cuBLAS's GEMM tiles reach 1–1.7 TB/s on the H200 for the small matrices
+//! of a layer (Nsight Compute, BENCHMARKS.md): the kernel spreads each
+//! output row over up to 8 warps, enough to keep the GPU loading, and
+//! every lane streams full 16-byte packs instead. Its sums run in an
+//! order that does not depend on the row count, so wherever it takes the
+//! rows ([`takes`]: up to 2 rows, up to 8 against small weights) a decode
+//! row's projections are the same bits in any batch. The MLP's
+//! fused gate/up projection can end in SiLU(gate) · up (one launch instead
+//! of two).
+//!
+//! A projection can also take its input still to be normed
+//! ([`PendingNorm`]): each block then computes the rows' residual add and
+//! RMSNorm into shared memory first, so the norm needs no launch either.
+//!
+//! Everything else (more rows, other devices, builds without `cuda`,
+//! `TANDEM_GEMV=0`) returns `None` and the caller multiplies as before.
+
+use candle_core::Tensor;
+
+/// Most rows one launch takes (the kernel's instantiations).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const MAX_ROWS: usize = 8;
+
+/// Rows the kernel takes for any weights. Above this it reads every x
+/// pack once per output row, and on the 1B model's projections cuBLAS's
+/// tiles win at 4 rows (2 430 against 3 048 tok/s, H200, BENCHMARKS.md).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const ANY_WEIGHTS_ROWS: usize = 2;
+
+/// Weights small enough that the kernel takes up to [`MAX_ROWS`] rows:
+/// there cuBLAS's tiles leave the GPU idle (SmolLM2's projections, 0.7–3.5
+/// MB, are 7 % faster at 4 rows through the kernel).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const SMALL_WEIGHT_BYTES: usize = 4 << 20;
+
+/// Whether the kernel takes `m` rows against `weight_bytes` of weights.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn takes(m: usize, weight_bytes: usize) -> bool {
+    (1..=ANY_WEIGHTS_ROWS).contains(&m)
+        || ((1..=MAX_ROWS).contains(&m) && weight_bytes <= SMALL_WEIGHT_BYTES)
+}
+
+/// `x · wᵀ` (`x: [m, k]`, `w: [n, k]`, one dtype) by the kernel, or `None`
+/// where it does not apply.
+pub(super) fn project(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    launch(x, w, false, None)
+}
+
+/// `silu(x · gᵀ) · (x · uᵀ)` for the fused gate/up weights `w = [g; u]`
+/// (`[2n, k]`, gate rows first): `[m, n]` in one launch, or `None` where
+/// the kernel does not apply.
+pub(super) fn project_swiglu(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    launch(x, w, true, None)
+}
+
+/// Rows still to be normed: `rms_norm(x + addend) · norm` (no add without
+/// `addend`), the input of a projection that folds the residual add and
+/// the norm into its launch.
+pub(super) struct PendingNorm<'a> {
+    pub(super) x: &'a Tensor,
+    pub(super) addend: Option<&'a Tensor>,
+    pub(super) norm: &'a Tensor,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) eps: f32,
+}
+
+/// The projection by `w` of `input`'s normed rows (the SwiGLU activation
+/// for fused gate/up weights with `swiglu`) and the residual sum `x +
+/// addend` (`x` itself without an addend), in one launch; `None` where the
+/// kernel does not apply or the normed rows do not fit its shared memory.
+pub(super) fn project_normed(
+    input: &PendingNorm<'_>,
+    w: &Tensor,
+    swiglu: bool,
+) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+    #[cfg(feature = "cuda")]
+    if setting() == "plain" {
+        return Ok(None);
+    }
+    let x = input.x;
+    let fits = x.rank() == 2
+        && x.dims2()?.0 * x.dims2()?.1 * x.dtype().size_in_bytes() <= NORMED_BYTES
+        && input.norm.dims() == [x.dim(1)?]
+        && input.norm.dtype() == x.dtype()
+        && input
+            .addend
+            .is_none_or(|a| a.dims() == x.dims() && a.dtype() == x.dtype());
+    if !fits {
+        return Ok(None);
+    }
+    let Some(out) = launch(x, w, swiglu, Some(input))? else {
+        return Ok(None);
+    };
+    let (m, k) = x.dims2()?;
+    let n = w.dim(0)? / if swiglu { 2 } else { 1 };
+    let y = out.narrow(0, 0, m * n)?.reshape((m, n))?;
+    let residual = match input.addend {
+        Some(_) => {
+            let at = residual_offset(m * n, x.dtype());
+            out.narrow(0, at, m * k)?.reshape((m, k))?
+        }
+        None => x.clone(),
+    };
+    Ok(Some((y, residual)))
+}
+
+/// Where the residual rows start in a norm launch's flat output: after the
+/// `projected` elements, at a 16-byte boundary (the next projection reads
+/// them in packs).
+fn residual_offset(projected: usize, dtype: candle_core::DType) -> usize {
+    projected.next_multiple_of(16 / dtype.size_in_bytes())
+}
+
+/// The most bytes of rows a launch norms itself. Every block norms its
+/// rows before its first weight load, which paid at SmolLM2's 576-wide
+/// rows (+5 % at B = 1) and cost at the 1B model's 2 048 (−3 %; H200,
+/// BENCHMARKS.md); wider rows get the norm kernel.
+const NORMED_BYTES: usize = 2 * 1024;
+
+#[cfg(not(feature = "cuda"))]
+fn launch(
+    _: &Tensor,
+    _: &Tensor,
+    _: bool,
+    _: Option<&PendingNorm<'_>>,
+) -> candle_core::Result<Option<Tensor>> {
+    Ok(None)
+}
+
+/// One launch; with a norm, the output is flat: `[m·n]` projection rows,
+/// then (from [`residual_offset`]) `[m·k]` residual rows when there is an
+/// addend.
+#[cfg(feature = "cuda")]
+fn launch(
+    x: &Tensor,
+    w: &Tensor,
+    swiglu: bool,
+    norm: Option<&PendingNorm<'_>>,
+) -> candle_core::Result<Option<Tensor>> {
+    if !enabled() || !x.device().is_cuda() || x.rank() != 2 || w.rank() != 2 {
+        return Ok(None);
+    }
+    let ((m, width), (rows, k)) = (x.dims2()?, w.dims2()?);
+    let packed = 16 / x.dtype().size_in_bytes();
+    // 16-byte packs of w's rows, and of x's unless the kernel norms x
+    // into shared memory first.
+    let aligned = |t: &Tensor| t.layout().start_offset().is_multiple_of(packed);
+    let fits = takes(m, w.elem_count() * w.dtype().size_in_bytes())
+        && width == k
+        && (!swiglu || rows.is_multiple_of(2))
+        && x.dtype() == w.dtype()
+        && k.is_multiple_of(packed)
+        && w.is_contiguous()
+        && aligned(w)
+        && (norm.is_some() || aligned(x));
+    if !fits {
+        return Ok(None);
+    }
+    let x = x.contiguous()?;
+    let addend = match norm.and_then(|n| n.addend) {
+        Some(a) => Some(a.contiguous()?),
+        None => None,
+    };
+    let op = kernel::Gemv {
+        swiglu,
+        norm: norm.map(|n| kernel::Norm {
+            addend: addend.as_ref(),
+            weight: n.norm,
+            eps: n.eps,
+        }),
+    };
+    Ok(Some(x.apply_op2_no_bwd(w, &op)?))
+}
+
+/// `TANDEM_GEMV=0` sends every projection to cuBLAS; `TANDEM_GEMV=plain`
+/// keeps the kernel but gives the residual add and norm their own launch
+/// (A/B switches, read once per process).
+#[cfg(feature = "cuda")]
+fn setting() -> &'static str {
+    static MODE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    MODE.get_or_init(|| std::env::var("TANDEM_GEMV").unwrap_or_default())
+}
+
+#[cfg(feature = "cuda")]
+fn enabled() -> bool {
+    setting() != "0"
+}
+
+#[cfg(feature = "cuda")]
+mod kernel {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CpuStorage, CudaStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
+    const MODULE: &str = "tandem_gemv";
+    /// Warps per block (the kernel's `WARPS`).
+    const WARPS: usize = 8;
+    /// Warps a launch should keep busy: about what an H100/H200 holds at
+    /// once (132 SMs × 64).
+    const TARGET_WARPS: usize = 8192;
+
+    /// How many warps share one output row of an `[n, k]` projection
+    /// (1, 2, 4 or 8): enough that `n` rows keep [`TARGET_WARPS`] warps
+    /// loading, never more than the row has passes of 32 packs. A function
+    /// of the shape alone, so the sum order never depends on the rows.
+    fn warps_per_row(n: usize, k: usize, pack: usize) -> usize {
+        let passes = k.div_ceil(32 * pack);
+        let mut split = 1;
+        while split < WARPS && n * split < TARGET_WARPS && split * 2 <= passes {
+            split *= 2;
+        }
+        split
+    }
+
+    pub(super) struct Gemv<'a> {
+        pub(super) swiglu: bool,
+        pub(super) norm: Option<Norm<'a>>,
+    }
+
+    /// The norm prologue's operands (`rms_norm(x + addend) · weight`).
+    pub(super) struct Norm<'a> {
+        pub(super) addend: Option<&'a Tensor>,
+        pub(super) weight: &'a Tensor,
+        pub(super) eps: f32,
+    }
+
+    /// The GPU's multiprocessor count (one GPU model per process).
+    fn multiprocessors(dev: &candle_core::CudaDevice) -> candle_core::Result<usize> {
+        static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        if let Some(&sms) = SMS.get() {
+            return Ok(sms);
+        }
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as Attr;
+        let sms = dev
+            .cuda_stream()
+            .context()
+            .attribute(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .w()?;
+        Ok(*SMS.get_or_init(|| sms.max(1) as usize))
+    }
+
+    /// A contiguous device view of a captured operand, run through `f`.
+    fn with_view<T: CudaDType + DeviceRepr, R>(
+        t: &Tensor,
+        f: impl FnOnce(CudaView<'_, T>) -> candle_core::Result<R>,
+    ) -> candle_core::Result<R> {
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cuda(c) = &*storage else {
+            candle_core::bail!("gemv operands are not on the GPU");
+        };
+        f(super::super::cuda_view::contiguous::<T>(c, layout, "gemv")?)
+    }
+
+    impl Gemv<'_> {
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            suffix: &str,
+            (x, xl): (&CudaStorage, &Layout),
+            (w, wl): (&CudaStorage, &Layout),
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
+            let (m, _) = xl.shape().dims2()?;
+            let (rows, k) = wl.shape().dims2()?;
+            let n = if self.swiglu { rows / 2 } else { rows };
+            let pack = 16 / std::mem::size_of::<T>();
+            let aligned = |l: &Layout| l.start_offset().is_multiple_of(pack);
+            if !aligned(wl) || (self.norm.is_none() && !aligned(xl)) {
+                candle_core::bail!("gemv: operands off a 16-byte boundary");
+            }
+            let view = |s, l| super::super::cuda_view::contiguous::<T>(s, l, "gemv");
+            let (xv, wv) = (view(x, xl)?, view(w, wl)?);
+            let dev = x.device().clone();
+            let swiglu = if self.swiglu { "swiglu_" } else { "" };
+            let name = format!("gemv_{swiglu}{suffix}_m{m}");
+            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            let residual = match &self.norm {
+                Some(Norm {
+                    addend: Some(_), ..
+                }) => m * k,
+                _ => 0,
+            };
+            let at = super::residual_offset(m * n, x.dtype());
+            // SAFETY: the kernel writes every element but the padding
+            // before `at`, which nothing reads.
+            let mut out = unsafe { dev.alloc::<T>(at + residual)? };
+            let split = warps_per_row(n, k, pack);
+            let mut groups = n.div_ceil(WARPS / split).max(1);
+            let normed = if self.norm.is_some() {
+                // Each block norms its input rows once: no more blocks
+                // than run at once.
+                groups = groups.min(4 * multiprocessors(&dev)?);
+                m * k * std::mem::size_of::<T>()
+            } else {
+                0
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (groups as u32, 1, 1),
+                block_dim: (32 * WARPS as u32, 1, 1),
+                shared_mem_bytes: normed as u32,
+            };
+            let (n32, k32, split32) = (n as u32, k as u32, split as u32);
+            let (mut y, mut res) = out.split_at_mut(at);
+            let mut launch = |addend: Option<CudaView<'_, T>>,
+                              weight: Option<CudaView<'_, T>>,
+                              eps: f32|
+             -> candle_core::Result<()> {
+                let null = 0u64;
+                let mut b = func.builder();
+                b.arg(&xv);
+                b.arg(&wv);
+                b.arg(&mut y);
+                b.arg(&n32);
+                b.arg(&k32);
+                b.arg(&split32);
+                match &addend {
+                    Some(a) => b.arg(a),
+                    None => b.arg(&null),
+                };
+                match &weight {
+                    Some(w) => b.arg(w),
+                    None => b.arg(&null),
+                };
+                b.arg(&eps);
+                if residual > 0 {
+                    b.arg(&mut res);
+                } else {
+                    b.arg(&null);
+                }
+                // SAFETY: argument types match the kernel; rows and packs
+                // stay inside x ([m, k]) and w ([n, k], or [2n, k] for
+                // SwiGLU); the residual rows exist where an addend does.
+                unsafe { b.launch(cfg) }.w()?;
+                Ok(())
+            };
+            match &self.norm {
+                None => launch(None, None, 0.0)?,
+                Some(norm) => with_view::<T, _>(norm.weight, |weight| match norm.addend {
+                    Some(a) => with_view::<T, _>(a, |a| launch(Some(a), Some(weight), norm.eps)),
+                    None => launch(None, Some(weight), norm.eps),
+                })?,
+            }
+            let shape = if self.norm.is_some() {
+                Shape::from(at + residual)
+            } else {
+                Shape::from((m, n))
+            };
+            Ok((CudaStorage::wrap_cuda_slice(out, dev), shape))
+        }
+    }
+
+    impl CustomOp2 for Gemv<'_> {
+        fn name(&self) -> &'static str {
+            "gemv"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(CpuStorage, Shape)> {
+            candle_core::bail!("gemv runs on CUDA only")
+        }
+
+        fn cuda_fwd(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            w: &CudaStorage,
+            wl: &Layout,
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
+            let args = ((x, xl), (w, wl));
+            match x.dtype() {
+                DType::F32 => self.run::<f32>("f32", args.0, args.1),
+                DType::F16 => self.run::<half::f16>("f16", args.0, args.1),
+                DType::BF16 => self.run::<half::bf16>("bf16", args.0, args.1),
+                other => candle_core::bail!("gemv has no {other:?} kernel"),
+            }
+        }
+    }
+}
