@@ -8,7 +8,8 @@
 # Expects the release binaries built with `--features cuda`, stripped and
 # gzipped, in $BIN (device-tests.gz, forward-bench.gz), and stories260k and
 # SmolLM2's config.json in $BIN/shared/models. Logs go to $LOGS. WHICH
-# picks the models (`big smol` by default; one call fits one with the tests).
+# picks the models (`big smol` by default; one call fits one with the tests);
+# ANCHOR=0 skips the anchor.
 set -uo pipefail
 BIN=${BIN:-.devbin}
 LOGS=${LOGS:-/tmp/tandem-logs}
@@ -46,6 +47,7 @@ for which in ${WHICH:-big smol}; do
   echo "=== (b) engine bench, $m"
   TANDEM_BENCH_DEVICE=cuda TANDEM_BENCH_MODEL="$m" TANDEM_BENCH_FORMATS=bf16 \
     TANDEM_BENCH_BATCHES=${BATCHES:-1,16,64} TANDEM_BENCH_REPS=$REPS timeout 200 /tmp/bin/forward-bench --bench
+  [ "${ANCHOR:-1}" = 1 ] || continue
   echo "=== (c) PyTorch anchor (torch.compile, CUDA graphs), $m"
   PYTHONUNBUFFERED=1 timeout 240 python3 bench/gpu/graph_anchor.py bench "$m" \
     --batches ${BATCHES:-1,16,64} --reps "$REPS"

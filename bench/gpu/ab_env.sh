@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Same-call A/B of process-wide GPU switches: the forward bench (decode
+# tok/s at B = 1 / 16 / 64, CUDA graphs on) once per setting and round,
+# settings alternating within each round. A setting is a space-separated
+# list of VAR=value, e.g. "TANDEM_GEMV=0" or "TANDEM_ATTENTION_GROUP=4";
+# "default" sets nothing.
+#
+# Expects run_graphs.sh to have run in this call (binaries in /tmp/bin,
+# models in /tmp). SETTINGS, MODELS (folders), ROUNDS; logs to $LOGS/ab.log.
+set -uo pipefail
+LOGS=${LOGS:-/tmp/tandem-logs}
+mkdir -p "$LOGS"
+CU13=$(python3 -c 'import nvidia.cu13 as m; print(m.__path__[0])' 2>/dev/null)/lib
+export LD_LIBRARY_PATH="$CU13:${LD_LIBRARY_PATH:-}"
+export TANDEM_SHARED_DIR=$(realpath "${BIN:-.devbin}/shared")
+IFS=';' read -ra settings <<<"${SETTINGS:-default;TANDEM_GEMV=0}"
+for round in $(seq 1 "${ROUNDS:-2}"); do
+  for m in ${MODELS:-/tmp/llama-1b-random /tmp/smollm2-shape-random}; do
+    for s in "${settings[@]}"; do
+      vars=(); [ "$s" = default ] || read -ra vars <<<"$s"
+      line=$(env "${vars[@]}" TANDEM_BENCH_DEVICE=cuda TANDEM_BENCH_MODEL="$m" \
+        TANDEM_BENCH_FORMATS=bf16 TANDEM_BENCH_BATCHES=${BATCHES:-1,16,64} \
+        TANDEM_BENCH_REPS=${REPS:-3} timeout 200 /tmp/bin/forward-bench --bench 2>&1 \
+        | grep -E "^\| bf16")
+      echo "round $round $(basename "$m") [$s] $line" | tee -a "$LOGS/ab.log"
+    done
+  done
+done
