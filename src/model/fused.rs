@@ -295,3 +295,21 @@ mod kernel {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn norm_threads_cover_a_row_in_registers() {
+        // Up to 512 threads as before; wider rows take more, 16 each.
+        assert_eq!(norm_threads(32), 32);
+        assert_eq!(norm_threads(576), 512);
+        assert_eq!(norm_threads(8192), 512);
+        assert_eq!(norm_threads(8200), 544);
+        for d in [1, 100, 2048, 8192, 8193, MAX_NORM_WIDTH] {
+            let t = norm_threads(d);
+            assert!(t.is_multiple_of(32) && t <= 1024 && 16 * t >= d, "d = {d}");
+        }
+    }
+}

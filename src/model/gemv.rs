@@ -108,6 +108,29 @@ pub(super) fn project_normed(
     Ok(Some((y, residual)))
 }
 
+/// Warps per block (the kernel's `WARPS`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const WARPS: usize = 8;
+/// Warps a launch should keep busy: about what an H100/H200 holds at once
+/// (132 SMs × 64).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const TARGET_WARPS: usize = 8192;
+
+/// How many warps share one output row of an `[n, k]` projection (1, 2, 4
+/// or 8) whose 16-byte packs hold `pack` elements: enough that `n` rows
+/// keep [`TARGET_WARPS`] warps loading, never more than the row has passes
+/// of 32 packs. A function of the shape alone, so the sum order never
+/// depends on the rows.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn warps_per_row(n: usize, k: usize, pack: usize) -> usize {
+    let passes = k.div_ceil(32 * pack);
+    let mut split = 1;
+    while split < WARPS && n * split < TARGET_WARPS && split * 2 <= passes {
+        split *= 2;
+    }
+    split
+}
+
 /// Where the residual rows start in a norm launch's flat output: after the
 /// `projected` elements, at a 16-byte boundary (the next projection reads
 /// them in packs).
@@ -201,24 +224,7 @@ mod kernel {
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
     const MODULE: &str = "tandem_gemv";
-    /// Warps per block (the kernel's `WARPS`).
-    const WARPS: usize = 8;
-    /// Warps a launch should keep busy: about what an H100/H200 holds at
-    /// once (132 SMs × 64).
-    const TARGET_WARPS: usize = 8192;
-
-    /// How many warps share one output row of an `[n, k]` projection
-    /// (1, 2, 4 or 8): enough that `n` rows keep [`TARGET_WARPS`] warps
-    /// loading, never more than the row has passes of 32 packs. A function
-    /// of the shape alone, so the sum order never depends on the rows.
-    fn warps_per_row(n: usize, k: usize, pack: usize) -> usize {
-        let passes = k.div_ceil(32 * pack);
-        let mut split = 1;
-        while split < WARPS && n * split < TARGET_WARPS && split * 2 <= passes {
-            split *= 2;
-        }
-        split
-    }
+    use super::{warps_per_row, WARPS};
 
     pub(super) struct Gemv<'a> {
         pub(super) swiglu: bool,
@@ -385,5 +391,47 @@ mod kernel {
                 other => candle_core::bail!("gemv has no {other:?} kernel"),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_the_kernel_takes() {
+        // One or two rows against any weights; up to 8 against small ones.
+        for m in [1, 2] {
+            assert!(takes(m, 525 << 20), "{m} rows of the 1B unembedding");
+        }
+        assert!(!takes(4, 67 << 20), "4 rows of the 1B gate/up");
+        assert!(takes(8, 3 << 20), "8 rows of SmolLM2's gate/up");
+        assert!(!takes(9, 1 << 10) && !takes(0, 1 << 10));
+    }
+
+    #[test]
+    fn warps_per_row_fill_the_gpu_within_a_row() {
+        // bf16 (8 per pack): the 1B model's projections and SmolLM2's.
+        assert_eq!(warps_per_row(2048, 2048, 8), 4, "o_proj: 8 passes");
+        assert_eq!(warps_per_row(2048, 8192, 8), 4, "down: 4 x 2 048 warps");
+        assert_eq!(warps_per_row(8192, 2048, 8), 1, "SwiGLU: 8 192 rows");
+        assert_eq!(warps_per_row(960, 576, 8), 2, "SmolLM2 qkv: 3 passes");
+        assert_eq!(warps_per_row(16, 32, 4), 1, "a row of one pass");
+        for (n, k) in [(1, 64), (7, 100_000), (100_000, 8)] {
+            let split = warps_per_row(n, k, 8);
+            assert!(split.is_power_of_two() && split <= WARPS);
+            assert!(
+                split == 1 || split <= k.div_ceil(256),
+                "never more warps than passes"
+            );
+        }
+    }
+
+    #[test]
+    fn residual_rows_start_on_a_pack() {
+        use candle_core::DType;
+        assert_eq!(residual_offset(172, DType::BF16), 176);
+        assert_eq!(residual_offset(176, DType::BF16), 176);
+        assert_eq!(residual_offset(6, DType::F32), 8);
     }
 }
