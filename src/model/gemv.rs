@@ -86,6 +86,7 @@ pub(super) fn project_normed(
         && x.dims2()?.0 * x.dims2()?.1 * x.dtype().size_in_bytes() <= NORMED_BYTES
         && input.norm.dims() == [x.dim(1)?]
         && input.norm.dtype() == x.dtype()
+        && input.norm.is_contiguous()
         && input
             .addend
             .is_none_or(|a| a.dims() == x.dims() && a.dtype() == x.dtype());
