@@ -305,45 +305,39 @@ impl CandleStep {
         let eps = cfg.rms_norm_eps as f32;
         let mut clock = PhaseClock::start(&self.device, lock(&self.profile).take());
         let layers = &weights.layers[..num_layers.min(weights.layers.len())];
-        // The next projection's input, its residual add and norm deferred
-        // so a small-batch GPU projection folds them into its launch.
-        let mut next = layers.first().map(|first| Normed {
-            x: x.clone(),
-            addend: None,
-            norm: first.attn_norm.clone(),
-            eps,
-        });
+        // Each projection gets its input with the residual add and norm
+        // still to apply (`Normed`), so a small-batch GPU projection folds
+        // them into its launch; `down` is the last layer's MLP output, not
+        // yet added to the stream.
+        let mut down: Option<Tensor> = None;
         for (l, layer) in layers.iter().enumerate() {
             clock.lap(0)?;
-            let input = next.take().expect("every layer has its input");
+            let input = Normed {
+                x,
+                addend: down.take(),
+                norm: layer.attn_norm.clone(),
+                eps,
+            };
             let (mut qkv, residual) = input.project(&layer.qkv, None)?;
             if let Some(b) = &layer.qkv_bias {
                 qkv = qkv.broadcast_add(b)?;
             }
             let attn = self.attend(cfg, l, &qkv, plan, kv, &mut clock)?;
             clock.lap(2)?;
-            let o = layer.o_proj.forward(&attn)?;
             let input = Normed {
                 x: residual,
-                addend: Some(o),
+                addend: Some(layer.o_proj.forward(&attn)?),
                 norm: layer.mlp_norm.clone(),
                 eps,
             };
             clock.lap(3)?;
             let (act, residual) = input.project(&layer.gate_up, Some(cfg.intermediate_size))?;
-            let down = layer.down.forward(&act)?;
-            match layers.get(l + 1) {
-                Some(following) => {
-                    next = Some(Normed {
-                        x: residual,
-                        addend: Some(down),
-                        norm: following.attn_norm.clone(),
-                        eps,
-                    })
-                }
-                None => x = (residual + down)?,
-            }
+            x = residual;
+            down = Some(layer.down.forward(&act)?);
             clock.lap(4)?;
+        }
+        if let Some(down) = down {
+            x = (x + down)?;
         }
         *lock(&self.profile) = clock.finish();
         Ok(x)
