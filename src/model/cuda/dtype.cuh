@@ -35,33 +35,23 @@ template <> struct Pack<float> {
     }
     static __device__ __forceinline__ void load(const float *p, float *x) { unpack(raw(p), x); }
 };
-template <> struct Pack<__half> {
+// The 16-bit types: a pack is four pairs, widened pair by pair.
+__device__ __forceinline__ float2 widen(__half2 h) { return __half22float2(h); }
+__device__ __forceinline__ float2 widen(__nv_bfloat162 h) { return __bfloat1622float2(h); }
+
+template <typename T, typename Pair> struct Pack16 {
     static constexpr uint32_t N = 8;
-    static __device__ __forceinline__ uint4 raw(const __half *p) { return *(const uint4 *)p; }
+    static __device__ __forceinline__ uint4 raw(const T *p) { return *(const uint4 *)p; }
     static __device__ __forceinline__ void unpack(uint4 r, float *x) {
-        const __half2 *h = (const __half2 *)&r;
+        const Pair *h = (const Pair *)&r;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const float2 f = __half22float2(h[i]);
+            const float2 f = widen(h[i]);
             x[2 * i] = f.x, x[2 * i + 1] = f.y;
         }
     }
-    static __device__ __forceinline__ void load(const __half *p, float *x) { unpack(raw(p), x); }
+    static __device__ __forceinline__ void load(const T *p, float *x) { unpack(raw(p), x); }
 };
-template <> struct Pack<__nv_bfloat16> {
-    static constexpr uint32_t N = 8;
-    static __device__ __forceinline__ uint4 raw(const __nv_bfloat16 *p) {
-        return *(const uint4 *)p;
-    }
-    static __device__ __forceinline__ void unpack(uint4 r, float *x) {
-        const __nv_bfloat162 *h = (const __nv_bfloat162 *)&r;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(h[i]);
-            x[2 * i] = f.x, x[2 * i + 1] = f.y;
-        }
-    }
-    static __device__ __forceinline__ void load(const __nv_bfloat16 *p, float *x) {
-        unpack(raw(p), x);
-    }
-};
+template <> struct Pack<__half> : Pack16<__half, __half2> {};
+template <> struct Pack<__nv_bfloat16> : Pack16<__nv_bfloat16, __nv_bfloat162> {};
+
