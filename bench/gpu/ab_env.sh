@@ -2,7 +2,7 @@
 # Same-call A/B of process-wide GPU switches: the forward bench (decode
 # tok/s at B = 1 / 16 / 64, CUDA graphs on) once per setting and round,
 # settings alternating within each round. A setting is a space-separated
-# list of VAR=value, e.g. "TANDEM_GEMV=0" or "TANDEM_ATTENTION_GROUP=4";
+# list of VAR=value, e.g. "TANDEM_GEMV=0" or "TANDEM_ATTENTION_SPLIT_KEYS=32";
 # "default" sets nothing.
 #
 # Expects run_graphs.sh to have run in this call (binaries in /tmp/bin,

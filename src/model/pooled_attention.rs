@@ -4,8 +4,7 @@
 //! Tandem's own kernels (`cuda/attention.cu`, compiled to PTX by
 //! `build.rs`): one writes the batch's new K rows (rotated by RoPE on the
 //! way) and V rows into the pools; the second runs one thread block per
-//! query token, group of query heads sharing a KV head (one by default;
-//! see [`head_group`]) and *split* of the token's keys (split-K, as
+//! query token, query head and *split* of the token's keys (split-K, as
 //! flash-decoding does), rotates and scales the token's q as it loads it,
 //! and reads its keys and values straight from the layer's pool through its
 //! sequence's block table: no gather, no padding, no mask, whatever mix of
@@ -80,42 +79,10 @@ fn split_bound(keys: usize) -> usize {
 }
 
 /// Shared bytes a block needs for a split of at most `keys` keys in blocks
-/// of `block_size`: its queries, reduction scratch, a partial output row
-/// per warp and query, a score per key and query, and the table entries
-/// the keys span.
+/// of `block_size`: the query, reduction scratch, one partial output row
+/// per warp, one score per key and the table entries the keys span.
 fn shared_bytes(cfg: &ModelConfig, keys: usize, block_size: usize) -> usize {
-    let (group, dim) = (MAX_GROUP, cfg.head_dim);
-    4 * (group * dim + 32 + WARPS * group * dim + group * keys + keys / block_size + 2)
-}
-
-/// The most query heads one attention block serves with their shared KV
-/// head's keys (the kernel's largest `G`).
-const MAX_GROUP: usize = 4;
-
-/// Query heads per attention block for `per_kv` query heads per KV head:
-/// `TANDEM_ATTENTION_GROUP` (1, 2 or 4, read once per process; default
-/// 1), no more than a power of two covering `per_kv`. Grouping reads each
-/// key once for the group, but gives the grid fewer, longer blocks.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn head_group(per_kv: usize) -> usize {
-    static GROUP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let group =
-        *GROUP.get_or_init(
-            || match std::env::var("TANDEM_ATTENTION_GROUP").ok().as_deref() {
-                Some("2") => 2,
-                Some("4") => 4,
-                _ => 1,
-            },
-        );
-    group.min(per_kv.next_power_of_two())
-}
-
-/// Attention blocks per (query token, split): each KV head's query heads
-/// in groups of [`head_group`].
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn head_blocks(heads: usize, kv_heads: usize) -> usize {
-    let per_kv = heads / kv_heads;
-    kv_heads * per_kv.div_ceil(head_group(per_kv))
+    4 * (cfg.head_dim + 32 + WARPS * cfg.head_dim + keys + keys / block_size + 2)
 }
 
 /// The per-pass part: where each query token's keys are.
@@ -541,9 +508,8 @@ mod kernel {
             // split past a query's own count is never read).
             let partial = unsafe { dev.alloc::<f32>(n * heads * self.splits * (head_dim + 2))? };
             let out = unsafe { dev.alloc::<T>(n * heads * head_dim)? };
-            let group = super::head_group(heads / kv_heads);
             let func = dev.get_or_load_custom_func(
-                &format!("pooled_attention_g{group}_{suffix}"),
+                &format!("pooled_attention_{suffix}"),
                 "tandem_pooled_attention",
                 PTX,
             )?;
@@ -564,11 +530,7 @@ mod kernel {
             debug_assert_eq!(kv_heads, self.kv_heads);
             let dims = [n, heads, kv_heads, head_dim, self.block_shift as usize].map(|x| x as u32);
             let cfg = LaunchConfig {
-                grid_dim: (
-                    dims[0],
-                    super::head_blocks(heads, kv_heads) as u32,
-                    self.splits as u32,
-                ),
+                grid_dim: (dims[0], dims[1], self.splits as u32),
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: self.shared_bytes as u32,
             };

@@ -92,7 +92,9 @@ __device__ __forceinline__ uint32_t key_splits(uint32_t keys, uint32_t split_key
 // G: query heads one block attends with the keys of their shared KV head
 // (grouped-query attention then reads each key once for all of them); a KV
 // head with more query heads gives them ceil(heads per KV head / G)
-// blocks. The host picks G (1, 2 or 4) per process.
+// blocks. Only G = 1 is built: 2 and 4 were slower on the H200 at every
+// batch size (fewer, longer blocks; the shared rows sit in L2 anyway;
+// BENCHMARKS.md, session 17).
 
 template <typename T, uint32_t G>
 __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uint32_t *meta,
@@ -353,19 +355,14 @@ __device__ void pooled_write(T *k_pool, T *v_pool, const T *qkv, const uint32_t 
     }
 }
 
-#define POOLED_ATTENTION(SUFFIX, T, G)                                                        \
-    extern "C" __global__ void pooled_attention_g##G##_##SUFFIX(                              \
+#define POOLED_KERNELS(SUFFIX, T)                                                             \
+    extern "C" __global__ void pooled_attention_##SUFFIX(                                     \
         const T *qkv, const T *k, const T *v, const uint32_t *meta, const T *cos, const T *sin, \
         float *partial, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim,     \
         float q_scale, uint32_t shift, uint32_t split_keys, uint32_t lanes) {                 \
-        pooled_attention<T, G>(qkv, k, v, meta, cos, sin, partial, n, heads, kv_heads,        \
+        pooled_attention<T, 1>(qkv, k, v, meta, cos, sin, partial, n, heads, kv_heads,        \
                                head_dim, q_scale, shift, split_keys, lanes);                  \
-    }
-
-#define POOLED_KERNELS(SUFFIX, T)                                                             \
-    POOLED_ATTENTION(SUFFIX, T, 1)                                                            \
-    POOLED_ATTENTION(SUFFIX, T, 2)                                                            \
-    POOLED_ATTENTION(SUFFIX, T, 4)                                                            \
+    }                                                                                         \
     extern "C" __global__ void pooled_attention_combine_##SUFFIX(                             \
         const float *partial, const uint32_t *meta, T *out, uint32_t n, uint32_t heads,       \
         uint32_t head_dim, uint32_t max_splits, uint32_t split_keys) {                        \
