@@ -315,7 +315,7 @@ impl CandleStep {
             let input = Normed {
                 x,
                 addend: down.take(),
-                norm: layer.attn_norm.clone(),
+                norm: &layer.attn_norm,
                 eps,
             };
             let (mut qkv, residual) = input.project(&layer.qkv, None)?;
@@ -327,7 +327,7 @@ impl CandleStep {
             let input = Normed {
                 x: residual,
                 addend: Some(layer.o_proj.forward(&attn)?),
-                norm: layer.mlp_norm.clone(),
+                norm: &layer.mlp_norm,
                 eps,
             };
             clock.lap(3)?;

@@ -61,14 +61,14 @@ pub(super) fn silu_mul(gu: &Tensor, inter: usize) -> candle_core::Result<Tensor>
 /// A projection's input still to be normed: `rms_norm(x + addend) · norm`
 /// (no add without `addend`). Deferring the norm lets a small-batch GPU
 /// projection fold the residual add and the norm into its own launch.
-pub(super) struct Normed {
+pub(super) struct Normed<'a> {
     pub(super) x: Tensor,
     pub(super) addend: Option<Tensor>,
-    pub(super) norm: Tensor,
+    pub(super) norm: &'a Tensor,
     pub(super) eps: f32,
 }
 
-impl Normed {
+impl Normed<'_> {
     /// The projection of the normed rows by `linear` (with `mlp =
     /// Some(inter)`, the MLP's SwiGLU activation of its fused gate/up
     /// rows) and the residual stream `x + addend`.
@@ -78,21 +78,15 @@ impl Normed {
         mlp: Option<usize>,
     ) -> candle_core::Result<(Tensor, Tensor)> {
         if let Linear::Dense(w) = linear {
-            let input = super::gemv::PendingNorm {
-                x: &self.x,
-                addend: self.addend.as_ref(),
-                norm: &self.norm,
-                eps: self.eps,
-            };
-            if let Some(both) = super::gemv::project_normed(&input, w, mlp.is_some())? {
+            if let Some(both) = super::gemv::project_normed(self, w, mlp.is_some())? {
                 return Ok(both);
             }
         }
         let (x, h) = match &self.addend {
-            Some(y) => add_rms_norm(&self.x, y, &self.norm, self.eps)?,
+            Some(y) => add_rms_norm(&self.x, y, self.norm, self.eps)?,
             None => (
                 self.x.clone(),
-                candle_nn::ops::rms_norm(&self.x, &self.norm, self.eps)?,
+                candle_nn::ops::rms_norm(&self.x, self.norm, self.eps)?,
             ),
         };
         let out = match mlp {

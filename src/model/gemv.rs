@@ -13,13 +13,15 @@
 //! of two).
 //!
 //! A projection can also take its input still to be normed
-//! ([`PendingNorm`]): each block then computes the rows' residual add and
+//! ([`Normed`]): each block then computes the rows' residual add and
 //! RMSNorm into shared memory first, so the norm needs no launch either.
 //!
 //! Everything else (more rows, other devices, builds without `cuda`,
 //! `TANDEM_GEMV=0`) returns `None` and the caller multiplies as before.
 
 use candle_core::Tensor;
+
+use super::fused::Normed;
 
 /// Most rows one launch takes (the kernel's instantiations).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -57,23 +59,12 @@ pub(super) fn project_swiglu(x: &Tensor, w: &Tensor) -> candle_core::Result<Opti
     launch(x, w, true, None)
 }
 
-/// Rows still to be normed: `rms_norm(x + addend) · norm` (no add without
-/// `addend`), the input of a projection that folds the residual add and
-/// the norm into its launch.
-pub(super) struct PendingNorm<'a> {
-    pub(super) x: &'a Tensor,
-    pub(super) addend: Option<&'a Tensor>,
-    pub(super) norm: &'a Tensor,
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(super) eps: f32,
-}
-
 /// The projection by `w` of `input`'s normed rows (the SwiGLU activation
 /// for fused gate/up weights with `swiglu`) and the residual sum `x +
 /// addend` (`x` itself without an addend), in one launch; `None` where the
 /// kernel does not apply or the normed rows do not fit its shared memory.
 pub(super) fn project_normed(
-    input: &PendingNorm<'_>,
+    input: &Normed<'_>,
     w: &Tensor,
     swiglu: bool,
 ) -> candle_core::Result<Option<(Tensor, Tensor)>> {
@@ -81,15 +72,13 @@ pub(super) fn project_normed(
     if setting() == "plain" {
         return Ok(None);
     }
-    let x = input.x;
+    let x = &input.x;
     let fits = x.rank() == 2
-        && x.dims2()?.0 * x.dims2()?.1 * x.dtype().size_in_bytes() <= NORMED_BYTES
+        && x.elem_count() * x.dtype().size_in_bytes() <= NORMED_BYTES
         && input.norm.dims() == [x.dim(1)?]
         && input.norm.dtype() == x.dtype()
         && input.norm.is_contiguous()
-        && input
-            .addend
-            .is_none_or(|a| a.dims() == x.dims() && a.dtype() == x.dtype());
+        && (input.addend.as_ref()).is_none_or(|a| a.dims() == x.dims() && a.dtype() == x.dtype());
     if !fits {
         return Ok(None);
     }
@@ -99,7 +88,7 @@ pub(super) fn project_normed(
     let (m, k) = x.dims2()?;
     let n = w.dim(0)? / if swiglu { 2 } else { 1 };
     let y = out.narrow(0, 0, m * n)?.reshape((m, n))?;
-    let residual = match input.addend {
+    let residual = match &input.addend {
         Some(_) => {
             let at = residual_offset(m * n, x.dtype());
             out.narrow(0, at, m * k)?.reshape((m, k))?
@@ -150,7 +139,7 @@ fn launch(
     _: &Tensor,
     _: &Tensor,
     _: bool,
-    _: Option<&PendingNorm<'_>>,
+    _: Option<&Normed<'_>>,
 ) -> candle_core::Result<Option<Tensor>> {
     Ok(None)
 }
@@ -163,7 +152,7 @@ fn launch(
     x: &Tensor,
     w: &Tensor,
     swiglu: bool,
-    norm: Option<&PendingNorm<'_>>,
+    norm: Option<&Normed<'_>>,
 ) -> candle_core::Result<Option<Tensor>> {
     if !enabled() || !x.device().is_cuda() || x.rank() != 2 || w.rank() != 2 {
         return Ok(None);
@@ -185,7 +174,7 @@ fn launch(
         return Ok(None);
     }
     let x = x.contiguous()?;
-    let addend = match norm.and_then(|n| n.addend) {
+    let addend = match norm.and_then(|n| n.addend.as_ref()) {
         Some(a) => Some(a.contiguous()?),
         None => None,
     };
@@ -221,10 +210,11 @@ mod kernel {
         CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CpuStorage, CudaStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+    use candle_core::{CpuStorage, CudaStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
     const MODULE: &str = "tandem_gemv";
+    use super::super::cuda_view::with_view;
     use super::{warps_per_row, WARPS};
 
     pub(super) struct Gemv<'a> {
@@ -252,18 +242,6 @@ mod kernel {
             .attribute(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .w()?;
         Ok(*SMS.get_or_init(|| sms.max(1) as usize))
-    }
-
-    /// A contiguous device view of a captured operand, run through `f`.
-    fn with_view<T: CudaDType + DeviceRepr, R>(
-        t: &Tensor,
-        f: impl FnOnce(CudaView<'_, T>) -> candle_core::Result<R>,
-    ) -> candle_core::Result<R> {
-        let (storage, layout) = t.storage_and_layout();
-        let Storage::Cuda(c) = &*storage else {
-            candle_core::bail!("gemv operands are not on the GPU");
-        };
-        f(super::super::cuda_view::contiguous::<T>(c, layout, "gemv")?)
     }
 
     impl Gemv<'_> {
@@ -348,8 +326,10 @@ mod kernel {
             };
             match &self.norm {
                 None => launch(None, None, 0.0)?,
-                Some(norm) => with_view::<T, _>(norm.weight, |weight| match norm.addend {
-                    Some(a) => with_view::<T, _>(a, |a| launch(Some(a), Some(weight), norm.eps)),
+                Some(norm) => with_view::<T, _>(norm.weight, "gemv", |weight| match norm.addend {
+                    Some(a) => {
+                        with_view::<T, _>(a, "gemv", |a| launch(Some(a), Some(weight), norm.eps))
+                    }
                     None => launch(None, Some(weight), norm.eps),
                 })?,
             }

@@ -305,8 +305,10 @@ mod kernel {
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{
-        CpuStorage, CudaStorage, CustomOp3, DType, InplaceOp3, Layout, Shape, Storage, Tensor,
+        CpuStorage, CudaStorage, CustomOp3, DType, InplaceOp3, Layout, Shape, Tensor,
     };
+
+    use super::super::cuda_view::with_view;
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
     /// Threads per attention block.
@@ -351,40 +353,15 @@ mod kernel {
     /// Runs `f` with device views of the captured tensors (meta as u32, the
     /// RoPE tables as `T`).
     fn with_tables<T: CudaDType + DeviceRepr, R>(
-        meta: Option<&Tensor>,
+        meta: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        f: impl FnOnce(
-            Option<CudaView<'_, u32>>,
-            CudaView<'_, T>,
-            CudaView<'_, T>,
-        ) -> candle_core::Result<R>,
+        f: impl FnOnce(CudaView<'_, u32>, CudaView<'_, T>, CudaView<'_, T>) -> candle_core::Result<R>,
     ) -> candle_core::Result<R> {
-        let guards: Vec<_> = [meta, Some(cos), Some(sin)]
-            .into_iter()
-            .flatten()
-            .map(|t| t.storage_and_layout())
-            .collect();
-        let mut cuda = Vec::with_capacity(guards.len());
-        for (storage, layout) in &guards {
-            let Storage::Cuda(c) = &**storage else {
-                candle_core::bail!("pooled attention operands are not on the GPU");
-            };
-            cuda.push((c, *layout));
-        }
-        let mut it = cuda.into_iter();
-        let meta = match meta {
-            Some(_) => {
-                let (c, l) = it.next().expect("meta guard");
-                Some(view::<u32>(c, l)?)
-            }
-            None => None,
-        };
-        let (c, l) = it.next().expect("cos guard");
-        let cos = view::<T>(c, l)?;
-        let (c, l) = it.next().expect("sin guard");
-        let sin = view::<T>(c, l)?;
-        f(meta, cos, sin)
+        let op = "pooled attention";
+        with_view(meta, op, |meta| {
+            with_view(cos, op, |cos| with_view(sin, op, |sin| f(meta, cos, sin)))
+        })
     }
 
     impl PoolWriteOp<'_> {
@@ -421,8 +398,7 @@ mod kernel {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            with_tables::<T, _>(Some(self.meta), self.cos, self.sin, |meta, cos, sin| {
-                let meta = meta.expect("meta view");
+            with_tables::<T, _>(self.meta, self.cos, self.sin, |meta, cos, sin| {
                 let mut b = func.builder();
                 b.arg(&mut k_pool);
                 b.arg(&v_pool);
@@ -534,8 +510,7 @@ mod kernel {
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: self.shared_bytes as u32,
             };
-            with_tables::<T, _>(Some(self.meta), self.cos, self.sin, |meta, cos, sin| {
-                let meta = meta.expect("meta view");
+            with_tables::<T, _>(self.meta, self.cos, self.sin, |meta, cos, sin| {
                 let mut b = func.builder();
                 b.arg(&qkv);
                 b.arg(&k);
