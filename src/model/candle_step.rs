@@ -265,8 +265,8 @@ impl CandleStep {
         self.graphs
             .run(&self.device, key, pool, inputs, |ids, meta| {
                 let x = weights.embed.index_select(ids, 0)?;
-                let plan =
-                    AttentionPlan::Pooled(PooledAttention::over(meta.clone(), kv, key_bound));
+                let pooled = PooledAttention::over(meta.clone(), kv, cfg, n, key_bound)?;
+                let plan = AttentionPlan::Pooled(pooled);
                 self.layers(cfg, weights, x, kv, layers, &plan)
             })
     }

@@ -1,4 +1,4 @@
-//! Attention over pooled KV in three kernel launches per layer (CUDA builds),
+//! Attention over pooled KV in two kernel launches per layer (CUDA builds),
 //! straight from the fused q/k/v projection.
 //!
 //! Tandem's own kernels (`cuda/attention.cu`, compiled to PTX by
@@ -9,12 +9,14 @@
 //! and reads its keys and values straight from the layer's pool through its
 //! sequence's block table: no gather, no padding, no mask, whatever mix of
 //! decodes, draft verifications and prefill chunks the batch holds; the
-//! third merges each query's splits. A query's split count is a function
-//! of its own key count alone ([`key_splits`]), so a single decoding
+//! last of a query's splits to finish merges them (an arrival count per
+//! query and head, which that block resets to zero). A query's split count
+//! is a function of its own key count alone ([`key_splits`]), and the merge
+//! adds the splits in order whichever block runs it, so a single decoding
 //! sequence fills the GPU and its sums still never depend on the rest of
 //! the batch. All read the `[n, (heads + 2·kv_heads)·head_dim]` projection
 //! rows as they are, so the q/k/v split copies and the RoPE launches of
-//! the candle path do not exist here: three launches per layer instead of
+//! the candle path do not exist here: two launches per layer instead of
 //! the dozen of [`super::batched_attention`] (which stays the path of
 //! other devices). candle's own scatter could do the write, but it walks a
 //! batch's rows one after the other.
@@ -100,6 +102,18 @@ pub(super) struct PooledAttention {
     /// Most keys any query sees (sizes the kernel's shared memory).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     max_keys: usize,
+    /// u32 per (query token, head), zero between launches: how many of the
+    /// query's splits have finished, so the last one merges them.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    arrivals: Tensor,
+}
+
+/// The zeroed arrival counts of `rows` query tokens (see
+/// [`PooledAttention::arrivals`]); one memset per pass, shared by every
+/// layer, since each merge leaves its count at zero again.
+fn arrivals(rows: usize, cfg: &ModelConfig, device: &Device) -> Result<Tensor, ModelError> {
+    let len = rows.max(1) * cfg.num_heads;
+    Ok(Tensor::zeros(len, candle_core::DType::U32, device)?)
 }
 
 /// Where each sequence's block table sits in the plan's metadata.
@@ -141,18 +155,27 @@ impl PooledAttention {
             meta: Tensor::from_vec(host.meta, len, device)?,
             block_shift: kv.block_size().trailing_zeros(),
             max_keys: host.max_keys,
+            arrivals: arrivals(batch.tokens.len(), cfg, device)?,
         }))
     }
 
-    /// A plan over metadata already on the device (`meta`, laid out by
-    /// [`Self::host_plan`]), sized for queries of at most `max_keys` keys.
+    /// A plan for `rows` query tokens over metadata already on the device
+    /// (`meta`, laid out by [`Self::host_plan`]), sized for queries of at
+    /// most `max_keys` keys.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(super) fn over(meta: Tensor, kv: &KvCache, max_keys: usize) -> Self {
-        Self {
+    pub(super) fn over(
+        meta: Tensor,
+        kv: &KvCache,
+        cfg: &ModelConfig,
+        rows: usize,
+        max_keys: usize,
+    ) -> Result<Self, ModelError> {
+        Ok(Self {
+            arrivals: arrivals(rows, cfg, meta.device())?,
             meta,
             block_shift: kv.block_size().trailing_zeros(),
             max_keys,
-        }
+        })
     }
 
     /// Whether the kernels can attend over `kv` on `device` for `cfg`'s heads.
@@ -278,6 +301,7 @@ fn run_kernels(
         heads: cfg.num_heads,
         kv_heads: cfg.num_kv_heads,
         block_shift: plan.block_shift,
+        arrivals: &plan.arrivals,
     };
     Ok(qkv.apply_op3_no_bwd(k_pool, v_pool, &op)?)
 }
@@ -326,6 +350,8 @@ mod kernel {
         pub(super) heads: usize,
         pub(super) kv_heads: usize,
         pub(super) block_shift: u32,
+        /// The plan's arrival counts: the last split of a query merges.
+        pub(super) arrivals: &'a Tensor,
     }
 
     /// The K (rotated) and V heads of the projection rows into a layer's
@@ -480,17 +506,12 @@ mod kernel {
             let qkv = view::<T>(qkv, ql)?;
             let k = view::<T>(k, kl)?;
             let v = view::<T>(v, vl)?;
-            // SAFETY: every element is written by the kernels below (a
+            // SAFETY: every element is written by the kernel below (a
             // split past a query's own count is never read).
             let partial = unsafe { dev.alloc::<f32>(n * heads * self.splits * (head_dim + 2))? };
             let out = unsafe { dev.alloc::<T>(n * heads * head_dim)? };
             let func = dev.get_or_load_custom_func(
                 &format!("pooled_attention_{suffix}"),
-                "tandem_pooled_attention",
-                PTX,
-            )?;
-            let combine = dev.get_or_load_custom_func(
-                &format!("pooled_attention_combine_{suffix}"),
                 "tandem_pooled_attention",
                 PTX,
             )?;
@@ -510,45 +531,38 @@ mod kernel {
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: self.shared_bytes as u32,
             };
-            with_tables::<T, _>(self.meta, self.cos, self.sin, |meta, cos, sin| {
-                let mut b = func.builder();
-                b.arg(&qkv);
-                b.arg(&k);
-                b.arg(&v);
-                b.arg(&meta);
-                b.arg(&cos);
-                b.arg(&sin);
-                b.arg(&partial);
-                for d in &dims[..4] {
-                    b.arg(d);
-                }
-                b.arg(&self.q_scale);
-                b.arg(&dims[4]);
-                let split_keys = super::split_keys() as u32;
-                b.arg(&split_keys);
-                b.arg(&lanes);
-                // SAFETY: argument types and counts match the kernel's
-                // signature; the metadata keeps every read inside the pools.
-                unsafe { b.launch(cfg) }.w()?;
-                let max_splits = self.splits as u32;
-                let mut b = combine.builder();
-                b.arg(&partial);
-                b.arg(&meta);
-                b.arg(&out);
-                b.arg(&dims[0]);
-                b.arg(&dims[1]);
-                b.arg(&dims[3]);
-                b.arg(&max_splits);
-                b.arg(&split_keys);
-                let merge = LaunchConfig {
-                    grid_dim: (dims[0], dims[1], 1),
-                    block_dim: (head_dim.div_ceil(32) as u32 * 32, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                // SAFETY: as above; `partial` holds `splits` rows per
-                // (token, head), the first `key_splits` of each written.
-                unsafe { b.launch(merge) }.w()?;
-                Ok(())
+            let split_keys = super::split_keys() as u32;
+            if self.arrivals.elem_count() < n * heads {
+                candle_core::bail!("pooled attention: arrival counts for fewer rows");
+            }
+            with_view::<u32, _>(self.arrivals, "pooled attention", |arrivals| {
+                with_tables::<T, _>(self.meta, self.cos, self.sin, |meta, cos, sin| {
+                    let mut b = func.builder();
+                    b.arg(&qkv);
+                    b.arg(&k);
+                    b.arg(&v);
+                    b.arg(&meta);
+                    b.arg(&cos);
+                    b.arg(&sin);
+                    b.arg(&partial);
+                    for d in &dims[..4] {
+                        b.arg(d);
+                    }
+                    b.arg(&self.q_scale);
+                    b.arg(&dims[4]);
+                    b.arg(&split_keys);
+                    b.arg(&lanes);
+                    b.arg(&arrivals);
+                    b.arg(&out);
+                    // SAFETY: argument types and counts match the kernel's
+                    // signature; the metadata keeps every read inside the
+                    // pools; the arrival counts hold one word per (token,
+                    // head), zero on entry; `partial` holds `splits` rows
+                    // per (token, head), the first `key_splits` of each
+                    // written before the last split reads them.
+                    unsafe { b.launch(cfg) }.w()?;
+                    Ok(())
+                })
             })?;
             Ok((
                 CudaStorage::wrap_cuda_slice(out, dev),

@@ -10,9 +10,9 @@
 // copies the table entries its keys span into shared memory, so the row of
 // a key costs no dependent global load. No gather, no padding, no mask: the
 // batch may be any mix of decodes, draft verifications and prefill chunks.
-// A query's keys are split across blocks (split-K, below) and the splits
-// merged by a second launch; a split's scores live in shared memory (the
-// caller keeps a split's keys within its budget).
+// A query's keys are split across blocks (split-K, below), and the last
+// of them to finish merges the splits; a split's scores live in shared
+// memory (the caller keeps a split's keys within its budget).
 //
 // q, k and v come straight from the fused projection's rows `qkv`
 // ([n, (heads + 2 kv_heads) * head_dim]: q heads, then k heads, then v
@@ -73,6 +73,36 @@ __device__ __forceinline__ size_t pool_row(const uint32_t *table, uint32_t pos, 
     return ((size_t)table[pos >> shift] << shift) | (pos & ((1u << shift) - 1));
 }
 
+// Merges the splits of query (tok, h) from `partial` (rows of
+// head_dim + 2 floats: the split's output sum, max score, exp sum;
+// `max_splits` rows per query, the first `splits` written) into its output row
+// of out [n, heads, head_dim], splits in order; the block's threads take
+// the dimensions. Loads bypass L1: the rows come from other blocks of the
+// same launch.
+template <typename T>
+__device__ void merge_splits(const float *partial, T *out, uint32_t tok, uint32_t h,
+                             uint32_t heads, uint32_t head_dim, uint32_t max_splits,
+                             uint32_t splits) {
+    const size_t width = head_dim + 2;
+    const float *rows = partial + ((size_t)tok * heads + h) * max_splits * width;
+    float m = -INFINITY;
+    for (uint32_t s = 0; s < splits; ++s) m = fmaxf(m, __ldcg(rows + s * width + head_dim));
+    float l = 0.f;
+    for (uint32_t s = 0; s < splits; ++s) {
+        const float split_max = __ldcg(rows + s * width + head_dim);
+        l += __ldcg(rows + s * width + head_dim + 1) * __expf(split_max - m);
+    }
+    const float inv = 1.f / l;
+    T *orow = out + ((size_t)tok * heads + h) * head_dim;
+    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float sum = 0.f;
+        for (uint32_t s = 0; s < splits; ++s) {
+            sum += __ldcg(rows + s * width + d) * __expf(__ldcg(rows + s * width + head_dim) - m);
+        }
+        orow[d] = from_f32<T>(sum * inv);
+    }
+}
+
 // Split-K ("flash-decoding") attention: one block per (query token, query
 // head, split of its keys), so a single decoding sequence still fills the
 // GPU. A query that sees `keys` keys splits them into
@@ -101,7 +131,7 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
                                  const T *cos, const T *sin, float *partial, uint32_t n,
                                  uint32_t heads, uint32_t kv_heads, uint32_t head_dim,
                                  float q_scale, uint32_t shift, uint32_t split_keys,
-                                 uint32_t lanes) {
+                                 uint32_t lanes, uint32_t *arrivals, T *out) {
     constexpr uint32_t N = Pack<T>::N;
     constexpr uint32_t D = MAX_PACKS_PER_LANE * N;  // dimensions a lane holds
     extern __shared__ float smem[];
@@ -274,13 +304,26 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
         }
     }
     __syncthreads();
+    // A query of one split writes its output here, with merge_splits'
+    // arithmetic for one split.
+    const bool alone = splits == 1;
     for (uint32_t i = threadIdx.x; i < hb * head_dim; i += blockDim.x) {
         const uint32_t g = i / head_dim, d = i % head_dim;
         float sum = 0.f;
         for (uint32_t w = 0; w < warps; ++w) sum += wpart[(w * G + g) * head_dim + d];
+        if (alone) {
+            const float scale = __expf(m[g] - m[g]);
+            float total = 0.f, weighted = 0.f;
+            total += l[g] * scale;
+            weighted += sum * scale;
+            const float inv = 1.f / total;
+            out[((size_t)tok * heads + h0 + g) * head_dim + d] = from_f32<T>(weighted * inv);
+            continue;
+        }
         const size_t at = ((size_t)tok * heads + h0 + g) * gridDim.z + split;
         partial[at * (head_dim + 2) + d] = sum;
     }
+    if (alone) return;
     if (threadIdx.x == 0) {
 #pragma unroll
         for (uint32_t g = 0; g < G; ++g) {
@@ -290,33 +333,22 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
             partial[at * (head_dim + 2) + head_dim + 1] = l[g];
         }
     }
-}
-
-// Merges each (token, head)'s splits (`partial` as above, `max_splits` rows
-// each) into its output row of out [n, heads, head_dim], splits in order:
-// one block per (token, head), a thread per dimension.
-template <typename T>
-__device__ void pooled_attention_combine(const float *partial, const uint32_t *meta, T *out,
-                                         uint32_t n, uint32_t heads, uint32_t head_dim,
-                                         uint32_t max_splits, uint32_t split_keys) {
-    const uint32_t tok = blockIdx.x, h = blockIdx.y;
-    const uint32_t splits = key_splits(meta[2 * n + tok] + 1 - meta[n + tok], split_keys);
-    const size_t width = head_dim + 2;
-    const float *rows = partial + ((size_t)tok * heads + h) * max_splits * width;
-    float m = -INFINITY;
-    for (uint32_t s = 0; s < splits; ++s) m = fmaxf(m, rows[s * width + head_dim]);
-    float l = 0.f;
-    for (uint32_t s = 0; s < splits; ++s) {
-        l += rows[s * width + head_dim + 1] * __expf(rows[s * width + head_dim] - m);
+    // The last of a query's splits to finish merges them (and resets the
+    // query's arrival count to zero for the next launch): no merge launch.
+    __shared__ bool merges;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        uint32_t *count = arrivals + (size_t)tok * heads + h0;
+        merges = atomicAdd(count, 1) == splits - 1;
+        if (merges) *count = 0;
     }
-    const float inv = 1.f / l;
-    T *orow = out + ((size_t)tok * heads + h) * head_dim;
-    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float sum = 0.f;
-        for (uint32_t s = 0; s < splits; ++s) {
-            sum += rows[s * width + d] * __expf(rows[s * width + head_dim] - m);
-        }
-        orow[d] = from_f32<T>(sum * inv);
+    __syncthreads();
+    if (!merges) return;
+    __threadfence();
+#pragma unroll
+    for (uint32_t g = 0; g < G; ++g) {
+        if (g < hb) merge_splits<T>(partial, out, tok, h0 + g, heads, head_dim, gridDim.z, splits);
     }
 }
 
@@ -359,15 +391,10 @@ __device__ void pooled_write(T *k_pool, T *v_pool, const T *qkv, const uint32_t 
     extern "C" __global__ void pooled_attention_##SUFFIX(                                     \
         const T *qkv, const T *k, const T *v, const uint32_t *meta, const T *cos, const T *sin, \
         float *partial, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim,     \
-        float q_scale, uint32_t shift, uint32_t split_keys, uint32_t lanes) {                 \
+        float q_scale, uint32_t shift, uint32_t split_keys, uint32_t lanes,                   \
+        uint32_t *arrivals, T *out) {                                                         \
         pooled_attention<T, 1>(qkv, k, v, meta, cos, sin, partial, n, heads, kv_heads,        \
-                               head_dim, q_scale, shift, split_keys, lanes);                  \
-    }                                                                                         \
-    extern "C" __global__ void pooled_attention_combine_##SUFFIX(                             \
-        const float *partial, const uint32_t *meta, T *out, uint32_t n, uint32_t heads,       \
-        uint32_t head_dim, uint32_t max_splits, uint32_t split_keys) {                        \
-        pooled_attention_combine<T>(partial, meta, out, n, heads, head_dim, max_splits,       \
-                                    split_keys);                                              \
+                               head_dim, q_scale, shift, split_keys, lanes, arrivals, out);   \
     }                                                                                         \
     extern "C" __global__ void pooled_write_##SUFFIX(                                         \
         T *k_pool, T *v_pool, const T *qkv, const uint32_t *meta, const T *cos, const T *sin, \
