@@ -39,11 +39,29 @@ const ANY_WEIGHTS_ROWS: usize = 2;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const SMALL_WEIGHT_BYTES: usize = 4 << 20;
 
+/// The most rows the kernel takes against `weight_bytes` of weights.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn max_rows(weight_bytes: usize) -> usize {
+    if weight_bytes <= SMALL_WEIGHT_BYTES {
+        MAX_ROWS
+    } else {
+        ANY_WEIGHTS_ROWS
+    }
+}
+
 /// Whether the kernel takes `m` rows against `weight_bytes` of weights.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn takes(m: usize, weight_bytes: usize) -> bool {
-    (1..=ANY_WEIGHTS_ROWS).contains(&m)
-        || ((1..=MAX_ROWS).contains(&m) && weight_bytes <= SMALL_WEIGHT_BYTES)
+    (1..=max_rows(weight_bytes)).contains(&m)
+}
+
+/// Whether a projection of `k`-wide rows of `dtype` by `weight_bytes` of
+/// weights norms its input in its own launch: when the most rows it takes
+/// fit the launch's shared memory. A function of the shapes alone, so every
+/// row count the kernel takes folds the norm or none does, and a row's
+/// bits do not depend on its batch.
+fn folds_norm(k: usize, dtype: candle_core::DType, weight_bytes: usize) -> bool {
+    max_rows(weight_bytes) * k * dtype.size_in_bytes() <= NORMED_BYTES
 }
 
 /// `x · wᵀ` (`x: [m, k]`, `w: [n, k]`, one dtype) by the kernel, or `None`
@@ -74,7 +92,11 @@ pub(super) fn project_normed(
     }
     let x = &input.x;
     let fits = x.rank() == 2
-        && x.elem_count() * x.dtype().size_in_bytes() <= NORMED_BYTES
+        && folds_norm(
+            x.dim(1)?,
+            x.dtype(),
+            w.elem_count() * w.dtype().size_in_bytes(),
+        )
         && input.norm.dims() == [x.dim(1)?]
         && input.norm.dtype() == x.dtype()
         && input.norm.is_contiguous()
@@ -128,11 +150,13 @@ fn residual_offset(projected: usize, dtype: candle_core::DType) -> usize {
     projected.next_multiple_of(16 / dtype.size_in_bytes())
 }
 
-/// The most bytes of rows a launch norms itself. Every block norms its
-/// rows before its first weight load, which paid at SmolLM2's 576-wide
+/// The most bytes of rows a launch norms itself (its shared memory): 8
+/// rows of SmolLM2's 576 in f32, 2 of the 1B model's 2 048. Every block
+/// norms its rows with its first weight packs already loading; when the
+/// norm ran before the first load instead, it paid at SmolLM2's 576-wide
 /// rows (+5 % at B = 1) and cost at the 1B model's 2 048 (−3 %; H200,
-/// BENCHMARKS.md); wider rows get the norm kernel.
-const NORMED_BYTES: usize = 2 * 1024;
+/// BENCHMARKS.md). Wider rows get the norm kernel.
+const NORMED_BYTES: usize = 24 * 1024;
 
 #[cfg(not(feature = "cuda"))]
 fn launch(
@@ -168,16 +192,20 @@ fn launch(
         && x.dtype() == w.dtype()
         && k.is_multiple_of(packed)
         && w.is_contiguous()
-        && aligned(w)
-        && (norm.is_some() || aligned(x));
+        && aligned(w);
     if !fits {
         return Ok(None);
     }
+    // x, the addend and the norm weight are read in packs too.
     let x = x.contiguous()?;
     let addend = match norm.and_then(|n| n.addend.as_ref()) {
         Some(a) => Some(a.contiguous()?),
         None => None,
     };
+    let norm_packed = norm.is_none_or(|n| n.norm.is_contiguous() && aligned(n.norm));
+    if !aligned(&x) || !addend.as_ref().is_none_or(aligned) || !norm_packed {
+        return Ok(None);
+    }
     let op = kernel::Gemv {
         swiglu,
         norm: norm.map(|n| kernel::Norm {
@@ -229,21 +257,6 @@ mod kernel {
         pub(super) eps: f32,
     }
 
-    /// The GPU's multiprocessor count (one GPU model per process).
-    fn multiprocessors(dev: &candle_core::CudaDevice) -> candle_core::Result<usize> {
-        static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        if let Some(&sms) = SMS.get() {
-            return Ok(sms);
-        }
-        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as Attr;
-        let sms = dev
-            .cuda_stream()
-            .context()
-            .attribute(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .w()?;
-        Ok(*SMS.get_or_init(|| sms.max(1) as usize))
-    }
-
     impl Gemv<'_> {
         fn run<T: CudaDType + DeviceRepr>(
             &self,
@@ -256,7 +269,7 @@ mod kernel {
             let n = if self.swiglu { rows / 2 } else { rows };
             let pack = 16 / std::mem::size_of::<T>();
             let aligned = |l: &Layout| l.start_offset().is_multiple_of(pack);
-            if !aligned(wl) || (self.norm.is_none() && !aligned(xl)) {
+            if !aligned(wl) || !aligned(xl) {
                 candle_core::bail!("gemv: operands off a 16-byte boundary");
             }
             let view = |s, l| super::super::cuda_view::contiguous::<T>(s, l, "gemv");
@@ -276,14 +289,11 @@ mod kernel {
             // before `at`, which nothing reads.
             let mut out = unsafe { dev.alloc::<T>(at + residual)? };
             let split = warps_per_row(n, k, pack);
-            let mut groups = n.div_ceil(WARPS / split).max(1);
-            let normed = if self.norm.is_some() {
-                // Each block norms its input rows once: no more blocks
-                // than run at once.
-                groups = groups.min(4 * multiprocessors(&dev)?);
-                m * k * std::mem::size_of::<T>()
-            } else {
-                0
+            let groups = n.div_ceil(WARPS / split).max(1);
+            // Every block norms its rows (from L2) while its weights load.
+            let normed = match self.norm {
+                Some(_) => m * k * std::mem::size_of::<T>(),
+                None => 0,
             };
             let cfg = LaunchConfig {
                 grid_dim: (groups as u32, 1, 1),
@@ -388,6 +398,20 @@ mod tests {
         assert!(!takes(4, 67 << 20), "4 rows of the 1B gate/up");
         assert!(takes(8, 3 << 20), "8 rows of SmolLM2's gate/up");
         assert!(!takes(9, 1 << 10) && !takes(0, 1 << 10));
+    }
+
+    #[test]
+    fn a_projection_folds_its_norm_for_every_row_count_or_none() {
+        use candle_core::DType::{BF16, F32};
+        // SmolLM2 (576 wide, small weights: up to 8 rows), both dtypes.
+        assert!(folds_norm(576, BF16, 960 * 576 * 2));
+        assert!(folds_norm(576, F32, 960 * 576 * 4));
+        // The 1B model (2 048 wide, large weights: up to 2 rows).
+        assert!(folds_norm(2048, BF16, 16384 * 2048 * 2));
+        assert!(folds_norm(2048, F32, 16384 * 2048 * 4));
+        // Rows too wide for the launch's shared memory at its most rows.
+        assert!(!folds_norm(4096, F32, 64 << 20));
+        assert!(!folds_norm(2048, F32, 1 << 20), "8 rows of 8 KiB");
     }
 
     #[test]

@@ -15,11 +15,14 @@
 //
 // Norm prologue (norm_w set): the input rows are rms_norm(x + addend) *
 // norm_w (addend optional), which each block computes into shared memory
-// before its dot products (the host checks they fit); block 0 also writes
-// the residual sum x + addend. So the residual add and RMSNorm before a
-// projection need no launch of their own. The arithmetic is that of the
-// fused add_rms_norm kernel (fused.cu): the sum rounded to T, f32 sum of
-// squares, scale * x * w rounded to T.
+// (the host checks they fit) with its first weight packs already loading,
+// so the prologue hides behind the latency of those loads; block 0 also
+// writes the residual sum x + addend. So the residual add and RMSNorm
+// before a projection need no launch of their own. The arithmetic is the
+// add_rms_norm kernel's (fused.cu: the sum rounded to T, an f32 sum of
+// squares, scale * x * w rounded to T) with the squares summed in another
+// order; the host folds a projection's norm for every row count or for
+// none, so a row's bits still never depend on its batch.
 //
 // SWIGLU: w is the fused gate/up projection [2n, k] (gate rows, then up
 // rows) and output j sums both row j and row n + j, then writes silu(gate)
@@ -34,28 +37,43 @@
 #define UNROLL 4
 #define WARPS 8
 
-// The rows' RMSNorm scales (rsqrt(mean square + eps)) of x (+ addend)
-// into scale[M]; block 0 writes the sums to `residual` when there is an
-// addend. Sums in a fixed order: each thread's elements, a warp tree, the
-// warps in order.
+// Writes the M normed input rows rms_norm(x + addend) * norm_w, rounded to
+// T, to xs ([M, k] in shared memory); block 0 also writes the sums to
+// `residual` when there is an addend. One pass loads x (and addend) in
+// 16-byte packs, keeps the sums rounded to T in xs and sums their squares
+// (f32: each thread's packs in order, a warp tree, the warps in order;
+// nothing depends on M, so every row's bits are the same in any batch);
+// a second pass over xs scales them.
 template <typename T, uint32_t M>
-__device__ void norm_scales(const T *x, const T *addend, T *residual, uint32_t k, float eps,
-                            float *scale) {
+__device__ void normed_rows(const T *x, const T *addend, T *residual, const T *norm_w,
+                            uint32_t k, float eps, T *xs) {
+    constexpr uint32_t N = Pack<T>::N;
     __shared__ float squares[WARPS][M];
+    __shared__ float scale[M];
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float ss[M];
 #pragma unroll
     for (uint32_t t = 0; t < M; ++t) ss[t] = 0.f;
-    for (uint32_t i = threadIdx.x; i < k; i += blockDim.x) {
+    for (uint32_t i = threadIdx.x * N; i < k; i += blockDim.x * N) {
 #pragma unroll
         for (uint32_t t = 0; t < M; ++t) {
-            float v = to_f32(x[(size_t)t * k + i]);
+            const size_t at = (size_t)t * k + i;
+            float v[N];
+            Pack<T>::load(x + at, v);
             if (addend) {
-                const T sum = from_f32<T>(v + to_f32(addend[(size_t)t * k + i]));
-                if (blockIdx.x == 0) residual[(size_t)t * k + i] = sum;
-                v = to_f32(sum);
+                float a[N];
+                Pack<T>::load(addend + at, a);
+#pragma unroll
+                for (uint32_t e = 0; e < N; ++e) v[e] = to_f32(from_f32<T>(v[e] + a[e]));
             }
-            ss[t] += v * v;
+            T sum[N];
+#pragma unroll
+            for (uint32_t e = 0; e < N; ++e) {
+                sum[e] = from_f32<T>(v[e]);
+                ss[t] += v[e] * v[e];
+            }
+            *(uint4 *)(xs + at) = *(const uint4 *)sum;
+            if (addend && blockIdx.x == 0) *(uint4 *)(residual + at) = *(const uint4 *)sum;
         }
     }
 #pragma unroll
@@ -70,23 +88,36 @@ __device__ void norm_scales(const T *x, const T *addend, T *residual, uint32_t k
         scale[threadIdx.x] = rsqrtf(total / (float)k + eps);
     }
     __syncthreads();
-}
-
-// Writes the M normed input rows rms_norm(x + addend) * norm_w, rounded to
-// T, to xs ([M, k] in shared memory), after norm_scales.
-template <typename T, uint32_t M>
-__device__ void normed_rows(const T *x, const T *addend, const T *norm_w, const float *scale,
-                            uint32_t k, T *xs) {
-    for (uint32_t i = threadIdx.x; i < k; i += blockDim.x) {
-        const float nw = to_f32(norm_w[i]);
+    for (uint32_t i = threadIdx.x * N; i < k; i += blockDim.x * N) {
+        float nw[N];
+        Pack<T>::load(norm_w + i, nw);
 #pragma unroll
         for (uint32_t t = 0; t < M; ++t) {
-            float v = to_f32(x[(size_t)t * k + i]);
-            if (addend) v = to_f32(from_f32<T>(v + to_f32(addend[(size_t)t * k + i])));
-            xs[(size_t)t * k + i] = from_f32<T>(scale[t] * v * nw);
+            float v[N];
+            Pack<T>::load(xs + (size_t)t * k + i, v);
+            T out[N];
+#pragma unroll
+            for (uint32_t e = 0; e < N; ++e) out[e] = from_f32<T>(scale[t] * v[e] * nw[e]);
+            *(uint4 *)(xs + (size_t)t * k + i) = *(const uint4 *)out;
         }
     }
     __syncthreads();
+}
+
+// Loads this lane's UNROLL packs of weight rows j (and n + j with R = 2)
+// from element `base` of the warp's span [.., end).
+template <typename T, uint32_t R>
+__device__ __forceinline__ void load_packs(const T *w, uint32_t n, uint32_t k, uint32_t j,
+                                           uint32_t base, uint32_t end, uint4 (&raw)[UNROLL][R]) {
+    constexpr uint32_t N = Pack<T>::N;
+#pragma unroll
+    for (uint32_t u = 0; u < UNROLL; ++u) {
+        const uint32_t i = base + u * 32 * N;
+#pragma unroll
+        for (uint32_t r = 0; r < R; ++r) {
+            if (i < end) raw[u][r] = Pack<T>::raw(w + ((size_t)r * n + j) * k + i);
+        }
+    }
 }
 
 template <typename T, uint32_t M, bool SWIGLU>
@@ -95,13 +126,7 @@ __device__ void gemv(const T *x, const T *w, T *y, uint32_t n, uint32_t k, uint3
     constexpr uint32_t N = Pack<T>::N;
     constexpr uint32_t R = SWIGLU ? 2 : 1;  // weight rows per output
     __shared__ float part[WARPS][R][M];
-    __shared__ float scale[M];
     extern __shared__ __align__(16) unsigned char normed[];  // [M, k] T with a norm
-    if (norm_w) {
-        norm_scales<T, M>(x, addend, residual, k, eps, scale);
-        normed_rows<T, M>(x, addend, norm_w, scale, k, (T *)normed);
-        x = (const T *)normed;
-    }
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const uint32_t piece = warp % split;
     // This warp's span of a row: whole passes of 32 packs.
@@ -111,6 +136,22 @@ __device__ void gemv(const T *x, const T *w, T *y, uint32_t n, uint32_t k, uint3
     // Blocks stride over groups of WARPS / split rows (a block computes
     // its normed rows once, however many groups it takes).
     const uint32_t groups = (n + WARPS / split - 1) / (WARPS / split);
+    // The first packs of the block's first group are in flight before the
+    // norm prologue: they do not depend on it, and a launch's weight
+    // stream then starts as early as it would without a norm.
+    uint4 raw[UNROLL][R];
+    bool loaded = false;
+    if (blockIdx.x < groups) {
+        const uint32_t j = blockIdx.x * (WARPS / split) + warp / split;
+        if (j < n && begin + lane * N < end) {
+            load_packs<T, R>(w, n, k, j, begin + lane * N, end, raw);
+            loaded = true;
+        }
+    }
+    if (norm_w) {
+        normed_rows<T, M>(x, addend, residual, norm_w, k, eps, (T *)normed);
+        x = (const T *)normed;
+    }
     for (uint32_t group = blockIdx.x; group < groups; group += gridDim.x) {
         const uint32_t j = group * (WARPS / split) + warp / split;
         float acc[R][M];
@@ -121,15 +162,8 @@ __device__ void gemv(const T *x, const T *w, T *y, uint32_t n, uint32_t k, uint3
         }
         if (j < n) {
             for (uint32_t base = begin + lane * N; base < end; base += UNROLL * 32 * N) {
-                uint4 raw[UNROLL][R];
-#pragma unroll
-                for (uint32_t u = 0; u < UNROLL; ++u) {
-                    const uint32_t i = base + u * 32 * N;
-#pragma unroll
-                    for (uint32_t r = 0; r < R; ++r) {
-                        if (i < end) raw[u][r] = Pack<T>::raw(w + ((size_t)r * n + j) * k + i);
-                    }
-                }
+                if (!loaded) load_packs<T, R>(w, n, k, j, base, end, raw);
+                loaded = false;
 #pragma unroll
                 for (uint32_t u = 0; u < UNROLL; ++u) {
                     const uint32_t i = base + u * 32 * N;
