@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Per-kernel GPU times of a few eager decode steps (graphs off), by Nsight
-# Compute: `ncu --metrics gpu__time_duration.sum --print-summary per-kernel`
-# over the forward bench, one batch size per run. ncu times each kernel
+# Compute: `ncu --metrics $METRICS --print-summary per-kernel` over the
+# forward bench, one batch size per run (METRICS: the kernel time and the
+# share of DRAM bandwidth it reached, unless given). ncu times each kernel
 # alone with cold caches, so the figures are upper bounds; the invocation
 # counts tell which kernels are decode and which prompt processing.
 #
@@ -11,6 +12,7 @@ set -uo pipefail
 LOGS=${LOGS:-/tmp/tandem-logs}
 MODEL=${MODEL:-/tmp/llama-1b-random}
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
+METRICS=${METRICS:-gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed}
 mkdir -p "$LOGS"
 CU13=$(python3 -c 'import nvidia.cu13 as m; print(m.__path__[0])' 2>/dev/null)/lib
 export LD_LIBRARY_PATH="$CU13:${LD_LIBRARY_PATH:-}"
@@ -19,8 +21,8 @@ for b in ${BATCHES:-1 64}; do
   TANDEM_CUDA_GRAPHS=0 TANDEM_BENCH_DEVICE=cuda TANDEM_BENCH_MODEL="$MODEL" \
     TANDEM_BENCH_FORMATS=bf16 TANDEM_BENCH_BATCHES=$b TANDEM_BENCH_REPS=1 \
     TANDEM_BENCH_STEPS=${STEPS:-4} timeout ${NCU_TIMEOUT:-150} "$NCU" \
-    --metrics gpu__time_duration.sum --print-summary per-kernel \
+    --metrics "$METRICS" --print-summary per-kernel \
     /tmp/bin/forward-bench --bench >"$LOGS/ncu-b$b.raw" 2>&1
-  grep -E "Invocations|gpu__time_duration" "$LOGS/ncu-b$b.raw" >"$LOGS/ncu-b$b.txt"
+  grep -E "Invocations|gpu__time_duration|dram__" "$LOGS/ncu-b$b.raw" >"$LOGS/ncu-b$b.txt"
   echo "=== ncu B=$b: $(grep -c Invocations "$LOGS/ncu-b$b.txt") kernels"
 done
