@@ -102,6 +102,8 @@ impl MtpMode {
             max_draft: draft_max,
             schedule: DraftSchedule::Adaptive,
         };
+        // Debug builds add a test-only field; release builds have none left.
+        #[allow(clippy::needless_update)]
         SpecConfig {
             default,
             prompt_lookup: prompt_lookup.then(PromptLookup::default),
