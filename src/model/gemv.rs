@@ -57,11 +57,11 @@ fn takes(m: usize, weight_bytes: usize) -> bool {
 
 /// Whether a projection of `k`-wide rows of `dtype` by `weight_bytes` of
 /// weights norms its input in its own launch: when the most rows it takes
-/// fit the launch's shared memory. A function of the shapes alone, so every
-/// row count the kernel takes folds the norm or none does, and a row's
-/// bits do not depend on its batch.
+/// and the norm weight fit the launch's shared memory. A function of the
+/// shapes alone, so every row count the kernel takes folds the norm or none
+/// does, and a row's bits do not depend on its batch.
 fn folds_norm(k: usize, dtype: candle_core::DType, weight_bytes: usize) -> bool {
-    max_rows(weight_bytes) * k * dtype.size_in_bytes() <= NORMED_BYTES
+    (max_rows(weight_bytes) + 1) * k * dtype.size_in_bytes() <= NORMED_BYTES
 }
 
 /// `x · wᵀ` (`x: [m, k]`, `w: [n, k]`, one dtype) by the kernel, or `None`
@@ -128,16 +128,24 @@ const WARPS: usize = 8;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const TARGET_WARPS: usize = 8192;
 
+/// 16-byte packs a lane keeps in flight (the kernel's `UNROLL`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const UNROLL: usize = 4;
+
 /// How many warps share one output row of an `[n, k]` projection (1, 2, 4
 /// or 8) whose 16-byte packs hold `pack` elements: enough that `n` rows
 /// keep [`TARGET_WARPS`] warps loading, never more than the row has passes
-/// of 32 packs. A function of the shape alone, so the sum order never
+/// of 32 packs, and no more than it takes for each warp's span to load in
+/// one round of [`UNROLL`] packs per lane (more warps only add blocks,
+/// each norming the rows again: +5 % at B = 1 on the 1B model without
+/// them, H200). A function of the shape alone, so the sum order never
 /// depends on the rows.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn warps_per_row(n: usize, k: usize, pack: usize) -> usize {
     let passes = k.div_ceil(32 * pack);
+    let one_round = |split: usize| passes.div_ceil(split) <= UNROLL;
     let mut split = 1;
-    while split < WARPS && n * split < TARGET_WARPS && split * 2 <= passes {
+    while split < WARPS && n * split < TARGET_WARPS && split * 2 <= passes && !one_round(split) {
         split *= 2;
     }
     split
@@ -150,12 +158,12 @@ fn residual_offset(projected: usize, dtype: candle_core::DType) -> usize {
     projected.next_multiple_of(16 / dtype.size_in_bytes())
 }
 
-/// The most bytes of rows a launch norms itself (its shared memory): 8
-/// rows of SmolLM2's 576 in f32, 2 of the 1B model's 2 048. Every block
-/// norms its rows with its first weight packs already loading; when the
-/// norm ran before the first load instead, it paid at SmolLM2's 576-wide
-/// rows (+5 % at B = 1) and cost at the 1B model's 2 048 (−3 %; H200,
-/// BENCHMARKS.md). Wider rows get the norm kernel.
+/// The most bytes of rows a launch norms itself, with its norm weight (its
+/// shared memory): 8 rows of SmolLM2's 576 in f32, 2 of the 1B model's
+/// 2 048. Every block norms its rows with its first weight packs already
+/// loading; when the norm ran before the first load instead, it paid at
+/// SmolLM2's 576-wide rows (+5 % at B = 1) and cost at the 1B model's
+/// 2 048 (−3 %; H200, BENCHMARKS.md). Wider rows get the norm kernel.
 const NORMED_BYTES: usize = 24 * 1024;
 
 #[cfg(not(feature = "cuda"))]
@@ -290,9 +298,10 @@ mod kernel {
             let mut out = unsafe { dev.alloc::<T>(at + residual)? };
             let split = warps_per_row(n, k, pack);
             let groups = n.div_ceil(WARPS / split).max(1);
-            // Every block norms its rows (from L2) while its weights load.
+            // Every block norms its rows (from L2) while its weights load,
+            // into shared rows and a copy of the norm weight.
             let normed = match self.norm {
-                Some(_) => m * k * std::mem::size_of::<T>(),
+                Some(_) => (m + 1) * k * std::mem::size_of::<T>(),
                 None => 0,
             };
             let cfg = LaunchConfig {
@@ -417,10 +426,15 @@ mod tests {
     #[test]
     fn warps_per_row_fill_the_gpu_within_a_row() {
         // bf16 (8 per pack): the 1B model's projections and SmolLM2's.
-        assert_eq!(warps_per_row(2048, 2048, 8), 4, "o_proj: 8 passes");
+        assert_eq!(
+            warps_per_row(2048, 2048, 8),
+            2,
+            "o_proj: 8 passes, 4 a round"
+        );
         assert_eq!(warps_per_row(2048, 8192, 8), 4, "down: 4 x 2 048 warps");
         assert_eq!(warps_per_row(8192, 2048, 8), 1, "SwiGLU: 8 192 rows");
-        assert_eq!(warps_per_row(960, 576, 8), 2, "SmolLM2 qkv: 3 passes");
+        assert_eq!(warps_per_row(960, 576, 8), 1, "SmolLM2 qkv: 3 passes");
+        assert_eq!(warps_per_row(576, 1536, 8), 2, "SmolLM2 down: 6 passes");
         assert_eq!(warps_per_row(16, 32, 4), 1, "a row of one pass");
         for (n, k) in [(1, 64), (7, 100_000), (100_000, 8)] {
             let split = warps_per_row(n, k, 8);

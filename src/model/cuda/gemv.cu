@@ -38,12 +38,13 @@
 #define WARPS 8
 
 // Writes the M normed input rows rms_norm(x + addend) * norm_w, rounded to
-// T, to xs ([M, k] in shared memory); block 0 also writes the sums to
-// `residual` when there is an addend. One pass loads x (and addend) in
-// 16-byte packs, keeps the sums rounded to T in xs and sums their squares
+// T, to xs ([M, k] in shared memory, then norm_w's k); block 0 also writes
+// the sums to `residual` when there is an addend. One pass loads x, addend
+// and norm_w in 16-byte packs (one round trip to L2), keeps the sums
+// rounded to T and the norm weights in shared memory and sums the squares
 // (f32: each thread's packs in order, a warp tree, the warps in order;
-// nothing depends on M, so every row's bits are the same in any batch);
-// a second pass over xs scales them.
+// nothing depends on M, so every row's bits are the same in any batch); a
+// second pass, in shared memory only, scales them.
 template <typename T, uint32_t M>
 __device__ void normed_rows(const T *x, const T *addend, T *residual, const T *norm_w,
                             uint32_t k, float eps, T *xs) {
@@ -51,10 +52,12 @@ __device__ void normed_rows(const T *x, const T *addend, T *residual, const T *n
     __shared__ float squares[WARPS][M];
     __shared__ float scale[M];
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    T *nws = xs + (size_t)M * k;
     float ss[M];
 #pragma unroll
     for (uint32_t t = 0; t < M; ++t) ss[t] = 0.f;
     for (uint32_t i = threadIdx.x * N; i < k; i += blockDim.x * N) {
+        *(uint4 *)(nws + i) = Pack<T>::raw(norm_w + i);
 #pragma unroll
         for (uint32_t t = 0; t < M; ++t) {
             const size_t at = (size_t)t * k + i;
@@ -90,7 +93,7 @@ __device__ void normed_rows(const T *x, const T *addend, T *residual, const T *n
     __syncthreads();
     for (uint32_t i = threadIdx.x * N; i < k; i += blockDim.x * N) {
         float nw[N];
-        Pack<T>::load(norm_w + i, nw);
+        Pack<T>::load(nws + i, nw);
 #pragma unroll
         for (uint32_t t = 0; t < M; ++t) {
             float v[N];
