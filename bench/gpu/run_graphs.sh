@@ -24,8 +24,11 @@ CU13=$(python3 -c 'import nvidia.cu13 as m; print(m.__path__[0])' 2>/dev/null)/l
 export LD_LIBRARY_PATH="$CU13:${LD_LIBRARY_PATH:-}"
 nvidia-smi -L
 mkdir -p /tmp/bin
-for b in device-tests forward-bench; do
-  gunzip -c "$BIN/$b.gz" >/tmp/bin/$b && chmod +x /tmp/bin/$b
+# Extra forward benches (forward-bench-NAME.gz) are other builds for ab_env.sh.
+for f in "$BIN"/device-tests.gz "$BIN"/forward-bench*.gz; do
+  [ -f "$f" ] || continue
+  b=$(basename "$f" .gz)
+  gunzip -c "$f" >/tmp/bin/$b && chmod +x /tmp/bin/$b
 done
 export TANDEM_SHARED_DIR=$(realpath "$BIN/shared")
 
