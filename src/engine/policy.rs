@@ -6,7 +6,9 @@
 //! - **Acceptance** per sequence and drafter (prompt lookup per match
 //!   order): the chance that draft `j` is
 //!   accepted given drafts `1..j` were, by position, from recent
-//!   verifications (decayed counts with a weak prior). A run of `k` drafts
+//!   verifications (decayed counts with a weak prior: what the drafter
+//!   did for every sequence lately, so a new sequence starts where its
+//!   predecessors left off rather than at a guess). A run of `k` drafts
 //!   then yields `1 + Σ_{j≤k} Π_{l≤j} a_l` tokens in expectation.
 //! - **Cost**: the time of a decode step's pass (forward, sampling,
 //!   verification, update; steps with prompt chunks are left out, their
@@ -52,7 +54,8 @@ pub(crate) enum Drafter {
     Lookup(usize),
 }
 
-/// Prior acceptance (and its weight in pseudo-observations).
+/// Prior acceptance of a drafter nothing has been verified from (and the
+/// weight of a sequence's prior in pseudo-observations).
 const PRIOR: f64 = 0.5;
 const PRIOR_WEIGHT: f64 = 0.5;
 /// Acceptance assumed when deciding whether a sequence is worth a probe.
@@ -79,16 +82,19 @@ impl Default for Acceptance {
 }
 
 impl Acceptance {
-    fn rate(&self, j: usize) -> f64 {
-        (self.hits[j] + PRIOR * PRIOR_WEIGHT) / (self.trials[j] + PRIOR_WEIGHT)
+    /// Position `j`'s acceptance, `prior` standing in for what is not
+    /// observed.
+    fn rate(&self, j: usize, prior: f64) -> f64 {
+        (self.hits[j] + prior * PRIOR_WEIGHT) / (self.trials[j] + PRIOR_WEIGHT)
     }
 
-    /// `reach[j]`: the chance that drafts `0..=j` are all accepted.
-    fn reach(&self, k: usize) -> Vec<f64> {
+    /// `reach[j]`: the chance that drafts `0..=j` are all accepted, over
+    /// the position priors of `prior` (the same drafter's pooled record).
+    fn reach(&self, k: usize, prior: Option<&Acceptance>) -> Vec<f64> {
         let mut p = 1.0;
         (0..k.min(MAX_DRAFT_TOKENS))
             .map(|j| {
-                p *= self.rate(j);
+                p *= self.rate(j, prior.map_or(PRIOR, |a| a.rate(j, PRIOR)));
                 p
             })
             .collect()
@@ -251,6 +257,9 @@ pub(crate) struct Grant {
 pub(crate) struct DraftPolicy {
     cost: CostModel,
     seqs: HashMap<SlotId, SeqState>,
+    /// Every sequence's verifications by drafter, decayed alike: the prior
+    /// of a sequence's own acceptance.
+    pooled: HashMap<Drafter, Acceptance>,
     /// Drafters the engine has.
     has_head: bool,
     lookup: Option<PromptLookup>,
@@ -294,6 +303,10 @@ impl DraftPolicy {
     pub fn record(&mut self, slot: SlotId, drafter: Drafter, drafted: usize, accepted: usize) {
         if let Some(s) = self.seqs.get_mut(&slot) {
             s.acceptance
+                .entry(drafter)
+                .or_default()
+                .record(drafted, accepted);
+            self.pooled
                 .entry(drafter)
                 .or_default()
                 .record(drafted, accepted);
@@ -359,9 +372,11 @@ impl DraftPolicy {
         let opts = s.drafting.options;
         let cap = c.cap.min(opts.max_draft);
         let reach_of = |d: Drafter, k: usize| {
-            s.acceptance
-                .get(&d)
-                .map_or_else(|| Acceptance::default().reach(k), |a| a.reach(k))
+            let prior = self.pooled.get(&d);
+            s.acceptance.get(&d).map_or_else(
+                || Acceptance::default().reach(k, prior),
+                |a| a.reach(k, prior),
+            )
         };
         let head = self.has_head.then(|| reach_of(Drafter::Head, cap));
         let by_lookup = Drafter::Lookup(c.lookup.order);
@@ -567,8 +582,8 @@ mod tests {
     fn acceptance_counts_only_the_positions_tried() {
         let mut a = Acceptance::default();
         a.record(4, 1); // positions 0 (hit) and 1 (miss) tried; 2, 3 not reached
-        assert!(a.rate(0) > PRIOR && a.rate(1) < PRIOR);
-        assert_eq!(a.rate(2), PRIOR);
+        assert!(a.rate(0, PRIOR) > PRIOR && a.rate(1, PRIOR) < PRIOR);
+        assert_eq!(a.rate(2, PRIOR), PRIOR);
         a.record(2, 2); // positions 0 and 1 tried and hit; the old counts decay
         assert!((a.trials[1] - (FORGET + 1.0)).abs() < 1e-12);
         assert!((a.hits[1] - 1.0).abs() < 1e-12);
@@ -683,6 +698,32 @@ mod tests {
         assert!(probes.len() >= 2 && probes.len() <= 5, "{probes:?}");
         let gaps: Vec<usize> = probes.windows(2).map(|w| w[1] - w[0]).collect();
         assert!(gaps.windows(2).all(|g| g[1] > g[0]), "{gaps:?}");
+    }
+
+    #[test]
+    fn a_new_sequence_starts_from_what_its_drafter_did_for_earlier_ones() {
+        // A drafter that never paid: a fresh sequence waits for a probe
+        // instead of drafting at once.
+        let mut policy = DraftPolicy::new(true, None);
+        measured(&mut policy);
+        policy.admit(1, drafting(DraftSchedule::Adaptive));
+        for _ in 0..20 {
+            policy.record(1, Drafter::Head, 2, 0);
+        }
+        policy.release(1);
+        policy.admit(2, drafting(DraftSchedule::Adaptive));
+        let first_draft = (0..40).find(|_| policy.assign(&[candidate(2, 6)], 1)[0].drafts > 0);
+        assert_eq!(first_draft, Some(MIN_BACKOFF), "the first draft is a probe");
+        // A drafter that always paid: a fresh sequence drafts the cap.
+        let mut policy = DraftPolicy::new(true, None);
+        measured(&mut policy);
+        policy.admit(1, drafting(DraftSchedule::Adaptive));
+        for _ in 0..20 {
+            policy.record(1, Drafter::Head, 6, 6);
+        }
+        policy.release(1);
+        policy.admit(2, drafting(DraftSchedule::Adaptive));
+        assert_eq!(policy.assign(&[candidate(2, 6)], 1)[0].drafts, 6);
     }
 
     #[test]
