@@ -6,10 +6,12 @@
 //! - **Acceptance** per sequence and drafter (prompt lookup per match
 //!   order): the chance that draft `j` is
 //!   accepted given drafts `1..j` were, by position, from recent
-//!   verifications (decayed counts with a weak prior: what the drafter
-//!   did for every sequence lately, so a new sequence starts where its
-//!   predecessors left off rather than at a guess). A run of `k` drafts
-//!   then yields `1 + Σ_{j≤k} Π_{l≤j} a_l` tokens in expectation.
+//!   verifications (decayed counts with a weak prior: for the draft head,
+//!   what it did for every sequence lately, so a new sequence starts where
+//!   its predecessors left off rather than at a guess; prompt lookup's
+//!   acceptance belongs to the text being copied, so its prior is fixed).
+//!   A run of `k` drafts then yields `1 + Σ_{j≤k} Π_{l≤j} a_l` tokens in
+//!   expectation.
 //! - **Cost**: the time of a decode step's pass (forward, sampling,
 //!   verification, update; steps with prompt chunks are left out, their
 //!   tokens are cheaper at the margin) as a function of its tokens,
@@ -89,7 +91,8 @@ impl Acceptance {
     }
 
     /// `reach[j]`: the chance that drafts `0..=j` are all accepted, over
-    /// the position priors of `prior` (the same drafter's pooled record).
+    /// the position priors of `prior` (the head's pooled record) or the
+    /// fixed one.
     fn reach(&self, k: usize, prior: Option<&Acceptance>) -> Vec<f64> {
         let mut p = 1.0;
         (0..k.min(MAX_DRAFT_TOKENS))
@@ -257,9 +260,9 @@ pub(crate) struct Grant {
 pub(crate) struct DraftPolicy {
     cost: CostModel,
     seqs: HashMap<SlotId, SeqState>,
-    /// Every sequence's verifications by drafter, decayed alike: the prior
-    /// of a sequence's own acceptance.
-    pooled: HashMap<Drafter, Acceptance>,
+    /// Every sequence's verifications of head drafts, decayed alike: the
+    /// prior of a sequence's own acceptance of the head.
+    pooled_head: Acceptance,
     /// Drafters the engine has.
     has_head: bool,
     lookup: Option<PromptLookup>,
@@ -306,10 +309,9 @@ impl DraftPolicy {
                 .entry(drafter)
                 .or_default()
                 .record(drafted, accepted);
-            self.pooled
-                .entry(drafter)
-                .or_default()
-                .record(drafted, accepted);
+            if drafter == Drafter::Head {
+                self.pooled_head.record(drafted, accepted);
+            }
         }
     }
 
@@ -372,7 +374,7 @@ impl DraftPolicy {
         let opts = s.drafting.options;
         let cap = c.cap.min(opts.max_draft);
         let reach_of = |d: Drafter, k: usize| {
-            let prior = self.pooled.get(&d);
+            let prior = (d == Drafter::Head).then_some(&self.pooled_head);
             s.acceptance.get(&d).map_or_else(
                 || Acceptance::default().reach(k, prior),
                 |a| a.reach(k, prior),
@@ -724,6 +726,25 @@ mod tests {
         policy.release(1);
         policy.admit(2, drafting(DraftSchedule::Adaptive));
         assert_eq!(policy.assign(&[candidate(2, 6)], 1)[0].drafts, 6);
+        // Prompt lookup's record stays with the text it copied: a fresh
+        // sequence's match starts from the fixed prior.
+        let mut policy = DraftPolicy::new(false, Some(PromptLookup::default()));
+        measured(&mut policy);
+        policy.admit(1, drafting(DraftSchedule::Adaptive));
+        for _ in 0..20 {
+            policy.record(1, Drafter::Lookup(3), 4, 0);
+        }
+        policy.release(1);
+        policy.admit(2, drafting(DraftSchedule::Adaptive));
+        let c = Candidate {
+            slot: 2,
+            cap: 6,
+            lookup: Proposal {
+                order: 3,
+                tokens: vec![5, 6, 7, 8],
+            },
+        };
+        assert!(policy.assign(&[c], 1)[0].drafts > 0);
     }
 
     #[test]
