@@ -702,40 +702,39 @@ mod tests {
         assert!(gaps.windows(2).all(|g| g[1] > g[0]), "{gaps:?}");
     }
 
+    /// A measured policy in which sequence 1 had `drafter` verify
+    /// `drafted` drafts twenty times, accepting `accepted`, and left; then
+    /// sequence 2 arrives.
+    fn after_one_sequence(
+        lookup: bool,
+        drafter: Drafter,
+        drafted: usize,
+        accepted: usize,
+    ) -> DraftPolicy {
+        let mut policy = DraftPolicy::new(!lookup, lookup.then(PromptLookup::default));
+        measured(&mut policy);
+        policy.admit(1, drafting(DraftSchedule::Adaptive));
+        for _ in 0..20 {
+            policy.record(1, drafter, drafted, accepted);
+        }
+        policy.release(1);
+        policy.admit(2, drafting(DraftSchedule::Adaptive));
+        policy
+    }
+
     #[test]
     fn a_new_sequence_starts_from_what_its_drafter_did_for_earlier_ones() {
-        // A drafter that never paid: a fresh sequence waits for a probe
+        // A head that never paid: a fresh sequence waits for a probe
         // instead of drafting at once.
-        let mut policy = DraftPolicy::new(true, None);
-        measured(&mut policy);
-        policy.admit(1, drafting(DraftSchedule::Adaptive));
-        for _ in 0..20 {
-            policy.record(1, Drafter::Head, 2, 0);
-        }
-        policy.release(1);
-        policy.admit(2, drafting(DraftSchedule::Adaptive));
+        let mut policy = after_one_sequence(false, Drafter::Head, 2, 0);
         let first_draft = (0..40).find(|_| policy.assign(&[candidate(2, 6)], 1)[0].drafts > 0);
         assert_eq!(first_draft, Some(MIN_BACKOFF), "the first draft is a probe");
-        // A drafter that always paid: a fresh sequence drafts the cap.
-        let mut policy = DraftPolicy::new(true, None);
-        measured(&mut policy);
-        policy.admit(1, drafting(DraftSchedule::Adaptive));
-        for _ in 0..20 {
-            policy.record(1, Drafter::Head, 6, 6);
-        }
-        policy.release(1);
-        policy.admit(2, drafting(DraftSchedule::Adaptive));
+        // A head that always paid: a fresh sequence drafts the cap.
+        let mut policy = after_one_sequence(false, Drafter::Head, 6, 6);
         assert_eq!(policy.assign(&[candidate(2, 6)], 1)[0].drafts, 6);
         // Prompt lookup's record stays with the text it copied: a fresh
         // sequence's match starts from the fixed prior.
-        let mut policy = DraftPolicy::new(false, Some(PromptLookup::default()));
-        measured(&mut policy);
-        policy.admit(1, drafting(DraftSchedule::Adaptive));
-        for _ in 0..20 {
-            policy.record(1, Drafter::Lookup(3), 4, 0);
-        }
-        policy.release(1);
-        policy.admit(2, drafting(DraftSchedule::Adaptive));
+        let mut policy = after_one_sequence(true, Drafter::Lookup(3), 4, 0);
         let c = Candidate {
             slot: 2,
             cap: 6,
