@@ -565,6 +565,16 @@ mod tests {
         }
     }
 
+    /// Slot `slot` with room for 6 drafts and prompt lookup proposing
+    /// `tokens` from a match of `order` tokens.
+    fn lookup_candidate(slot: SlotId, order: usize, tokens: Vec<u32>) -> Candidate {
+        Candidate {
+            slot,
+            cap: 6,
+            lookup: Proposal { order, tokens },
+        }
+    }
+
     /// A CPU-like cost: a step of T tokens costs 10 ms + 1 ms · T, a round
     /// 0.5 ms + 0.1 ms per member.
     fn measured(policy: &mut DraftPolicy) {
@@ -702,15 +712,11 @@ mod tests {
         assert!(gaps.windows(2).all(|g| g[1] > g[0]), "{gaps:?}");
     }
 
-    /// A measured policy in which sequence 1 had `drafter` verify
-    /// `drafted` drafts twenty times, accepting `accepted`, and left; then
-    /// sequence 2 arrives.
-    fn after_one_sequence(
-        lookup: bool,
-        drafter: Drafter,
-        drafted: usize,
-        accepted: usize,
-    ) -> DraftPolicy {
+    /// A measured policy with only `drafter`'s kind, in which sequence 1
+    /// had it verify `drafted` drafts twenty times, accepting `accepted`,
+    /// and left; then sequence 2 arrives.
+    fn after_one_sequence(drafter: Drafter, drafted: usize, accepted: usize) -> DraftPolicy {
+        let lookup = matches!(drafter, Drafter::Lookup(_));
         let mut policy = DraftPolicy::new(!lookup, lookup.then(PromptLookup::default));
         measured(&mut policy);
         policy.admit(1, drafting(DraftSchedule::Adaptive));
@@ -726,23 +732,16 @@ mod tests {
     fn a_new_sequence_starts_from_what_its_drafter_did_for_earlier_ones() {
         // A head that never paid: a fresh sequence waits for a probe
         // instead of drafting at once.
-        let mut policy = after_one_sequence(false, Drafter::Head, 2, 0);
+        let mut policy = after_one_sequence(Drafter::Head, 2, 0);
         let first_draft = (0..40).find(|_| policy.assign(&[candidate(2, 6)], 1)[0].drafts > 0);
         assert_eq!(first_draft, Some(MIN_BACKOFF), "the first draft is a probe");
         // A head that always paid: a fresh sequence drafts the cap.
-        let mut policy = after_one_sequence(false, Drafter::Head, 6, 6);
+        let mut policy = after_one_sequence(Drafter::Head, 6, 6);
         assert_eq!(policy.assign(&[candidate(2, 6)], 1)[0].drafts, 6);
         // Prompt lookup's record stays with the text it copied: a fresh
         // sequence's match starts from the fixed prior.
-        let mut policy = after_one_sequence(true, Drafter::Lookup(3), 4, 0);
-        let c = Candidate {
-            slot: 2,
-            cap: 6,
-            lookup: Proposal {
-                order: 3,
-                tokens: vec![5, 6, 7, 8],
-            },
-        };
+        let mut policy = after_one_sequence(Drafter::Lookup(3), 4, 0);
+        let c = lookup_candidate(2, 3, vec![5, 6, 7, 8]);
         assert!(policy.assign(&[c], 1)[0].drafts > 0);
     }
 
@@ -771,14 +770,7 @@ mod tests {
             policy.record(1, Drafter::Lookup(3), 4, 4);
             policy.record(1, Drafter::Head, 4, 0);
         }
-        let c = Candidate {
-            slot: 1,
-            cap: 6,
-            lookup: Proposal {
-                order: 3,
-                tokens: vec![5, 6, 7, 8],
-            },
-        };
+        let c = lookup_candidate(1, 3, vec![5, 6, 7, 8]);
         let g = policy.assign(std::slice::from_ref(&c), 1);
         assert_eq!(
             g[0],
@@ -801,14 +793,7 @@ mod tests {
             policy.record(1, Drafter::Lookup(4), 6, 6);
             policy.record(1, Drafter::Lookup(1), 6, 0);
         }
-        let proposal = |order| Candidate {
-            slot: 1,
-            cap: 6,
-            lookup: Proposal {
-                order,
-                tokens: vec![5; 6],
-            },
-        };
+        let proposal = |order| lookup_candidate(1, order, vec![5; 6]);
         let long = policy.assign(&[proposal(4)], 1);
         assert_eq!(
             long[0].drafts, 6,
