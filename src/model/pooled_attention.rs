@@ -1,5 +1,6 @@
-//! Attention over pooled KV in two kernel launches per layer (CUDA builds),
-//! straight from the fused q/k/v projection.
+//! Attention over pooled KV in one kernel launch per layer for a decode
+//! pass and two for others (CUDA builds), straight from the fused q/k/v
+//! projection.
 //!
 //! Tandem's own kernels (`cuda/attention.cu`, compiled to PTX by
 //! `build.rs`): one writes the batch's new K rows (rotated by RoPE on the
@@ -18,8 +19,13 @@
 //! rows as they are, so the q/k/v split copies and the RoPE launches of
 //! the candle path do not exist here: two launches per layer instead of
 //! the dozen of [`super::batched_attention`] (which stays the path of
-//! other devices). candle's own scatter could do the write, but it walks a
-//! batch's rows one after the other.
+//! other devices). When every sequence has one row in the pass
+//! ([`PooledAttention::write_own`]: a decode pass), a query's only new key
+//! is its own, which it reads from its projection row (rotated and rounded
+//! as the pool holds it), so the attention launch writes the rows into the
+//! pool itself: one launch. A key's bits are the same whichever kernel
+//! wrote it. candle's own scatter
+//! could do the write, but it walks a batch's rows one after the other.
 //!
 //! The per-pass plan (per query token: where its sequence's block table
 //! starts and its visible positions; the tables themselves) is built on
@@ -39,7 +45,8 @@ use crate::kv::KvCache;
 /// Ampere: about 24 000 keys.
 const SHARED_BYTES: usize = 96 * 1024;
 
-/// Warps per attention block (the kernel's block is 32 × this threads).
+/// Warps per attention block (the kernel's block is 32 × this threads;
+/// its `__launch_bounds__` assume 128).
 const WARPS: usize = 4;
 /// Largest head dimension the kernel covers (two 16-byte packs per lane),
 /// which must be a multiple of 8 (whole packs in every dtype).
@@ -106,6 +113,16 @@ pub(super) struct PooledAttention {
     /// query's splits have finished, so the last one merges them.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     arrivals: Tensor,
+    /// Every sequence has (at most) one row in the pass, so the attention
+    /// launch writes the rows' K and V itself.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    write_own: bool,
+}
+
+/// Whether the attention launch of `batch`'s pass writes the rows' K and
+/// V (see [`PooledAttention::write_own`]).
+fn writes_own(batch: &Batch) -> bool {
+    batch.seqs.iter().all(|s| s.len <= 1)
 }
 
 /// The zeroed arrival counts of `rows` query tokens (see
@@ -156,12 +173,13 @@ impl PooledAttention {
             block_shift: kv.block_size().trailing_zeros(),
             max_keys: host.max_keys,
             arrivals: arrivals(batch.tokens.len(), cfg, device)?,
+            write_own: writes_own(batch),
         }))
     }
 
-    /// A plan for `rows` query tokens over metadata already on the device
-    /// (`meta`, laid out by [`Self::host_plan`]), sized for queries of at
-    /// most `max_keys` keys.
+    /// A plan for a decode pass of `rows` query tokens (one a sequence) over
+    /// metadata already on the device (`meta`, laid out by
+    /// [`Self::host_plan`]), sized for queries of at most `max_keys` keys.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(super) fn over(
         meta: Tensor,
@@ -175,6 +193,7 @@ impl PooledAttention {
             meta,
             block_shift: kv.block_size().trailing_zeros(),
             max_keys,
+            write_own: true,
         })
     }
 
@@ -283,14 +302,16 @@ fn run_kernels(
     cfg: &ModelConfig,
 ) -> Result<Tensor, ModelError> {
     let qkv = qkv.contiguous()?;
-    let write = kernel::PoolWriteOp {
-        meta: &plan.meta,
-        cos,
-        sin,
-        heads: cfg.num_heads,
-        block_shift: plan.block_shift,
-    };
-    k_pool.inplace_op3(v_pool, &qkv, &write)?;
+    if !plan.write_own {
+        let write = kernel::PoolWriteOp {
+            meta: &plan.meta,
+            cos,
+            sin,
+            heads: cfg.num_heads,
+            block_shift: plan.block_shift,
+        };
+        k_pool.inplace_op3(v_pool, &qkv, &write)?;
+    }
     let op = kernel::PooledAttentionOp {
         meta: &plan.meta,
         cos,
@@ -302,6 +323,7 @@ fn run_kernels(
         kv_heads: cfg.num_kv_heads,
         block_shift: plan.block_shift,
         arrivals: &plan.arrivals,
+        write_own: plan.write_own,
     };
     Ok(qkv.apply_op3_no_bwd(k_pool, v_pool, &op)?)
 }
@@ -352,6 +374,10 @@ mod kernel {
         pub(super) block_shift: u32,
         /// The plan's arrival counts: the last split of a query merges.
         pub(super) arrivals: &'a Tensor,
+        /// Whether the launch writes the rows' K and V into the pools
+        /// (written through their storages' device pointers, as
+        /// [`PoolWriteOp`] writes the V pool).
+        pub(super) write_own: bool,
     }
 
     /// The K (rotated) and V heads of the projection rows into a layer's
@@ -532,6 +558,7 @@ mod kernel {
                 shared_mem_bytes: self.shared_bytes as u32,
             };
             let split_keys = super::split_keys() as u32;
+            let write_own = u32::from(self.write_own);
             if self.arrivals.elem_count() < n * heads {
                 candle_core::bail!("pooled attention: arrival counts for fewer rows");
             }
@@ -552,11 +579,14 @@ mod kernel {
                     b.arg(&dims[4]);
                     b.arg(&split_keys);
                     b.arg(&lanes);
+                    b.arg(&write_own);
                     b.arg(&arrivals);
                     b.arg(&out);
                     // SAFETY: argument types and counts match the kernel's
-                    // signature; the metadata keeps every read inside the
-                    // pools; the arrival counts hold one word per (token,
+                    // signature; the metadata keeps every read and write
+                    // inside the pools (with `write_own`, each row at its
+                    // own position, which no other block of the launch
+                    // reads); the arrival counts hold one word per (token,
                     // head), zero on entry; `partial` holds `splits` rows
                     // per (token, head), the first `key_splits` of each
                     // written before the last split reads them.
@@ -681,6 +711,19 @@ mod tests {
         assert!(PooledAttention::host_plan(&batch, &kv, &cfg, short)
             .unwrap()
             .is_none());
+    }
+
+    /// Only a pass whose every sequence has one row lets the attention
+    /// launch write the rows' K and V: in a chunk, later rows read earlier
+    /// rows' keys from the pool, so those must be written by a launch before.
+    #[test]
+    fn only_decode_passes_write_in_the_attention_launch() {
+        let (_, mut batch) = cache_and_batch();
+        assert!(writes_own(&batch), "three decoding sequences");
+        batch.push(4, 0, &[], OutputRows::None);
+        assert!(writes_own(&batch), "an empty span adds no key");
+        batch.push(5, 8, &[1, 2], OutputRows::All);
+        assert!(!writes_own(&batch), "a two-row chunk");
     }
 
     /// Split counts depend on a query's own keys, never exceed the kernel's

@@ -16,9 +16,14 @@
 //
 // q, k and v come straight from the fused projection's rows `qkv`
 // ([n, (heads + 2 kv_heads) * head_dim]: q heads, then k heads, then v
-// heads): the writes rotate K (RoPE, half-split layout, tables [positions,
-// head_dim / 2]) on their way into the pool, and the attention rotates and
+// heads): K is rotated (RoPE, half-split layout, tables [positions,
+// head_dim / 2]) on its way into the pool, and the attention rotates and
 // scales q as it loads it, so no split, copy or separate RoPE launch exists.
+// In a pass where every sequence has one row (a decode pass: `write_own`)
+// a query's own key and value (at its own position) are the only new ones
+// it reads: it reads them from its projection row, rotated and rounded as
+// the pool holds them, and the attention launch writes the rows' K and V
+// into the pool itself. Other passes write them with pooled_write first.
 
 #include <stdint.h>
 
@@ -37,6 +42,8 @@ __device__ __forceinline__ float warp_sum(float x) {
 // 16-byte packs of a head one lane covers: head_dim <= 32 * N * this,
 // where N is Pack<T>::N (the host checks).
 #define MAX_PACKS_PER_LANE 2
+// Largest head dimension (the host checks).
+#define MAX_HEAD_DIM 256
 
 // Reduces over the block (blockDim.x a multiple of 32); every thread gets
 // the result. `red` holds at least 32 floats.
@@ -65,6 +72,21 @@ __device__ __forceinline__ void rope_pair(const T *x, const T *cos, const T *sin
     const float c = to_f32(cos[(size_t)pos * half + d]), s = to_f32(sin[(size_t)pos * half + d]);
     *o1 = x1 * c - x2 * s;
     *o2 = x1 * s + x2 * c;
+}
+
+// Element d of the K head `k` (a projection row's, before RoPE) rotated to
+// position `pos` and rounded to T: what the pool holds for it. Products and
+// sums are rounded explicitly, so that no caller's inlining contracts them
+// into a different fused multiply-add: both kernels below compute it, and
+// a key's bits must not depend on which did.
+template <typename T>
+__device__ __forceinline__ T rotated_key(const T *k, const T *cos, const T *sin, uint32_t pos,
+                                         uint32_t half, uint32_t d) {
+    const uint32_t i = d < half ? d : d - half;
+    const float x1 = to_f32(k[i]), x2 = to_f32(k[i + half]);
+    const float c = to_f32(cos[(size_t)pos * half + i]), s = to_f32(sin[(size_t)pos * half + i]);
+    return from_f32<T>(d < half ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s))
+                                : __fadd_rn(__fmul_rn(x1, s), __fmul_rn(x2, c)));
 }
 
 // The pool row of position `pos` through a block table of 2^shift-token
@@ -127,11 +149,11 @@ __device__ __forceinline__ uint32_t key_splits(uint32_t keys, uint32_t split_key
 // BENCHMARKS.md, session 17).
 
 template <typename T, uint32_t G>
-__device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uint32_t *meta,
-                                 const T *cos, const T *sin, float *partial, uint32_t n,
-                                 uint32_t heads, uint32_t kv_heads, uint32_t head_dim,
-                                 float q_scale, uint32_t shift, uint32_t split_keys,
-                                 uint32_t lanes, uint32_t *arrivals, T *out) {
+__device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta, const T *cos,
+                                 const T *sin, float *partial, uint32_t n, uint32_t heads,
+                                 uint32_t kv_heads, uint32_t head_dim, float q_scale,
+                                 uint32_t shift, uint32_t split_keys, uint32_t lanes,
+                                 uint32_t write_own, uint32_t *arrivals, T *out) {
     constexpr uint32_t N = Pack<T>::N;
     constexpr uint32_t D = MAX_PACKS_PER_LANE * N;  // dimensions a lane holds
     extern __shared__ float smem[];
@@ -164,7 +186,8 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
         blocks[b] = table[first_block + b];
     }
 
-    const T *qrow = qkv + (size_t)tok * (heads + 2 * kv_heads) * head_dim + (size_t)h0 * head_dim;
+    const size_t width = (size_t)(heads + 2 * kv_heads) * head_dim;
+    const T *qrow = qkv + (size_t)tok * width + (size_t)h0 * head_dim;
     const uint32_t half = head_dim / 2;
     for (uint32_t i = threadIdx.x; i < hb * half; i += blockDim.x) {
         const uint32_t g = i / half, d = i % half;
@@ -173,7 +196,28 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
         qs[g * head_dim + d] = o1 * q_scale;
         qs[g * head_dim + d + half] = o2 * q_scale;
     }
+    // In a decode pass, the row's own K and V (the last split holds its
+    // position), which the first block of each (row, KV head) writes into
+    // the pool; other passes wrote them before this launch.
+    __shared__ __align__(16) T own_k[MAX_HEAD_DIM];
+    __shared__ __align__(16) T own_v[MAX_HEAD_DIM];
+    const bool writes = write_own && split == 0 && blockIdx.y % chunks == 0;
+    const bool reads_own = write_own && split == splits - 1;
+    if (reads_own || writes) {
+        const T *krow = qkv + (size_t)tok * width + (size_t)(heads + kvh) * head_dim;
+        for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            own_k[d] = rotated_key(krow, cos, sin, last, half, d);
+            own_v[d] = krow[(size_t)kv_heads * head_dim + d];
+        }
+    }
     __syncthreads();
+    if (writes) {
+        const size_t at = pool_row(table, last, shift) * kv_heads * head_dim + (size_t)kvh * head_dim;
+        for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            k[at + d] = own_k[d];
+            v[at + d] = own_v[d];
+        }
+    }
 
     const size_t stride = (size_t)kv_heads * head_dim;
     const T *kbase = k + (size_t)kvh * head_dim;
@@ -204,6 +248,7 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
 #pragma unroll
         for (uint32_t g = 0; g < G; ++g) acc[g] = 0.f;
         if (c < keys) {
+            const bool own = reads_own && first + c == last;
             const T *krow =
                 kbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
 #pragma unroll
@@ -211,7 +256,11 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
                 const uint32_t d = (j * lanes + sub) * N;
                 if (d < head_dim) {
                     float x[N];
-                    Pack<T>::load(krow + d, x);
+                    if (own) {
+                        Pack<T>::load(own_k + d, x);
+                    } else {
+                        Pack<T>::load(krow + d, x);
+                    }
 #pragma unroll
                     for (uint32_t g = 0; g < G; ++g) {
 #pragma unroll
@@ -258,6 +307,7 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
     }
 #pragma unroll 2
     for (uint32_t c = group; c < keys; c += groups) {
+        const bool own = reads_own && first + c == last;
         const T *vrow = vbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
         float p[G];
 #pragma unroll
@@ -267,7 +317,11 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
             const uint32_t d = (j * lanes + sub) * N;
             if (d < head_dim) {
                 float x[N];
-                Pack<T>::load(vrow + d, x);
+                if (own) {
+                    Pack<T>::load(own_v + d, x);
+                } else {
+                    Pack<T>::load(vrow + d, x);
+                }
 #pragma unroll
                 for (uint32_t g = 0; g < G; ++g) {
 #pragma unroll
@@ -355,7 +409,7 @@ __device__ void pooled_attention(const T *qkv, const T *k, const T *v, const uin
 // Writes the batch's new K (rotated) and V rows into their pools ([rows,
 // kv_heads, head_dim] each) at the row of each token's position (meta as
 // above), from the K and V heads of each qkv row: one launch, one thread
-// per pair of dimensions.
+// per pair of dimensions. A decode pass does not need it (write_own).
 template <typename T>
 __device__ void pooled_write(T *k_pool, T *v_pool, const T *qkv, const uint32_t *meta,
                              const T *cos, const T *sin, uint32_t n, uint32_t heads,
@@ -376,10 +430,8 @@ __device__ void pooled_write(T *k_pool, T *v_pool, const T *qkv, const uint32_t 
                  pool_row(meta + meta[t], pos, shift) * kv_heads * head_dim +
                  (size_t)kvh * head_dim;
         if (is_k) {
-            float o1, o2;
-            rope_pair(src, cos, sin, pos, half, d, &o1, &o2);
-            dst[d] = from_f32<T>(o1);
-            dst[d + half] = from_f32<T>(o2);
+            dst[d] = rotated_key(src, cos, sin, pos, half, d);
+            dst[d + half] = rotated_key(src, cos, sin, pos, half, d + half);
         } else {
             dst[d] = src[d];
             dst[d + half] = src[d + half];
@@ -387,14 +439,19 @@ __device__ void pooled_write(T *k_pool, T *v_pool, const T *qkv, const uint32_t 
     }
 }
 
+// The host launches 128-thread attention blocks (pooled_attention.rs'
+// WARPS); at 10 blocks an SM the registers stay at the 48 the kernel needed
+// before it kept its own K and V (no spills), since ptxas would otherwise
+// take 55 and fit only 9.
 #define POOLED_KERNELS(SUFFIX, T)                                                             \
-    extern "C" __global__ void pooled_attention_##SUFFIX(                                     \
-        const T *qkv, const T *k, const T *v, const uint32_t *meta, const T *cos, const T *sin, \
+    extern "C" __global__ void __launch_bounds__(128, 10) pooled_attention_##SUFFIX(          \
+        const T *qkv, T *k, T *v, const uint32_t *meta, const T *cos, const T *sin,           \
         float *partial, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim,     \
         float q_scale, uint32_t shift, uint32_t split_keys, uint32_t lanes,                   \
-        uint32_t *arrivals, T *out) {                                                         \
+        uint32_t write_own, uint32_t *arrivals, T *out) {                                     \
         pooled_attention<T, 1>(qkv, k, v, meta, cos, sin, partial, n, heads, kv_heads,        \
-                               head_dim, q_scale, shift, split_keys, lanes, arrivals, out);   \
+                               head_dim, q_scale, shift, split_keys, lanes, write_own,        \
+                               arrivals, out);                                                \
     }                                                                                         \
     extern "C" __global__ void pooled_write_##SUFFIX(                                         \
         T *k_pool, T *v_pool, const T *qkv, const uint32_t *meta, const T *cos, const T *sin, \
