@@ -25,6 +25,8 @@
 //! - `TANDEM_BENCH_THREADS=N` caps the lean kernels' threads;
 //! - `TANDEM_BENCH_ACTIVATIONS=int16` runs quantised weights with 15-bit
 //!   activations instead of the default 8-bit ones;
+//! - `TANDEM_BENCH_KV_DTYPE=f16` keeps the KV cache in f16 (CPU; as
+//!   `--kv-dtype`);
 //! - `TANDEM_BENCH_PROFILE=1` adds a per-phase breakdown of one more
 //!   decode run per configuration;
 //! - `TANDEM_BENCH_DEVICE=cuda` runs on GPU 0 (a `--features cuda`
@@ -132,6 +134,9 @@ fn load(name: &str, weights: &Weights, cfg: &ModelConfig, device: &Device) -> Co
         activation_quant: std::env::var("TANDEM_BENCH_ACTIVATIONS")
             .map(|v| v.parse().expect("TANDEM_BENCH_ACTIVATIONS: int8 or int16"))
             .unwrap_or_default(),
+        kv_dtype: std::env::var("TANDEM_BENCH_KV_DTYPE").map_or(None, |v| {
+            tandem::server::load::parse_kv_dtype(&v).expect("TANDEM_BENCH_KV_DTYPE")
+        }),
         repack_quantised: repack,
     };
     let model = Model::load(cfg.clone(), weights, &opts).expect("model loads");

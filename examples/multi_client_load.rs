@@ -42,7 +42,7 @@ use tandem::engine::{
 use tandem::model::{LoadOptions, Model, ModelConfig, Weights};
 use tandem::sampler::SamplingOptions;
 use tandem::scheduler::{SchedulerConfig, ShutdownMode};
-use tandem::server::load::{parse_dtype, DeviceKind};
+use tandem::server::load::{parse_dtype, parse_kv_dtype, DeviceKind};
 use tandem::server::mtp::MtpMode;
 use tandem::tiny::{tiny_model_cpu, TinyPreset};
 use tandem::tokenizer::{word_level_tokenizer, Tokenizer};
@@ -60,6 +60,9 @@ struct Args {
     /// Weights and compute dtype: auto (f32; a GGUF's quantised weights stay quantised on the CPU), f32, f16, bf16 (GPU), q8_0 or q4_k (CPU, quantised at load).
     #[arg(long, default_value = "auto")]
     dtype: String,
+    /// KV cache dtype: auto (the compute dtype) or f16 (CPU: half the cache's bytes).
+    #[arg(long, default_value = "auto")]
+    kv_dtype: String,
     /// Hugging Face model directory (default: the embedded model). Without
     /// a tokenizer.json, a word-level vocabulary of the model's size stands
     /// in (the workload's prompts are token ids).
@@ -221,6 +224,7 @@ fn load(args: &Args) -> anyhow_like::Result<(Model, Tokenizer, String)> {
         dtype,
         weight_format,
         device: args.device.parse::<DeviceKind>()?.open()?,
+        kv_dtype: parse_kv_dtype(&args.kv_dtype)?,
         ..LoadOptions::default()
     };
     let tokenizer = |dir: &std::path::Path, cfg: &ModelConfig| -> anyhow_like::Result<Tokenizer> {

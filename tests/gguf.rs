@@ -497,6 +497,7 @@ fn server_load_accepts_a_gguf_file() {
         kv_block_size: tandem::kv::DEFAULT_BLOCK_SIZE,
         weight_format: tandem::model::WeightFormat::AsCompute,
         activation_quant: Default::default(),
+        kv_dtype: None,
         mtp: Default::default(),
         draft_max: 4,
         prompt_lookup: false,

@@ -19,7 +19,9 @@ use tandem::api::{Event, GenerateRequest};
 use tandem::engine::EngineInfo;
 use tandem::sampler::SamplingOptions;
 use tandem::scheduler::{SchedulerConfig, SchedulerError, ShutdownMode};
-use tandem::server::load::{load, parse_dtype, DeviceKind, LoadSpec, Loaded, ModelSource};
+use tandem::server::load::{
+    load, parse_dtype, parse_kv_dtype, DeviceKind, LoadSpec, Loaded, ModelSource,
+};
 use tandem::server::mtp::{check_draft_max, MtpMode};
 use tandem::server::{self, AppState, HttpConfig, ListenConfig, ShutdownSignal};
 use tandem::tiny::TinyPreset;
@@ -135,6 +137,9 @@ struct ModelArgs {
     /// Tokens per KV cache block (the unit of allocation and of prefix caching).
     #[arg(long, default_value_t = tandem::kv::DEFAULT_BLOCK_SIZE)]
     kv_block_size: usize,
+    /// KV cache dtype: `auto` (the compute dtype), or `f16` on the CPU (llama.cpp's default cache type: half the cache memory and attention's reads, keys and values rounded to f16). GPUs take their compute dtype only.
+    #[arg(long, default_value = "auto")]
+    kv_dtype: String,
     /// Speculative decoding: `off`, `early-exit:L` (draft with the model's first L layers) or `head:DIR` (an MTP head trained by `tandem train-mtp`).
     #[arg(long, default_value = "off")]
     mtp: String,
@@ -263,6 +268,7 @@ fn load_spec(args: &ModelArgs) -> Result<LoadSpec, BoxError> {
         dtype,
         weight_format,
         activation_quant: args.activations.parse()?,
+        kv_dtype: parse_kv_dtype(&args.kv_dtype)?,
         device: args.device.parse::<DeviceKind>()?.open()?,
         kv_tokens: args.kv_tokens,
         kv_block_size: args.kv_block_size,

@@ -120,6 +120,34 @@ fn lean_f32_equals_candle_path() {
     }
 }
 
+/// An f16 KV cache under f32 compute (the lean path's option): the pool is
+/// f16, the logits move (the cache rounds K and V) but stay close to an
+/// f32 cache's, and paths that cannot attend over it refuse it at load.
+#[test]
+fn lean_f16_kv_cache_stays_close_to_f32_and_other_paths_refuse_it() {
+    let cfg = config("LlamaForCausalLM", None, false, 16);
+    let w = Weights::random(&cfg, 12, 0.5).expect("weights");
+    let with_kv = |kv_dtype, lean| {
+        let opts = LoadOptions {
+            lean_cpu: lean,
+            kv_dtype,
+            ..LoadOptions::default()
+        };
+        Model::load(cfg.clone(), &w, &opts)
+    };
+    let f32_cache = with_kv(None, true).expect("model");
+    let f16_cache = with_kv(Some(DType::F16), true).expect("model");
+    assert_eq!(f32_cache.kv_layout().dtype, DType::F32);
+    assert_eq!(f16_cache.kv_layout().dtype, DType::F16);
+    let d = max_rel_diff(&schedule_logits(&f16_cache), &schedule_logits(&f32_cache));
+    assert!(d > 0.0, "an f16 cache must round K and V");
+    assert!(d <= 5e-3, "f16 cache differs by {d:e}");
+    for (kv_dtype, lean) in [(DType::F16, false), (DType::BF16, true)] {
+        let err = with_kv(Some(kv_dtype), lean).err().expect("refused");
+        assert!(err.to_string().contains("KV cache"), "{err}");
+    }
+}
+
 #[test]
 fn lean_rows_are_bit_identical_solo_batched_and_threaded() {
     // The kernels make a row's result independent of its batch and of the

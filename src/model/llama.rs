@@ -67,6 +67,12 @@ pub struct LoadOptions {
     /// same bytes, permuted; on by default). Off keeps GGML's layout, for
     /// A/B measurements.
     pub repack_quantised: bool,
+    /// KV cache dtype; `None` keeps the compute dtype. The lean CPU path
+    /// also takes f16 under f32 compute (llama.cpp's default cache type):
+    /// half the cache's memory and half the bytes attention reads, for
+    /// keys and values rounded to f16. Other paths take their compute
+    /// dtype only.
+    pub kv_dtype: Option<DType>,
 }
 
 impl Default for LoadOptions {
@@ -79,6 +85,7 @@ impl Default for LoadOptions {
             threads: None,
             activation_quant: ActivationQuant::default(),
             repack_quantised: true,
+            kv_dtype: None,
         }
     }
 }
@@ -97,6 +104,7 @@ enum Step {
 pub struct Model {
     cfg: ModelConfig,
     dtype: DType,
+    kv_dtype: DType,
     device: Device,
     weights: ModelWeights,
     step: Step,
@@ -116,6 +124,19 @@ fn check_dtype(dtype: DType, device: &Device) -> Result<(), ModelError> {
     }
 }
 
+/// The KV cache dtype for `asked` (`None`: the compute dtype), or an error
+/// when the step path cannot attend over it.
+fn kv_dtype(asked: Option<DType>, compute: DType, lean: bool) -> Result<DType, ModelError> {
+    match asked {
+        None => Ok(compute),
+        Some(d) if d == compute || (lean && matches!(d, DType::F32 | DType::F16)) => Ok(d),
+        Some(d) => Err(ModelError::UnsupportedDType(format!(
+            "{d:?} KV cache under {compute:?} compute (the CPU's lean path takes f32 or f16; \
+             other paths their compute dtype)"
+        ))),
+    }
+}
+
 impl Model {
     /// Loads `config.json` and the safetensors of a Hugging Face model directory.
     pub fn from_dir(dir: &Path, opts: &LoadOptions) -> Result<Self, ModelError> {
@@ -129,6 +150,7 @@ impl Model {
         let (dtype, dev) = (opts.dtype, &opts.device);
         check_dtype(dtype, dev)?;
         let use_lean = dev.is_cpu() && opts.lean_cpu;
+        let kv_dtype = kv_dtype(opts.kv_dtype, dtype, use_lean)?;
         // The candle path folds the softmax scale 1/√head_dim into the q
         // projection when that is exact (a power of two: head_dim 16, 64,
         // 256), which saves a launch per layer on GPUs. The lean path scales
@@ -161,6 +183,7 @@ impl Model {
         Ok(Self {
             cfg,
             dtype,
+            kv_dtype,
             device: dev.clone(),
             weights,
             step,
@@ -251,7 +274,7 @@ impl Model {
             num_layers: self.cfg.num_layers,
             num_kv_heads: self.cfg.num_kv_heads,
             head_dim: self.cfg.head_dim,
-            dtype: self.dtype,
+            dtype: self.kv_dtype,
         }
     }
 

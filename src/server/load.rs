@@ -26,6 +26,9 @@ pub enum LoadError {
     /// `--dtype` is not one of f32, f16, bf16.
     #[error("--dtype {0}: expected auto, f32, f16, bf16, q8_0 or q4_k")]
     DType(String),
+    /// `--kv-dtype` is not one of auto, f32, f16, bf16.
+    #[error("--kv-dtype {0}: expected auto, f32, f16 or bf16")]
+    KvDType(String),
     #[error(transparent)]
     Model(#[from] ModelError),
     #[error(transparent)]
@@ -109,6 +112,17 @@ pub fn parse_dtype(s: &str) -> Result<(DType, WeightFormat), LoadError> {
     }
 }
 
+/// Parses `--kv-dtype`: `auto` (the compute dtype), `f32`, `f16` or `bf16`.
+pub fn parse_kv_dtype(s: &str) -> Result<Option<DType>, LoadError> {
+    match s {
+        "auto" => Ok(None),
+        "f32" => Ok(Some(DType::F32)),
+        "f16" => Ok(Some(DType::F16)),
+        "bf16" => Ok(Some(DType::BF16)),
+        other => Err(LoadError::KvDType(other.into())),
+    }
+}
+
 /// Where the weights come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelSource {
@@ -134,6 +148,9 @@ pub struct LoadSpec {
     pub weight_format: WeightFormat,
     /// How the CPU quantises activations for quantised weights.
     pub activation_quant: ActivationQuant,
+    /// KV cache dtype (`None`: the compute dtype; see
+    /// [`LoadOptions::kv_dtype`](crate::model::LoadOptions::kv_dtype)).
+    pub kv_dtype: Option<DType>,
     /// Speculative decoding: the draft head, and the longest draft.
     pub mtp: super::mtp::MtpMode,
     pub draft_max: usize,
@@ -159,6 +176,7 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, LoadError> {
         device: spec.device.clone(),
         weight_format: spec.weight_format,
         activation_quant: spec.activation_quant,
+        kv_dtype: spec.kv_dtype,
         ..LoadOptions::default()
     };
     let mut root = None;
@@ -234,6 +252,10 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("f32, f16, bf16, q8_0 or q4_k"));
+        assert_eq!(parse_kv_dtype("auto").unwrap(), None);
+        assert_eq!(parse_kv_dtype("f16").unwrap(), Some(DType::F16));
+        let e = parse_kv_dtype("q8_0").unwrap_err().to_string();
+        assert!(e.starts_with("--kv-dtype q8_0"), "{e}");
         assert!(matches!(
             "cpu".parse::<DeviceKind>().unwrap().open(),
             Ok(Device::Cpu)
