@@ -25,8 +25,8 @@
 //! - `TANDEM_BENCH_THREADS=N` caps the lean kernels' threads;
 //! - `TANDEM_BENCH_ACTIVATIONS=int16` runs quantised weights with 15-bit
 //!   activations instead of the default 8-bit ones;
-//! - `TANDEM_BENCH_KV_DTYPE=f16` keeps the KV cache in f16 (CPU; as
-//!   `--kv-dtype`);
+//! - `TANDEM_BENCH_KV_DTYPE=f32` keeps the CPU's KV cache in f32 instead
+//!   of f16 (as `--kv-dtype`);
 //! - `TANDEM_BENCH_PROFILE=1` adds a per-phase breakdown of one more
 //!   decode run per configuration;
 //! - `TANDEM_BENCH_DEVICE=cuda` runs on GPU 0 (a `--features cuda`

@@ -60,7 +60,7 @@ struct Args {
     /// Weights and compute dtype: auto (f32; a GGUF's quantised weights stay quantised on the CPU), f32, f16, bf16 (GPU), q8_0 or q4_k (CPU, quantised at load).
     #[arg(long, default_value = "auto")]
     dtype: String,
-    /// KV cache dtype: auto (the compute dtype) or f16 (CPU: half the cache's bytes).
+    /// KV cache dtype: auto (f16 on the CPU, the compute dtype on GPUs) or f32 (CPU).
     #[arg(long, default_value = "auto")]
     kv_dtype: String,
     /// Hugging Face model directory (default: the embedded model). Without

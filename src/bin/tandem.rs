@@ -137,7 +137,7 @@ struct ModelArgs {
     /// Tokens per KV cache block (the unit of allocation and of prefix caching).
     #[arg(long, default_value_t = tandem::kv::DEFAULT_BLOCK_SIZE)]
     kv_block_size: usize,
-    /// KV cache dtype: `auto` (the compute dtype), or `f16` on the CPU (llama.cpp's default cache type: half the cache memory and attention's reads, keys and values rounded to f16). GPUs take their compute dtype only.
+    /// KV cache dtype: `auto` (f16 on the CPU, as llama.cpp's default cache type: half the memory and the bytes attention reads of f32, keys and values rounded to f16; on GPUs the compute dtype), or `f32` on the CPU. GPUs take their compute dtype only.
     #[arg(long, default_value = "auto")]
     kv_dtype: String,
     /// Speculative decoding: `off`, `early-exit:L` (draft with the model's first L layers) or `head:DIR` (an MTP head trained by `tandem train-mtp`).

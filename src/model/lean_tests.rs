@@ -37,6 +37,9 @@ fn load_quantised(
         weight_format: format,
         lean_cpu: lean,
         activation_quant,
+        // The cache in the compute dtype, so these comparisons see the
+        // weights' formats alone (the f16 cache has its own test).
+        kv_dtype: Some(dtype),
         ..LoadOptions::default()
     };
     Model::load(cfg.clone(), w, &opts).expect("model loads")
@@ -120,9 +123,9 @@ fn lean_f32_equals_candle_path() {
     }
 }
 
-/// An f16 KV cache under f32 compute (the lean path's option): the pool is
-/// f16, the logits move (the cache rounds K and V) but stay close to an
-/// f32 cache's, and paths that cannot attend over it refuse it at load.
+/// The lean path's KV cache is f16 by default under f32 compute, f32 when
+/// asked: the logits move (the cache rounds K and V) but stay close to an
+/// f32 cache's, and paths that cannot attend over f16 refuse it at load.
 #[test]
 fn lean_f16_kv_cache_stays_close_to_f32_and_other_paths_refuse_it() {
     let cfg = config("LlamaForCausalLM", None, false, 16);
@@ -135,8 +138,10 @@ fn lean_f16_kv_cache_stays_close_to_f32_and_other_paths_refuse_it() {
         };
         Model::load(cfg.clone(), &w, &opts)
     };
-    let f32_cache = with_kv(None, true).expect("model");
-    let f16_cache = with_kv(Some(DType::F16), true).expect("model");
+    let f32_cache = with_kv(Some(DType::F32), true).expect("model");
+    let f16_cache = with_kv(None, true).expect("model");
+    let candle = with_kv(None, false).expect("model");
+    assert_eq!(candle.kv_layout().dtype, DType::F32, "the compute dtype");
     assert_eq!(f32_cache.kv_layout().dtype, DType::F32);
     assert_eq!(f16_cache.kv_layout().dtype, DType::F16);
     let d = max_rel_diff(&schedule_logits(&f16_cache), &schedule_logits(&f32_cache));

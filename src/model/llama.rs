@@ -46,8 +46,9 @@ use crate::kv::{KvCache, KvLayout};
 /// How to load a model.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// Compute (and KV) dtype: f32 (the default) or f16 on CPU, where
-    /// activations stay f32 and f16 is the storage of weights and KV; bf16
+    /// Compute dtype: f32 (the default) or f16 on CPU, where activations
+    /// stay f32 and f16 is the storage of weights (the KV cache's dtype is
+    /// [`kv_dtype`](Self::kv_dtype)'s); bf16
     /// needs a GPU.
     pub dtype: DType,
     pub device: Device,
@@ -67,11 +68,12 @@ pub struct LoadOptions {
     /// same bytes, permuted; on by default). Off keeps GGML's layout, for
     /// A/B measurements.
     pub repack_quantised: bool,
-    /// KV cache dtype; `None` keeps the compute dtype. The lean CPU path
-    /// also takes f16 under f32 compute (llama.cpp's default cache type):
-    /// half the cache's memory and half the bytes attention reads, for
-    /// keys and values rounded to f16. Other paths take their compute
-    /// dtype only.
+    /// KV cache dtype. `None`: f16 on the lean CPU path (llama.cpp's
+    /// default cache type: half the memory and half the bytes attention
+    /// reads of an f32 cache, for keys and values rounded to f16; 1.15–1.28×
+    /// decode from 4 sequences on, BENCHMARKS.md), the compute dtype
+    /// elsewhere. The lean path also takes `F32`; other paths take their
+    /// compute dtype only.
     pub kv_dtype: Option<DType>,
 }
 
@@ -124,10 +126,11 @@ fn check_dtype(dtype: DType, device: &Device) -> Result<(), ModelError> {
     }
 }
 
-/// The KV cache dtype for `asked` (`None`: the compute dtype), or an error
-/// when the step path cannot attend over it.
+/// The KV cache dtype for `asked` (`None`: f16 on the lean path, else the
+/// compute dtype), or an error when the step path cannot attend over it.
 fn kv_dtype(asked: Option<DType>, compute: DType, lean: bool) -> Result<DType, ModelError> {
     match asked {
+        None if lean => Ok(DType::F16),
         None => Ok(compute),
         Some(d) if d == compute || (lean && matches!(d, DType::F32 | DType::F16)) => Ok(d),
         Some(d) => Err(ModelError::UnsupportedDType(format!(
