@@ -112,7 +112,8 @@ pub fn parse_dtype(s: &str) -> Result<(DType, WeightFormat), LoadError> {
     }
 }
 
-/// Parses `--kv-dtype`: `auto` (the compute dtype), `f32`, `f16` or `bf16`.
+/// Parses `--kv-dtype`: `auto` (`None`: f16 on the CPU, the compute dtype
+/// elsewhere; see [`LoadOptions::kv_dtype`]), `f32`, `f16` or `bf16`.
 pub fn parse_kv_dtype(s: &str) -> Result<Option<DType>, LoadError> {
     match s {
         "auto" => Ok(None),
@@ -148,8 +149,8 @@ pub struct LoadSpec {
     pub weight_format: WeightFormat,
     /// How the CPU quantises activations for quantised weights.
     pub activation_quant: ActivationQuant,
-    /// KV cache dtype (`None`: the compute dtype; see
-    /// [`LoadOptions::kv_dtype`](crate::model::LoadOptions::kv_dtype)).
+    /// KV cache dtype (`None`: the path's default, see
+    /// [`LoadOptions::kv_dtype`]).
     pub kv_dtype: Option<DType>,
     /// Speculative decoding: the draft head, and the longest draft.
     pub mtp: super::mtp::MtpMode,
