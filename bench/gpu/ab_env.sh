@@ -12,11 +12,7 @@
 # Expects run_graphs.sh to have run in this call (binaries in /tmp/bin,
 # models in /tmp). SETTINGS, MODELS (folders), ROUNDS; logs to $LOGS/ab.log.
 set -uo pipefail
-LOGS=${LOGS:-/tmp/tandem-logs}
-mkdir -p "$LOGS"
-CU13=$(python3 -c 'import nvidia.cu13 as m; print(m.__path__[0])' 2>/dev/null)/lib
-export LD_LIBRARY_PATH="$CU13:${LD_LIBRARY_PATH:-}"
-export TANDEM_SHARED_DIR=$(realpath "${BIN:-.devbin}/shared")
+source "$(dirname "$0")/device_env.sh"
 IFS=';' read -ra settings <<<"${SETTINGS:-default;TANDEM_GEMV=0}"
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for m in ${MODELS:-/tmp/llama-1b-random /tmp/smollm2-shape-random}; do

@@ -8,11 +8,7 @@
 # needs more). Expects run_graphs.sh to have run in this call. Writes
 # $LOGS/ncu-MODEL-bB-BUILD.txt and prints the key lines.
 set -uo pipefail
-LOGS=${LOGS:-/tmp/tandem-logs}
-mkdir -p "$LOGS"
-CU13=$(python3 -c 'import nvidia.cu13 as m; print(m.__path__[0])' 2>/dev/null)/lib
-export LD_LIBRARY_PATH="$CU13:${LD_LIBRARY_PATH:-}"
-export TANDEM_SHARED_DIR=$(realpath "${BIN:-.devbin}/shared")
+source "$(dirname "$0")/device_env.sh"
 NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 for m in ${MODELS:-/tmp/llama-1b-random}; do
   for b in ${BATCHES:-1 64}; do

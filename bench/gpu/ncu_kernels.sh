@@ -9,14 +9,10 @@
 # Expects what run_graphs.sh expects (it unpacks the binaries), and a model
 # folder in $MODEL (made by run_graphs.sh). Writes $LOGS/ncu-b$B.txt.
 set -uo pipefail
-LOGS=${LOGS:-/tmp/tandem-logs}
 MODEL=${MODEL:-/tmp/llama-1b-random}
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
 METRICS=${METRICS:-gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed}
-mkdir -p "$LOGS"
-CU13=$(python3 -c 'import nvidia.cu13 as m; print(m.__path__[0])' 2>/dev/null)/lib
-export LD_LIBRARY_PATH="$CU13:${LD_LIBRARY_PATH:-}"
-export TANDEM_SHARED_DIR=$(realpath "${BIN:-.devbin}/shared")
+source "$(dirname "$0")/device_env.sh"
 for b in ${BATCHES:-1 64}; do
   TANDEM_CUDA_GRAPHS=0 TANDEM_BENCH_DEVICE=cuda TANDEM_BENCH_MODEL="$MODEL" \
     TANDEM_BENCH_FORMATS=bf16 TANDEM_BENCH_BATCHES=$b TANDEM_BENCH_REPS=1 \
