@@ -19,13 +19,13 @@
 //! rows as they are, so the q/k/v split copies and the RoPE launches of
 //! the candle path do not exist here: two launches per layer instead of
 //! the dozen of [`super::batched_attention`] (which stays the path of
-//! other devices). When every sequence has one row in the pass
-//! ([`PooledAttention::write_own`]: a decode pass), a query's only new key
-//! is its own, which it reads from its projection row (rotated and rounded
-//! as the pool holds it), so the attention launch writes the rows into the
-//! pool itself: one launch. A key's bits are the same whichever kernel
-//! wrote it. candle's own scatter
-//! could do the write, but it walks a batch's rows one after the other.
+//! other devices). candle's own scatter could do the write, but it walks
+//! a batch's rows one after the other. When every sequence has one row in
+//! the pass ([`PooledAttention::write_own`]: a decode pass), a query's only
+//! new key is its own, which it reads from its projection row (rotated and
+//! rounded as the pool holds it), so the attention launch writes the rows
+//! into the pool itself: one launch. A key's bits are the same whichever
+//! kernel wrote it.
 //!
 //! The per-pass plan (per query token: where its sequence's block table
 //! starts and its visible positions; the tables themselves) is built on
