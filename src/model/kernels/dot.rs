@@ -9,8 +9,11 @@
 //! the memory roofline at one row on the llama-100m shape). Here every
 //! weight is read from memory exactly once per call, for all rows at once:
 //! work units are blocks of 16 weight rows; inside a unit, 4 weight rows are
-//! held against up to 5 (AVX-512) input rows in registers, the activation
-//! rows being re-read from cache. That one loop nest serves 1 row and 128.
+//! held against 5 (AVX-512; AVX2: 3) input rows in registers, the
+//! activation rows being re-read from cache, and the last 1–4 (1–2) input
+//! rows take the 4 weight rows one after another instead, as one linear
+//! stream (a few rows are memory-bound). So 1 row and 128 run the same
+//! sums.
 //! f16 weights convert as they load; when a call has more activation rows
 //! than one tile takes, each unit is widened to f32 once instead, and the
 //! f32 loop nest sweeps it (the conversion was the large-batch cost).
@@ -478,23 +481,23 @@ mod x86 {
         }
     }
 
-    /// How far ahead of the loads a tile of `rows` rows prefetches its
-    /// weights: 8 KiB, except the 5-row tile in calls of many rows (4
-    /// KiB). Near memory-bound tiles gain from the longer lead: against 4
-    /// KiB, SmolLM2's f32 decode at B = 3 / 4 / 5 ran 9 / 12 / 12 % faster
-    /// (alternating runs; B = 8 and 16 within noise); a prompt's 5-row
-    /// tiles were no faster (llama-100m, B = 64 and prompt: within noise,
-    /// a little below). BENCHMARKS.md, session 15.
+    /// How far ahead of the loads the 5-row tile prefetches its weights:
+    /// 8 KiB in calls of few rows (decode batches of 5–16 rows, where the
+    /// tile is nearer memory-bound: SmolLM2's f32 decode at B = 5 ran 12 %
+    /// faster than at 4 KiB), 4 KiB in calls of many (a prompt's tiles were
+    /// no faster at 8). BENCHMARKS.md, session 15.
     #[inline(always)]
-    fn prefetch_bytes<W>(job: &Job<W>, rows: usize) -> usize {
-        if rows >= 5 && !job.few_rows {
-            4096
-        } else {
+    fn prefetch_bytes<W>(job: &Job<W>) -> usize {
+        if job.few_rows {
             8192
+        } else {
+            4096
         }
     }
 
-    /// MR activation rows × 4 weight rows, 16 lanes.
+    /// MR activation rows × 4 weight rows, 16 lanes, the rows interleaved:
+    /// each weight load serves MR rows from registers. The wide tile for
+    /// compute-bound calls ([`rows16`] takes fewer rows).
     #[inline(always)]
     unsafe fn tile16<const MR: usize, W: WElem>(
         job: &Job<W>,
@@ -508,29 +511,14 @@ mod x86 {
         let full = k / 16 * 16;
         let mut kk = 0;
         while kk < full {
-            // Software prefetch, measured on Zen 5 (BENCHMARKS.md):
-            // - many activation rows (compute-bound): 4–8 KiB ahead in each
-            //   weight stream (`prefetch_bytes`), so the FMAs do not wait on
-            //   the hardware prefetcher (f16 at 4 rows: 25 % faster);
-            // - one or two rows of f32 (memory-bound): none. The hardware
-            //   prefetcher covers the four adjacent rows, and prefetch
-            //   instructions made the loop 10–21 % slower than without
-            //   them (without, it reads as fast as a plain streaming sum);
-            // - one or two rows of f16, which convert every load: the same
-            //   columns of the next tile's rows (3–7 points closer to the roofline
-            //   than none, six alternating runs).
-            // A prefetch past the last tile is never dereferenced and
-            // cannot fault.
-            if MR > 2 {
-                for p in w {
-                    let ahead =
-                        (p.wrapping_add(kk) as *const i8).wrapping_add(prefetch_bytes(job, MR));
-                    _mm_prefetch::<_MM_HINT_T0>(ahead);
-                }
-            } else if std::mem::size_of::<W>() < 4 {
-                for p in w {
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(kk + 4 * job.ldw) as *const i8);
-                }
+            // Software prefetch 4–8 KiB ahead in each weight stream
+            // (`prefetch_bytes`), so the FMAs of a compute-bound tile do
+            // not wait on the hardware prefetcher (f16 at 4 rows: 25 %
+            // faster on Zen 5, BENCHMARKS.md). A prefetch past the last
+            // tile is never dereferenced and cannot fault.
+            for p in w {
+                let ahead = (p.wrapping_add(kk) as *const i8).wrapping_add(prefetch_bytes(job));
+                _mm_prefetch::<_MM_HINT_T0>(ahead);
             }
             let wv: [__m512; 4] = std::array::from_fn(|j| W::load16(w[j].add(kk)));
             for (i, ai) in a.iter_mut().enumerate() {
@@ -563,7 +551,54 @@ mod x86 {
         }
     }
 
-    /// MR activation rows × 4 weight rows, 8 lanes.
+    /// MR activation rows × 4 weight rows, the weight rows one after
+    /// another: one linear stream over the group's weights. A few rows are
+    /// memory-bound, and four interleaved streams of one row each (the
+    /// tile's order) ran 1.2–1.7× slower at one and two rows, f32 and f16,
+    /// both ISAs (BENCHMARKS.md, session 21). Each output's sum is the
+    /// tile's (the same lane-wise FMAs over k, the same reduction), bit for
+    /// bit.
+    #[inline(always)]
+    unsafe fn rows16<const MR: usize, W: WElem>(
+        job: &Job<W>,
+        r: usize,
+        w: [*const W; 4],
+        o: *mut f32,
+        nw: usize,
+    ) {
+        let (k, ldx, x) = (job.k, job.ldx, job.x.add(r * job.ldx));
+        let full = k / 16 * 16;
+        let mut sums = [[_mm512_setzero_ps(); 4]; MR];
+        for (j, &p) in w.iter().enumerate() {
+            let mut a = [_mm512_setzero_ps(); MR];
+            let mut kk = 0;
+            while kk < full {
+                let wv = W::load16(p.add(kk));
+                for (i, ai) in a.iter_mut().enumerate() {
+                    *ai = _mm512_fmadd_ps(_mm512_loadu_ps(x.add(i * ldx + kk)), wv, *ai);
+                }
+                kk += 16;
+            }
+            if full < k {
+                let mask: __mmask16 = (1u32 << (k - full)) as u16 - 1;
+                let wv = W::load16_masked(p.add(full), mask);
+                for (i, ai) in a.iter_mut().enumerate() {
+                    let xv = _mm512_maskz_loadu_ps(mask, x.add(i * ldx + full));
+                    *ai = _mm512_fmadd_ps(xv, wv, *ai);
+                }
+            }
+            for (s, ai) in sums.iter_mut().zip(a) {
+                s[j] = ai;
+            }
+        }
+        for (i, si) in sums.iter().enumerate() {
+            let s = reduce4_512(si[0], si[1], si[2], si[3]);
+            store_m128(o.add(i * job.ldo), s, nw, job.accumulate);
+        }
+    }
+
+    /// MR activation rows × 4 weight rows, 8 lanes, interleaved (the wide
+    /// tile; [`rows8`] takes fewer rows).
     #[inline(always)]
     unsafe fn tile8<const MR: usize, W: WElem>(
         job: &Job<W>,
@@ -602,6 +637,46 @@ mod x86 {
         }
     }
 
+    /// [`rows16`] for 8 lanes: [`tile8`]'s sums, bit for bit.
+    #[inline(always)]
+    unsafe fn rows8<const MR: usize, W: WElem>(
+        job: &Job<W>,
+        r: usize,
+        w: [*const W; 4],
+        o: *mut f32,
+        nw: usize,
+    ) {
+        let (k, ldx, x) = (job.k, job.ldx, job.x.add(r * job.ldx));
+        let full = k / 8 * 8;
+        let mut sums = [[_mm256_setzero_ps(); 4]; MR];
+        for (j, &p) in w.iter().enumerate() {
+            let mut a = [_mm256_setzero_ps(); MR];
+            let mut kk = 0;
+            while kk < full {
+                let wv = W::load8(p.add(kk));
+                for (i, ai) in a.iter_mut().enumerate() {
+                    *ai = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(i * ldx + kk)), wv, *ai);
+                }
+                kk += 8;
+            }
+            if full < k {
+                let n = k - full;
+                let wv = W::load8_partial(p.add(full), n);
+                for (i, ai) in a.iter_mut().enumerate() {
+                    let xv = f32::load8_partial(x.add(i * ldx + full), n);
+                    *ai = _mm256_fmadd_ps(xv, wv, *ai);
+                }
+            }
+            for (s, ai) in sums.iter_mut().zip(a) {
+                s[j] = ai;
+            }
+        }
+        for (i, si) in sums.iter().enumerate() {
+            let s = reduce4_256(si[0], si[1], si[2], si[3]);
+            store_m128(o.add(i * job.ldo), s, nw, job.accumulate);
+        }
+    }
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn block_avx512<W: WElem>(
         job: &Job<W>,
@@ -620,10 +695,10 @@ mod x86 {
                 let step = (xr.end - r).min(5);
                 match step {
                     5 => tile16::<5, W>(job, r, w, o, nw),
-                    4 => tile16::<4, W>(job, r, w, o, nw),
-                    3 => tile16::<3, W>(job, r, w, o, nw),
-                    2 => tile16::<2, W>(job, r, w, o, nw),
-                    _ => tile16::<1, W>(job, r, w, o, nw),
+                    4 => rows16::<4, W>(job, r, w, o, nw),
+                    3 => rows16::<3, W>(job, r, w, o, nw),
+                    2 => rows16::<2, W>(job, r, w, o, nw),
+                    _ => rows16::<1, W>(job, r, w, o, nw),
                 }
                 r += step;
             }
@@ -655,11 +730,16 @@ mod x86 {
             let mut r = xr.start;
             while r < xr.end {
                 let o = job.out.at(r * job.ldo + j0);
-                let step = (xr.end - r).min(3);
+                // Four rows left go as two streamed pairs, not a tile and a
+                // single row.
+                let step = match xr.end - r {
+                    4 => 2,
+                    left => left.min(3),
+                };
                 match step {
                     3 => tile8::<3, W>(job, r, w, o, nw),
-                    2 => tile8::<2, W>(job, r, w, o, nw),
-                    _ => tile8::<1, W>(job, r, w, o, nw),
+                    2 => rows8::<2, W>(job, r, w, o, nw),
+                    _ => rows8::<1, W>(job, r, w, o, nw),
                 }
                 r += step;
             }

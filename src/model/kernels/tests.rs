@@ -88,27 +88,30 @@ fn matmul_rows_are_batch_invariant() {
     let w = randn(&mut rng, n * k);
     let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
     let x = randn(&mut rng, 23 * k);
+    // 23 rows take the wide tiles and a streamed remainder; 4 and 2 rows
+    // only the streamed path (AVX2: 4 as two pairs), one row alone too.
     for isa in Isa::supported() {
-        let mut all = vec![0f32; 23 * n];
-        let mut all_h = vec![0f32; 23 * n];
-        matmul_t(isa, 2, &x, 23, k, &w, n, &mut all, false);
-        matmul_t(isa, 2, &x, 23, k, &wh, n, &mut all_h, false);
-        for r in [0, 5, 22] {
-            let mut one = vec![0f32; n];
-            matmul_t(isa, 1, &x[r * k..(r + 1) * k], 1, k, &w, n, &mut one, false);
-            assert_eq!(one, all[r * n..(r + 1) * n], "{isa:?} f32 row {r}");
-            matmul_t(
-                isa,
-                1,
-                &x[r * k..(r + 1) * k],
-                1,
-                k,
-                &wh,
-                n,
-                &mut one,
-                false,
-            );
-            assert_eq!(one, all_h[r * n..(r + 1) * n], "{isa:?} f16 row {r}");
+        for batch in [23, 4, 2] {
+            let mut all = vec![0f32; batch * n];
+            let mut all_h = vec![0f32; batch * n];
+            matmul_t(isa, 2, &x, batch, k, &w, n, &mut all, false);
+            matmul_t(isa, 2, &x, batch, k, &wh, n, &mut all_h, false);
+            for r in [0, 1, batch / 2, batch - 1] {
+                let x = &x[r * k..(r + 1) * k];
+                let mut one = vec![0f32; n];
+                matmul_t(isa, 1, x, 1, k, &w, n, &mut one, false);
+                assert_eq!(
+                    one,
+                    all[r * n..(r + 1) * n],
+                    "{isa:?} f32 row {r} of {batch}"
+                );
+                matmul_t(isa, 1, x, 1, k, &wh, n, &mut one, false);
+                assert_eq!(
+                    one,
+                    all_h[r * n..(r + 1) * n],
+                    "{isa:?} f16 row {r} of {batch}"
+                );
+            }
         }
     }
 }
