@@ -10,10 +10,9 @@
 //! weight is read from memory exactly once per call, for all rows at once:
 //! work units are blocks of 16 weight rows; inside a unit, 4 weight rows are
 //! held against 5 (AVX-512; AVX2: 3) input rows in registers, the
-//! activation rows being re-read from cache, and the last 1–4 (1–2) input
-//! rows take the 4 weight rows one after another instead, as one linear
-//! stream (a few rows are memory-bound). So 1 row and 128 run the same
-//! sums.
+//! activation rows being re-read from cache; calls of 1–4 (AVX2: 1–2)
+//! rows, which are memory-bound, take the 4 weight rows one after another
+//! instead, as one linear stream. 1 row and 128 run the same sums.
 //! f16 weights convert as they load; when a call has more activation rows
 //! than one tile takes, each unit is widened to f32 once instead, and the
 //! f32 loop nest sweeps it (the conversion was the large-batch cost).
@@ -176,6 +175,9 @@ struct Job<W> {
     /// Whether the call has few rows (at most [`FEW_ROWS`]): then even
     /// its widest tiles prefetch as far as the narrow ones.
     few_rows: bool,
+    /// Whether the call streams each group's weight rows one after another
+    /// (a projection of a few rows: `streams`) instead of tiling them.
+    streamed: bool,
 }
 
 /// Calls of at most this many activation rows (decode batches,
@@ -230,6 +232,7 @@ pub(crate) fn matmul_t<W: WElem>(
         ldo: n,
         accumulate,
         few_rows: rows <= FEW_ROWS,
+        streamed: streams(isa, rows),
     };
     let units = n.div_ceil(UNIT);
     let unit_bytes = UNIT * k * std::mem::size_of::<W>();
@@ -268,6 +271,22 @@ fn tile_rows(isa: Isa) -> usize {
         Isa::Avx512 | Isa::Avx512Vnni => 5,
         Isa::Avx2 => 3,
         Isa::Portable => 1,
+    }
+}
+
+/// Whether a projection of `rows` activation rows streams each group of 4
+/// weight rows one after another instead of tiling them. Such calls are
+/// memory-bound, and the tiles' four interleaved weight streams ran 1.2–1.7×
+/// slower than one linear stream at one and two rows, f32 and f16, both
+/// ISAs. With more rows the streamed path's one FMA chain per weight row
+/// becomes the bound (a unit's rows are in cache by then): AVX2 calls of 4
+/// rows ran 0.77–0.89× with their last row or pair streamed. BENCHMARKS.md,
+/// session 21. Either path gives the same sums, bit for bit.
+fn streams(isa: Isa, rows: usize) -> bool {
+    match isa {
+        Isa::Avx512 | Isa::Avx512Vnni => rows <= 4,
+        Isa::Avx2 => rows <= 2,
+        Isa::Portable => false,
     }
 }
 
@@ -319,6 +338,7 @@ unsafe fn widen_unit<W: WElem>(
         ldo: job.ldo,
         accumulate: job.accumulate,
         few_rows: job.few_rows,
+        streamed: job.streamed,
     }
 }
 
@@ -350,6 +370,9 @@ pub(crate) unsafe fn dot_rows<W: WElem>(
         ldo,
         accumulate: false,
         few_rows: rows <= FEW_ROWS,
+        // Keys are short strided rows, not one stream: the tiles' four
+        // independent sums per step win there.
+        streamed: false,
     };
     dispatch(isa, &job, 0..n, 0..rows);
 }
@@ -481,23 +504,25 @@ mod x86 {
         }
     }
 
-    /// How far ahead of the loads the 5-row tile prefetches its weights:
-    /// 8 KiB in calls of few rows (decode batches of 5–16 rows, where the
-    /// tile is nearer memory-bound: SmolLM2's f32 decode at B = 5 ran 12 %
-    /// faster than at 4 KiB), 4 KiB in calls of many (a prompt's tiles were
-    /// no faster at 8). BENCHMARKS.md, session 15.
+    /// How far ahead of the loads a tile of `rows` rows prefetches its
+    /// weights: 8 KiB, except the 5-row tile in calls of many rows (4
+    /// KiB). Near memory-bound tiles gain from the longer lead: against 4
+    /// KiB, SmolLM2's f32 decode at B = 3 / 4 / 5 ran 9 / 12 / 12 % faster
+    /// (alternating runs; B = 8 and 16 within noise); a prompt's 5-row
+    /// tiles were no faster (llama-100m, B = 64 and prompt: within noise,
+    /// a little below). BENCHMARKS.md, session 15.
     #[inline(always)]
-    fn prefetch_bytes<W>(job: &Job<W>) -> usize {
-        if job.few_rows {
-            8192
-        } else {
+    fn prefetch_bytes<W>(job: &Job<W>, rows: usize) -> usize {
+        if rows >= 5 && !job.few_rows {
             4096
+        } else {
+            8192
         }
     }
 
     /// MR activation rows × 4 weight rows, 16 lanes, the rows interleaved:
-    /// each weight load serves MR rows from registers. The wide tile for
-    /// compute-bound calls ([`rows16`] takes fewer rows).
+    /// each weight load serves MR rows from registers (calls of a few rows
+    /// take [`rows16`] instead).
     #[inline(always)]
     unsafe fn tile16<const MR: usize, W: WElem>(
         job: &Job<W>,
@@ -511,14 +536,29 @@ mod x86 {
         let full = k / 16 * 16;
         let mut kk = 0;
         while kk < full {
-            // Software prefetch 4–8 KiB ahead in each weight stream
-            // (`prefetch_bytes`), so the FMAs of a compute-bound tile do
-            // not wait on the hardware prefetcher (f16 at 4 rows: 25 %
-            // faster on Zen 5, BENCHMARKS.md). A prefetch past the last
-            // tile is never dereferenced and cannot fault.
-            for p in w {
-                let ahead = (p.wrapping_add(kk) as *const i8).wrapping_add(prefetch_bytes(job));
-                _mm_prefetch::<_MM_HINT_T0>(ahead);
+            // Software prefetch, measured on Zen 5 (BENCHMARKS.md):
+            // - many activation rows (compute-bound): 4–8 KiB ahead in each
+            //   weight stream (`prefetch_bytes`), so the FMAs do not wait on
+            //   the hardware prefetcher (f16 at 4 rows: 25 % faster);
+            // - one or two rows of f32 (memory-bound): none. The hardware
+            //   prefetcher covers the four adjacent rows, and prefetch
+            //   instructions made the loop 10–21 % slower than without
+            //   them (without, it reads as fast as a plain streaming sum);
+            // - one or two rows of f16, which convert every load: the same
+            //   columns of the next tile's rows (3–7 points closer to the roofline
+            //   than none, six alternating runs).
+            // A prefetch past the last tile is never dereferenced and
+            // cannot fault.
+            if MR > 2 {
+                for p in w {
+                    let ahead =
+                        (p.wrapping_add(kk) as *const i8).wrapping_add(prefetch_bytes(job, MR));
+                    _mm_prefetch::<_MM_HINT_T0>(ahead);
+                }
+            } else if std::mem::size_of::<W>() < 4 {
+                for p in w {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(kk + 4 * job.ldw) as *const i8);
+                }
             }
             let wv: [__m512; 4] = std::array::from_fn(|j| W::load16(w[j].add(kk)));
             for (i, ai) in a.iter_mut().enumerate() {
@@ -552,12 +592,10 @@ mod x86 {
     }
 
     /// MR activation rows × 4 weight rows, the weight rows one after
-    /// another: one linear stream over the group's weights. A few rows are
-    /// memory-bound, and four interleaved streams of one row each (the
-    /// tile's order) ran 1.2–1.7× slower at one and two rows, f32 and f16,
-    /// both ISAs (BENCHMARKS.md, session 21). Each output's sum is the
-    /// tile's (the same lane-wise FMAs over k, the same reduction), bit for
-    /// bit.
+    /// another: one linear stream over the group's weights, for calls of a
+    /// few rows ([`streams`]). Each output's sum is the
+    /// tile's (the same lane-wise FMAs over k, the same reduction), bit
+    /// for bit.
     #[inline(always)]
     unsafe fn rows16<const MR: usize, W: WElem>(
         job: &Job<W>,
@@ -597,8 +635,8 @@ mod x86 {
         }
     }
 
-    /// MR activation rows × 4 weight rows, 8 lanes, interleaved (the wide
-    /// tile; [`rows8`] takes fewer rows).
+    /// MR activation rows × 4 weight rows, 8 lanes, interleaved (calls of a
+    /// few rows take [`rows8`] instead).
     #[inline(always)]
     unsafe fn tile8<const MR: usize, W: WElem>(
         job: &Job<W>,
@@ -683,6 +721,7 @@ mod x86 {
         wr: std::ops::Range<usize>,
         xr: std::ops::Range<usize>,
     ) {
+        let streamed = job.streamed;
         let mut j0 = wr.start;
         while j0 < wr.end {
             let (w, nw) = group_rows(job, j0, wr.end);
@@ -694,11 +733,15 @@ mod x86 {
                 // stack every iteration (measured: half the FLOP rate).
                 let step = (xr.end - r).min(5);
                 match step {
+                    4 if streamed => rows16::<4, W>(job, r, w, o, nw),
+                    3 if streamed => rows16::<3, W>(job, r, w, o, nw),
+                    2 if streamed => rows16::<2, W>(job, r, w, o, nw),
+                    1 if streamed => rows16::<1, W>(job, r, w, o, nw),
                     5 => tile16::<5, W>(job, r, w, o, nw),
-                    4 => rows16::<4, W>(job, r, w, o, nw),
-                    3 => rows16::<3, W>(job, r, w, o, nw),
-                    2 => rows16::<2, W>(job, r, w, o, nw),
-                    _ => rows16::<1, W>(job, r, w, o, nw),
+                    4 => tile16::<4, W>(job, r, w, o, nw),
+                    3 => tile16::<3, W>(job, r, w, o, nw),
+                    2 => tile16::<2, W>(job, r, w, o, nw),
+                    _ => tile16::<1, W>(job, r, w, o, nw),
                 }
                 r += step;
             }
@@ -724,22 +767,20 @@ mod x86 {
         wr: std::ops::Range<usize>,
         xr: std::ops::Range<usize>,
     ) {
+        let streamed = job.streamed;
         let mut j0 = wr.start;
         while j0 < wr.end {
             let (w, nw) = group_rows(job, j0, wr.end);
             let mut r = xr.start;
             while r < xr.end {
                 let o = job.out.at(r * job.ldo + j0);
-                // Four rows left go as two streamed pairs, not a tile and a
-                // single row.
-                let step = match xr.end - r {
-                    4 => 2,
-                    left => left.min(3),
-                };
+                let step = (xr.end - r).min(3);
                 match step {
+                    2 if streamed => rows8::<2, W>(job, r, w, o, nw),
+                    1 if streamed => rows8::<1, W>(job, r, w, o, nw),
                     3 => tile8::<3, W>(job, r, w, o, nw),
-                    2 => rows8::<2, W>(job, r, w, o, nw),
-                    _ => rows8::<1, W>(job, r, w, o, nw),
+                    2 => tile8::<2, W>(job, r, w, o, nw),
+                    _ => tile8::<1, W>(job, r, w, o, nw),
                 }
                 r += step;
             }
