@@ -547,6 +547,9 @@ mod x86 {
             // - one or two rows of f16, which convert every load: the same
             //   columns of the next tile's rows (3–7 points closer to the roofline
             //   than none, six alternating runs).
+            // The last two were measured when calls of one or two rows
+            // took this tile; they now stream (`rows16`), and these rules
+            // serve the last rows of larger calls and attention's keys.
             // A prefetch past the last tile is never dereferenced and
             // cannot fault.
             if MR > 2 {
