@@ -280,7 +280,7 @@ fn tile_rows(isa: Isa) -> usize {
 /// slower than one linear stream at one and two rows, f32 and f16, both
 /// ISAs. With more rows the streamed path's one FMA chain per weight row
 /// becomes the bound (a unit's rows are in cache by then): AVX2 calls of 4
-/// rows ran 0.77–0.89× with their last row or pair streamed. BENCHMARKS.md,
+/// rows ran 0.77–0.93× with their last row streamed. BENCHMARKS.md,
 /// session 21. Either path gives the same sums, bit for bit.
 fn streams(isa: Isa, rows: usize) -> bool {
     match isa {
@@ -370,8 +370,8 @@ pub(crate) unsafe fn dot_rows<W: WElem>(
         ldo,
         accumulate: false,
         few_rows: rows <= FEW_ROWS,
-        // Keys are short strided rows, not one stream: the tiles' four
-        // independent sums per step win there.
+        // Keys are short strided rows (a head's width each), not one
+        // stream; streaming was measured on projections only.
         streamed: false,
     };
     dispatch(isa, &job, 0..n, 0..rows);
@@ -724,7 +724,6 @@ mod x86 {
         wr: std::ops::Range<usize>,
         xr: std::ops::Range<usize>,
     ) {
-        let streamed = job.streamed;
         let mut j0 = wr.start;
         while j0 < wr.end {
             let (w, nw) = group_rows(job, j0, wr.end);
@@ -736,10 +735,10 @@ mod x86 {
                 // stack every iteration (measured: half the FLOP rate).
                 let step = (xr.end - r).min(5);
                 match step {
-                    4 if streamed => rows16::<4, W>(job, r, w, o, nw),
-                    3 if streamed => rows16::<3, W>(job, r, w, o, nw),
-                    2 if streamed => rows16::<2, W>(job, r, w, o, nw),
-                    1 if streamed => rows16::<1, W>(job, r, w, o, nw),
+                    4 if job.streamed => rows16::<4, W>(job, r, w, o, nw),
+                    3 if job.streamed => rows16::<3, W>(job, r, w, o, nw),
+                    2 if job.streamed => rows16::<2, W>(job, r, w, o, nw),
+                    1 if job.streamed => rows16::<1, W>(job, r, w, o, nw),
                     5 => tile16::<5, W>(job, r, w, o, nw),
                     4 => tile16::<4, W>(job, r, w, o, nw),
                     3 => tile16::<3, W>(job, r, w, o, nw),
@@ -770,7 +769,6 @@ mod x86 {
         wr: std::ops::Range<usize>,
         xr: std::ops::Range<usize>,
     ) {
-        let streamed = job.streamed;
         let mut j0 = wr.start;
         while j0 < wr.end {
             let (w, nw) = group_rows(job, j0, wr.end);
@@ -779,8 +777,8 @@ mod x86 {
                 let o = job.out.at(r * job.ldo + j0);
                 let step = (xr.end - r).min(3);
                 match step {
-                    2 if streamed => rows8::<2, W>(job, r, w, o, nw),
-                    1 if streamed => rows8::<1, W>(job, r, w, o, nw),
+                    2 if job.streamed => rows8::<2, W>(job, r, w, o, nw),
+                    1 if job.streamed => rows8::<1, W>(job, r, w, o, nw),
                     3 => tile8::<3, W>(job, r, w, o, nw),
                     2 => tile8::<2, W>(job, r, w, o, nw),
                     _ => tile8::<1, W>(job, r, w, o, nw),

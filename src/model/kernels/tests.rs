@@ -88,8 +88,9 @@ fn matmul_rows_are_batch_invariant() {
     let w = randn(&mut rng, n * k);
     let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
     let x = randn(&mut rng, 23 * k);
-    // 23 rows take the wide tiles and a streamed remainder; 4 and 2 rows
-    // only the streamed path (AVX2: 4 as two pairs), one row alone too.
+    // A single row streams its weights (`streams`, x86); 23 rows take the
+    // tiles; 4 rows stream on AVX-512 and take the tiles on AVX2; 2 rows
+    // stream on both.
     for isa in Isa::supported() {
         for batch in [23, 4, 2] {
             let mut all = vec![0f32; batch * n];
