@@ -239,7 +239,7 @@ pub(crate) fn matmul_t<W: WElem>(
     let grain = (units / (threads * 8))
         .min(MAX_GRAB_BYTES / unit_bytes)
         .max(1);
-    let widen = W::CONVERTS && rows > tile_rows(isa);
+    let widen = W::CONVERTS && rows > tile_rows(isa) && widens(isa);
     for_each_range(units, grain, threads, |range| {
         for u in range {
             let wr = u * UNIT..((u + 1) * UNIT).min(n);
@@ -272,6 +272,17 @@ fn tile_rows(isa: Isa) -> usize {
         Isa::Avx2 => 3,
         Isa::Portable => 1,
     }
+}
+
+/// Whether converting weights (f16) are widened to f32 once per unit when
+/// a call has more rows than a tile, rather than converted at every load.
+/// AVX2 widens: its conversions at every tile's load ran B = 16 at 0.7–0.8×
+/// of widening. AVX-512 converts at every load: a 512-bit conversion per
+/// weight load is cheaper than storing the widened unit and reading it
+/// back, 1.2–2.3× at B = 8–32 and 1.0–1.4× at B = 64 (AMD EPYC, Zen 4).
+/// BENCHMARKS.md, session 22. The sums are the same bit for bit either way.
+fn widens(isa: Isa) -> bool {
+    !matches!(isa, Isa::Avx512 | Isa::Avx512Vnni)
 }
 
 /// Whether a projection of `rows` activation rows streams each group of 4

@@ -89,8 +89,9 @@ fn matmul_rows_are_batch_invariant() {
     let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
     let x = randn(&mut rng, 23 * k);
     // A single row streams its weights (`streams`, x86); 23 rows take the
-    // tiles; 4 rows stream on AVX-512 and take the tiles on AVX2; 2 rows
-    // stream on both.
+    // tiles (f16 widened first on AVX2 and the portable tier, converted at
+    // each load on AVX-512: `widens`); 4 rows stream on AVX-512 and take
+    // the tiles on AVX2; 2 rows stream on both.
     for isa in Isa::supported() {
         for batch in [23, 4, 2] {
             let mut all = vec![0f32; batch * n];
