@@ -279,7 +279,7 @@ fn tile_rows(isa: Isa) -> usize {
 /// AVX2 widens: its conversions at every tile's load ran B = 16 at 0.7–0.8×
 /// of widening. AVX-512 converts at every load: a 512-bit conversion per
 /// weight load is cheaper than storing the widened unit and reading it
-/// back, 1.2–2.3× at B = 8–32 and 1.0–1.4× at B = 64 (AMD EPYC, Zen 4).
+/// back, 1.2–2.3× at B = 8–32 and a median 1.08× at B = 64 (AMD EPYC, Zen 4).
 /// BENCHMARKS.md, session 22. The sums are the same bit for bit either way.
 fn widens(isa: Isa) -> bool {
     !matches!(isa, Isa::Avx512 | Isa::Avx512Vnni)
