@@ -13,9 +13,11 @@
 //! activation rows being re-read from cache; calls of 1–4 (AVX2: 1–2)
 //! rows, which are memory-bound, take the 4 weight rows one after another
 //! instead, as one linear stream. 1 row and 128 run the same sums.
-//! f16 weights convert as they load; when a call has more activation rows
-//! than one tile takes, each unit is widened to f32 once instead, and the
-//! f32 loop nest sweeps it (the conversion was the large-batch cost).
+//! f16 weights convert as they load. On AVX2 (and the portable tier), a
+//! call with more activation rows than one tile takes widens each unit to
+//! f32 once instead, and the f32 loop nest sweeps it: there the conversion
+//! at every load was the large-batch cost. AVX-512 converts at every load
+//! at any batch, which ran faster than widening (`widens`).
 //!
 //! # Numerics
 //! Each output is a dot product accumulated lane-wise over k (16, 8 or 8
