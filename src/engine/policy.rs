@@ -14,13 +14,20 @@
 //!   expectation.
 //! - **Cost**: the time of a decode step's pass (forward, sampling,
 //!   verification, update; steps with prompt chunks are left out, their
-//!   tokens are cheaper at the margin) as a function of its tokens,
-//!   `F(T) = f0 + f1·T`, and one draft round's time as a function of its
-//!   members, `R(M) = r0 + r1·M`, both fitted online (decayed least
-//!   squares) from the engine's own measurements. Prompt-lookup drafts cost
-//!   no round. Before the first decode pass is measured, priors stand in
-//!   (a token a thirty-second of the fixed cost, a round a tenth of a
-//!   step) and no sequence drafts more than its `initial_draft`.
+//!   tokens are cheaper at the margin) as a function of its tokens `F(T)`,
+//!   and one draft round's time as a function of its members,
+//!   `R(M) = r0 + r1·M`, both measured online from the engine's own
+//!   steps. `F` is not a line: kernels change tiling with the row count
+//!   (on a 2-core AVX-512 host an f32 pass of 1–4 rows costs 21–25 ms and
+//!   one of 5 rows 31 ms; BENCHMARKS.md, issue 18), so each pass size keeps
+//!   its own decayed mean time, as a departure from a decayed
+//!   least-squares line `f0 + f1·T` over all sizes (shrunk while the size
+//!   has few samples); a size never seen takes the line plus its measured
+//!   neighbours' departure, and `F` is made non-decreasing.
+//!   Prompt-lookup drafts cost no round. Before the first decode pass is
+//!   measured, priors stand in (a token a thirty-second of the fixed cost,
+//!   a round a tenth of a step) and no sequence drafts more than its
+//!   `initial_draft`.
 //! - **Choice**: starting from no drafts, the policy repeatedly extends the
 //!   one sequence whose extension (by any number of drafts up to its cap)
 //!   brings the most expected tokens per second added, while that rate
@@ -38,7 +45,7 @@
 //! experiments), capped by the plan. No request's tokens depend on any of
 //! this (see [`super::spec`]).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use super::ngram::{PromptLookup, Proposal};
@@ -181,18 +188,109 @@ impl LinearFit {
     }
 }
 
+/// Decode passes' time by token count (see the module docs).
+#[derive(Debug, Clone, Default)]
+struct PassCost {
+    line: LinearFit,
+    /// Each pass size's samples; their weights decay by [`COST_FORGET`]
+    /// per pass recorded, whatever its size.
+    sizes: BTreeMap<usize, SizeSamples>,
+    /// Passes recorded: the clock the sizes' weights decay by.
+    passes: u64,
+}
+
+/// One pass size's decayed samples.
+#[derive(Debug, Clone, Copy)]
+struct SizeSamples {
+    weight: f64,
+    time: f64,
+    /// [`PassCost::passes`] when they were last decayed.
+    at: u64,
+}
+
+/// What a sample's weight keeps after `passes` more passes.
+fn decay(passes: u64) -> f64 {
+    COST_FORGET.powi(passes.min(1 << 16) as i32)
+}
+
+/// Pseudo-samples of the line in a pass size's estimate: a size measured
+/// twice is half its own mean.
+const SIZE_SHRINK: f64 = 2.0;
+
+impl PassCost {
+    fn add(&mut self, tokens: usize, time: f64) {
+        self.line.add(tokens as f64, time);
+        self.passes += 1;
+        let now = self.passes;
+        let s = self.sizes.entry(tokens).or_insert(SizeSamples {
+            weight: 0.0,
+            time: 0.0,
+            at: now,
+        });
+        let decay = decay(now - s.at);
+        s.weight = s.weight * decay + 1.0;
+        s.time = s.time * decay + time;
+        s.at = now;
+    }
+
+    /// `F(t)` for `t` in `0..=max_tokens`: the line `f0 + f1·t` plus each
+    /// size's own departure from it (shrunk while it has few samples),
+    /// interpolated between the sizes measured and held past them, made
+    /// non-decreasing. Interpolating departures rather than falling back
+    /// to the line keeps a size just past the measured ones from looking
+    /// a step away: a batch measured at 16 tokens whose mean sits below
+    /// the line would otherwise see its 17th token cost the gap as well.
+    fn curve(&self, f0: f64, f1: f64, max_tokens: usize) -> Vec<f64> {
+        let line = |t: usize| f0 + f1 * t as f64;
+        let known: Vec<(usize, f64)> = self
+            .sizes
+            .iter()
+            .map(|(&t, s)| {
+                let w = s.weight * decay(self.passes - s.at);
+                (t, w / (w + SIZE_SHRINK) * (s.time / s.weight - line(t)))
+            })
+            .collect();
+        // `known[next]`: the first measured size at or above `t`.
+        let mut next = 0;
+        let mut highest = 0.0f64;
+        (0..=max_tokens)
+            .map(|t| {
+                while next < known.len() && known[next].0 < t {
+                    next += 1;
+                }
+                let below = next.checked_sub(1).map(|i| known[i]);
+                let departure = match (below, known.get(next)) {
+                    (_, Some(&(u, d))) if u == t => d,
+                    (Some((a, da)), Some(&(b, db))) => {
+                        da + (db - da) * (t - a) as f64 / (b - a) as f64
+                    }
+                    (Some((_, d)), None) | (None, Some(&(_, d))) => d,
+                    (None, None) => 0.0,
+                };
+                highest = highest.max(line(t) + departure);
+                highest
+            })
+            .collect()
+    }
+}
+
 /// The step's cost model (see the module docs).
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct CostModel {
-    forward: LinearFit,
+    forward: PassCost,
     round: LinearFit,
 }
 
-/// `(f0, f1, r0, r1)` in seconds.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// The costs a step is planned with, in seconds.
+#[derive(Debug, Clone, PartialEq)]
 struct Costs {
-    f0: f64,
-    f1: f64,
+    /// `pass[t]`: a decode pass of `t` tokens; non-decreasing.
+    pass: Vec<f64>,
+    /// Per token past `pass`'s end.
+    slope: f64,
+    /// The least a token adds to a pass (a noisy estimate must never make
+    /// drafts look free).
+    floor: f64,
     r0: f64,
     r1: f64,
 }
@@ -204,37 +302,54 @@ const PRIOR_ROUND_SHARE: f64 = 0.1;
 
 impl Costs {
     /// Before any measurement, in units of a step's fixed cost (the choice
-    /// depends only on the ratios).
-    const PRIOR: Costs = Costs {
-        f0: 1.0,
-        f1: PRIOR_TOKEN_SHARE,
-        r0: PRIOR_ROUND_SHARE * (1.0 + PRIOR_TOKEN_SHARE),
-        r1: 0.0,
-    };
+    /// depends only on the ratios): `F(t) = 1 + t/32`.
+    fn prior() -> Costs {
+        Costs {
+            pass: vec![1.0],
+            slope: PRIOR_TOKEN_SHARE,
+            floor: MIN_TOKEN_SHARE,
+            r0: PRIOR_ROUND_SHARE * (1.0 + PRIOR_TOKEN_SHARE),
+            r1: 0.0,
+        }
+    }
+
+    /// `F(t)`.
+    fn pass_time(&self, t: usize) -> f64 {
+        let last = self.pass.len() - 1;
+        self.pass[t.min(last)] + self.slope * t.saturating_sub(last) as f64
+    }
 }
 
 impl CostModel {
     pub fn record_pass(&mut self, tokens: usize, time: Duration) {
-        self.forward.add(tokens as f64, time.as_secs_f64());
+        self.forward.add(tokens, time.as_secs_f64());
     }
 
     pub fn record_round(&mut self, members: usize, time: Duration) {
         self.round.add(members as f64, time.as_secs_f64());
     }
 
-    /// The fitted costs; `None` before any decode pass is measured (then
-    /// [`Costs::PRIOR`]). The priors fill in what the samples cannot tell
-    /// yet (a slope, an unmeasured round).
-    fn costs(&self) -> Option<Costs> {
+    /// The measured costs for passes of up to `max_tokens` tokens; `None`
+    /// before any decode pass is measured (then [`Costs::prior`]). The
+    /// priors fill in what the samples cannot tell yet (a slope, an
+    /// unmeasured round).
+    fn costs(&self, max_tokens: usize) -> Option<Costs> {
         let (f0, f1) = self
             .forward
+            .line
             .coefficients(|per_token| per_token * PRIOR_TOKEN_SHARE)?;
         let f1 = f1.max(MIN_TOKEN_SHARE * f0);
         let (r0, r1) = self
             .round
             .coefficients(|per_member| per_member / 4.0)
             .unwrap_or((PRIOR_ROUND_SHARE * (f0 + f1), 0.0));
-        Some(Costs { f0, f1, r0, r1 })
+        Some(Costs {
+            pass: self.forward.curve(f0, f1, max_tokens),
+            slope: f1,
+            floor: MIN_TOKEN_SHARE * f0,
+            r0,
+            r1,
+        })
     }
 }
 
@@ -327,9 +442,10 @@ impl DraftPolicy {
         // Nothing measured yet: the priors decide, up to each sequence's
         // initial draft (a lone stream drafts, a batch beside prompt chunks
         // does not).
-        let (costs, cold) = match self.cost.costs() {
+        let most_tokens = base_tokens + options.iter().map(|o| o.reach.len()).sum::<usize>();
+        let (costs, cold) = match self.cost.costs(most_tokens) {
             Some(costs) => (costs, false),
-            None => (Costs::PRIOR, true),
+            None => (Costs::prior(), true),
         };
         let probing: Vec<bool> = options.iter().map(|o| o.probe_due).collect();
         let reach: Vec<Vec<f64>> = options
@@ -350,6 +466,16 @@ impl DraftPolicy {
             .collect();
         let mut plan = StepModel::new(costs, base_tokens, candidates.len());
         plan.fill(&reach, &options, &mut drafts);
+        tracing::debug!(
+            base_tokens,
+            cold,
+            pass_ms = ?(base_tokens..base_tokens + 4)
+                .map(|t| (plan.costs.pass_time(t) * 1e4).round() / 10.0)
+                .collect::<Vec<_>>(),
+            slope_ms = plan.costs.slope * 1e3,
+            drafts = drafts.iter().sum::<usize>(),
+            "draft plan: pass time from the step's tokens on"
+        );
         self.update_probes(candidates, &options, &drafts, &plan, &probing);
         for (d, o) in drafts.iter_mut().zip(&options) {
             if let Some(k) = o.constant {
@@ -471,6 +597,8 @@ fn optimistic(k: usize) -> Vec<f64> {
 /// The step being planned: its expected tokens and time so far.
 struct StepModel {
     costs: Costs,
+    /// The pass's tokens, drafts granted so far included.
+    pass_tokens: usize,
     tokens: f64,
     time: f64,
     /// Members of head round `r`.
@@ -480,9 +608,10 @@ struct StepModel {
 impl StepModel {
     fn new(costs: Costs, base_tokens: usize, decodes: usize) -> Self {
         Self {
+            time: costs.pass_time(base_tokens),
             costs,
+            pass_tokens: base_tokens,
             tokens: decodes as f64,
-            time: costs.f0 + costs.f1 * base_tokens as f64,
             round_members: vec![0; MAX_DRAFT_TOKENS],
         }
     }
@@ -498,7 +627,10 @@ impl StepModel {
                 })
                 .sum(),
         };
-        rounds + self.costs.f1 * (to - from) as f64
+        let added = to - from;
+        let pass =
+            self.costs.pass_time(self.pass_tokens + added) - self.costs.pass_time(self.pass_tokens);
+        rounds + pass.max(self.costs.floor * added as f64)
     }
 
     /// Whether one draft accepted with probability `p` raises the rate.
@@ -534,6 +666,7 @@ impl StepModel {
                     self.round_members[r] += 1;
                 }
             }
+            self.pass_tokens += to - drafts[i];
             drafts[i] = to;
             self.tokens += gain;
             self.time += dt;
@@ -633,6 +766,110 @@ mod tests {
             (b - 0.003).abs() < 1e-4 && (a - 0.007).abs() < 1e-4,
             "{a} {b}"
         );
+    }
+
+    /// Passes of 1–9 tokens shaped like SmolLM2 f32 on a 2-core AVX-512
+    /// host: 1–4 rows on a few-rows path (20 ms + 0.2 ms a row), 5 and
+    /// more on the tiles (30 ms + 0.2 ms a row); or without that step.
+    fn pass_cost(step: bool) -> PassCost {
+        let mut cost = PassCost::default();
+        for _ in 0..10 {
+            for t in 1..=9 {
+                let ms = if step && t >= 5 { 30.0 } else { 20.0 } + 0.2 * t as f64;
+                cost.add(t, ms / 1e3);
+            }
+        }
+        cost
+    }
+
+    fn costs_of(cost: &PassCost, max_tokens: usize) -> Costs {
+        let (f0, f1) = cost.line.coefficients(|_| 0.0).unwrap();
+        Costs {
+            pass: cost.curve(f0, f1, max_tokens),
+            slope: f1,
+            floor: MIN_TOKEN_SHARE * f0,
+            r0: 0.0,
+            r1: 0.0,
+        }
+    }
+
+    #[test]
+    fn each_pass_size_keeps_its_own_cost() {
+        let cost = pass_cost(true);
+        let f = costs_of(&cost, 12);
+        assert!(f.pass.windows(2).all(|w| w[1] >= w[0]), "{:?}", f.pass);
+        let ms = |t: usize| f.pass_time(t) * 1e3;
+        // Shrunk towards the line a little, but the step stays a step.
+        assert!(ms(2) - ms(1) < 1.0, "{} {}", ms(1), ms(2));
+        assert!(ms(5) - ms(4) > 6.0, "{} {}", ms(4), ms(5));
+        assert!((ms(4) - 20.8).abs() < 2.0 && (ms(9) - 31.8).abs() < 2.0);
+        // Past the sizes measured, the line's slope.
+        let (_, f1) = cost.line.coefficients(|_| 0.0).unwrap();
+        assert!((f.pass_time(20) - f.pass_time(12) - 8.0 * f1).abs() < 1e-9);
+        // A size not seen for long returns to the line.
+        let mut later = cost.clone();
+        for _ in 0..400 {
+            later.add(1, 0.0203);
+        }
+        let (f0, f1) = later.line.coefficients(|_| 0.0).unwrap();
+        let at5 = later.curve(f0, f1, 5)[5];
+        assert!((at5 - (f0 + 5.0 * f1)).abs() < 1e-4, "{at5} vs the line");
+    }
+
+    #[test]
+    fn a_size_next_to_the_measured_ones_costs_the_slope() {
+        // 16 streams: passes of 16 tokens, and a tail of smaller ones that
+        // cost more per token (a concave cost), no pass of 17 yet.
+        let mut cost = PassCost::default();
+        for _ in 0..20 {
+            for (t, ms) in [
+                (16, 40.0),
+                (16, 40.0),
+                (16, 40.0),
+                (12, 36.0),
+                (8, 28.0),
+                (4, 16.0),
+                (1, 7.0),
+            ] {
+                cost.add(t, ms / 1e3);
+            }
+        }
+        let f = costs_of(&cost, 20);
+        let (f0, f1) = cost.line.coefficients(|_| 0.0).unwrap();
+        assert!(f0 + 16.0 * f1 > 0.041, "the mean at 16 sits below the line");
+        let extra = f.pass_time(17) - f.pass_time(16);
+        assert!((extra - f1).abs() < 1e-9, "{extra} against the slope {f1}");
+    }
+
+    #[test]
+    fn drafts_stop_before_a_pass_size_that_costs_a_step() {
+        // Lookup drafts accepted 0.8 of the time each.
+        let reach: Vec<f64> = (1..=6).map(|j| 0.8f64.powi(j)).collect();
+        let options = [Choice {
+            drafter: Drafter::Lookup(3),
+            reach: reach.clone(),
+            ..Choice::none()
+        }];
+        let grant = |costs: Costs| {
+            let mut drafts = [0];
+            StepModel::new(costs, 1, 1).fill(std::slice::from_ref(&reach), &options, &mut drafts);
+            drafts[0]
+        };
+        let stepped = pass_cost(true);
+        assert_eq!(
+            grant(costs_of(&stepped, 7)),
+            3,
+            "4 rows, not the 5-row step"
+        );
+        assert_eq!(grant(costs_of(&pass_cost(false), 7)), 6, "no step: the cap");
+        // The line through the same samples spreads the step over every
+        // token and would draft into it.
+        let (f0, _) = stepped.line.coefficients(|_| 0.0).unwrap();
+        let line = Costs {
+            pass: vec![f0],
+            ..costs_of(&stepped, 0)
+        };
+        assert!(grant(line) > 4);
     }
 
     #[test]
