@@ -10,7 +10,7 @@ for f in sys.argv[1:]:
         if line.startswith('########## '):
             part=line.split()[1]  # a combined log's parts stay apart
         elif line.startswith('## '):
-            m=re.search(r'(dtype \S+|streams \d+( chat)?) build (\S+)',line)
+            m=re.search(r'(dtype \S+|streams \d+( chat| useless)?) build (\S+)',line)
             if m:
                 key=(part,m.group(1),m.group(3)); i=0
         elif line.startswith('aggregate'):
