@@ -282,7 +282,7 @@ pub(crate) struct CostModel {
 }
 
 /// The costs a step is planned with, in seconds.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 struct Costs {
     /// `pass[t]`: a decode pass of `t` tokens; non-decreasing.
     pass: Vec<f64>,
@@ -329,16 +329,23 @@ impl CostModel {
         self.round.add(members as f64, time.as_secs_f64());
     }
 
+    /// The line `(f0, f1)` through every decode pass measured, its slope
+    /// from the prior while the sizes do not vary enough to tell and never
+    /// below the least share of a token; `None` before any pass.
+    fn pass_line(&self) -> Option<(f64, f64)> {
+        let (f0, f1) = self
+            .forward
+            .line
+            .coefficients(|per_token| per_token * PRIOR_TOKEN_SHARE)?;
+        Some((f0, f1.max(MIN_TOKEN_SHARE * f0)))
+    }
+
     /// The measured costs for passes of up to `max_tokens` tokens; `None`
     /// before any decode pass is measured (then [`Costs::prior`]). The
     /// priors fill in what the samples cannot tell yet (a slope, an
     /// unmeasured round).
     fn costs(&self, max_tokens: usize) -> Option<Costs> {
-        let (f0, f1) = self
-            .forward
-            .line
-            .coefficients(|per_token| per_token * PRIOR_TOKEN_SHARE)?;
-        let f1 = f1.max(MIN_TOKEN_SHARE * f0);
+        let (f0, f1) = self.pass_line()?;
         let (r0, r1) = self
             .round
             .coefficients(|per_member| per_member / 4.0)
@@ -768,35 +775,32 @@ mod tests {
         );
     }
 
+    /// A cost model that measured `passes` (tokens, milliseconds) `times`
+    /// times over, in turn.
+    fn measured_passes(passes: &[(usize, f64)], times: usize) -> CostModel {
+        let mut model = CostModel::default();
+        for _ in 0..times {
+            for &(t, ms) in passes {
+                model.record_pass(t, Duration::from_secs_f64(ms / 1e3));
+            }
+        }
+        model
+    }
+
     /// Passes of 1–9 tokens shaped like SmolLM2 f32 on a 2-core AVX-512
     /// host: 1–4 rows on a few-rows path (20 ms + 0.2 ms a row), 5 and
     /// more on the tiles (30 ms + 0.2 ms a row); or without that step.
-    fn pass_cost(step: bool) -> PassCost {
-        let mut cost = PassCost::default();
-        for _ in 0..10 {
-            for t in 1..=9 {
-                let ms = if step && t >= 5 { 30.0 } else { 20.0 } + 0.2 * t as f64;
-                cost.add(t, ms / 1e3);
-            }
-        }
-        cost
-    }
-
-    fn costs_of(cost: &PassCost, max_tokens: usize) -> Costs {
-        let (f0, f1) = cost.line.coefficients(|_| 0.0).unwrap();
-        Costs {
-            pass: cost.curve(f0, f1, max_tokens),
-            slope: f1,
-            floor: MIN_TOKEN_SHARE * f0,
-            r0: 0.0,
-            r1: 0.0,
-        }
+    fn pass_cost(step: bool) -> CostModel {
+        let passes: Vec<(usize, f64)> = (1..=9)
+            .map(|t| (t, if step && t >= 5 { 30.0 } else { 20.0 } + 0.2 * t as f64))
+            .collect();
+        measured_passes(&passes, 10)
     }
 
     #[test]
     fn each_pass_size_keeps_its_own_cost() {
-        let cost = pass_cost(true);
-        let f = costs_of(&cost, 12);
+        let model = pass_cost(true);
+        let f = model.costs(12).unwrap();
         assert!(f.pass.windows(2).all(|w| w[1] >= w[0]), "{:?}", f.pass);
         let ms = |t: usize| f.pass_time(t) * 1e3;
         // Shrunk towards the line a little, but the step stays a step.
@@ -804,15 +808,14 @@ mod tests {
         assert!(ms(5) - ms(4) > 6.0, "{} {}", ms(4), ms(5));
         assert!((ms(4) - 20.8).abs() < 2.0 && (ms(9) - 31.8).abs() < 2.0);
         // Past the sizes measured, the line's slope.
-        let (_, f1) = cost.line.coefficients(|_| 0.0).unwrap();
-        assert!((f.pass_time(20) - f.pass_time(12) - 8.0 * f1).abs() < 1e-9);
+        assert!((f.pass_time(20) - f.pass_time(12) - 8.0 * f.slope).abs() < 1e-9);
         // A size not seen for long returns to the line.
-        let mut later = cost.clone();
+        let mut later = model.clone();
         for _ in 0..400 {
-            later.add(1, 0.0203);
+            later.record_pass(1, Duration::from_micros(20_300));
         }
-        let (f0, f1) = later.line.coefficients(|_| 0.0).unwrap();
-        let at5 = later.curve(f0, f1, 5)[5];
+        let (f0, f1) = later.pass_line().unwrap();
+        let at5 = later.costs(5).unwrap().pass[5];
         assert!((at5 - (f0 + 5.0 * f1)).abs() < 1e-4, "{at5} vs the line");
     }
 
@@ -820,25 +823,25 @@ mod tests {
     fn a_size_next_to_the_measured_ones_costs_the_slope() {
         // 16 streams: passes of 16 tokens, and a tail of smaller ones that
         // cost more per token (a concave cost), no pass of 17 yet.
-        let mut cost = PassCost::default();
-        for _ in 0..20 {
-            for (t, ms) in [
-                (16, 40.0),
-                (16, 40.0),
-                (16, 40.0),
-                (12, 36.0),
-                (8, 28.0),
-                (4, 16.0),
-                (1, 7.0),
-            ] {
-                cost.add(t, ms / 1e3);
-            }
-        }
-        let f = costs_of(&cost, 20);
-        let (f0, f1) = cost.line.coefficients(|_| 0.0).unwrap();
+        let passes = [
+            (16, 40.0),
+            (16, 40.0),
+            (16, 40.0),
+            (12, 36.0),
+            (8, 28.0),
+            (4, 16.0),
+            (1, 7.0),
+        ];
+        let model = measured_passes(&passes, 20);
+        let (f0, f1) = model.pass_line().unwrap();
         assert!(f0 + 16.0 * f1 > 0.041, "the mean at 16 sits below the line");
+        let f = model.costs(20).unwrap();
         let extra = f.pass_time(17) - f.pass_time(16);
-        assert!((extra - f1).abs() < 1e-9, "{extra} against the slope {f1}");
+        assert!(
+            (extra - f.slope).abs() < 1e-9,
+            "{extra} against the slope {}",
+            f.slope
+        );
     }
 
     #[test]
@@ -857,17 +860,20 @@ mod tests {
         };
         let stepped = pass_cost(true);
         assert_eq!(
-            grant(costs_of(&stepped, 7)),
+            grant(stepped.costs(7).unwrap()),
             3,
             "4 rows, not the 5-row step"
         );
-        assert_eq!(grant(costs_of(&pass_cost(false), 7)), 6, "no step: the cap");
+        assert_eq!(
+            grant(pass_cost(false).costs(7).unwrap()),
+            6,
+            "no step: the cap"
+        );
         // The line through the same samples spreads the step over every
         // token and would draft into it.
-        let (f0, _) = stepped.line.coefficients(|_| 0.0).unwrap();
         let line = Costs {
-            pass: vec![f0],
-            ..costs_of(&stepped, 0)
+            pass: vec![stepped.pass_line().unwrap().0],
+            ..stepped.costs(0).unwrap()
         };
         assert!(grant(line) > 4);
     }
