@@ -446,17 +446,23 @@ impl StepExecutor for Engine {
         self.draft(&mut planned, &mut outcome.stats);
         if !planned.is_empty() {
             outcome.stats.batch_seqs = planned.len();
+            let captures = self.model.cuda_graph_stats().captures;
             let result = self.run_pass(&mut planned, &mut outcome.stats);
             // Decode steps only: a prompt chunk's tokens are far cheaper at
             // the margin than a decode's, and would skew the slope the
-            // policy prices drafts with.
-            if planned.iter().all(|p| p.tokens.len() == 1) {
+            // policy prices drafts with. A pass that captured a CUDA graph
+            // ran twice (eagerly, then under capture): a one-off, not what
+            // its shape costs.
+            let captured = self.model.cuda_graph_stats().captures != captures;
+            if !captured && planned.iter().all(|p| p.tokens.len() == 1) {
                 let stats = &outcome.stats;
                 let pass = start.elapsed().saturating_sub(stats.draft);
-                self.seqs
-                    .policy
-                    .cost_mut()
-                    .record_pass(stats.batch_tokens, pass);
+                let cost = self.seqs.policy.cost_mut();
+                if planned.iter().any(|p| !p.drafts.tokens.is_empty()) {
+                    cost.record_verify(stats.batch_tokens, pass);
+                } else {
+                    cost.record_pass(stats.batch_tokens, pass);
+                }
             }
             self.report(&planned, result, &mut outcome.seqs);
         }

@@ -24,6 +24,15 @@
 //!   least-squares line `f0 + f1·T` over all sizes (shrunk while the size
 //!   has few samples); a size never seen takes the line plus its measured
 //!   neighbours' departure, and `F` is made non-decreasing.
+//!   A pass that verifies drafts keeps a curve of its own, `V(T)`, never
+//!   below `F(T)`, and the first draft of a step costs `V(T + 1) - F(T)`:
+//!   a verifying pass may cost more than a plain one of as many tokens, a
+//!   jump no curve over tokens alone can price. On CUDA it adds a K/V
+//!   write launch per layer, and shapes the decode graphs do not capture
+//!   run eagerly (before verification passes were captured, the H200 took
+//!   1.8 ms for a plain step of 16 streams and about 4 ms for a verifying
+//!   one: BENCHMARKS.md, issue 18). Until a verification is measured, `F`
+//!   stands in for `V` (on the CPU the two nearly coincide).
 //!   Prompt-lookup drafts cost no round. Before the first decode pass is
 //!   measured, priors stand in (a token a thirty-second of the fixed cost,
 //!   a round a tenth of a step) and no sequence drafts more than its
@@ -32,7 +41,12 @@
 //!   one sequence whose extension (by any number of drafts up to its cap)
 //!   brings the most expected tokens per second added, while that rate
 //!   beats the step's current tokens per second by a margin (10 %), i.e.
-//!   while the extension clearly raises throughput. At a large compute-bound batch the marginal cost of
+//!   while the extension clearly raises throughput. A cost the whole
+//!   batch shares (the jump to a verifying pass, the first round's fixed
+//!   part) cannot pay for one sequence's draft when it would for all of
+//!   them together, so the choice runs twice: once from the plain step,
+//!   once with those costs already paid, and the plan with more expected
+//!   tokens per second wins. At a large compute-bound batch the marginal cost of
 //!   a draft token nears the cost of a whole decode token, so drafting
 //!   turns itself off without a hand-set batch cut; a sequence whose drafts
 //!   are rarely accepted stops drafting.
@@ -278,14 +292,21 @@ impl PassCost {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct CostModel {
     forward: PassCost,
+    /// Passes that verified drafts (see the module docs).
+    verify: PassCost,
     round: LinearFit,
 }
 
 /// The costs a step is planned with, in seconds.
 #[derive(Debug, Clone)]
 struct Costs {
-    /// `pass[t]`: a decode pass of `t` tokens; non-decreasing.
+    /// `pass[t]`: a plain decode pass of `t` tokens (every sequence one
+    /// token); non-decreasing.
     pass: Vec<f64>,
+    /// `verify[t]`: a pass of `t` tokens that verifies drafts,
+    /// non-decreasing and never below `pass[t]`; `None` while none is
+    /// measured (then `pass` stands in).
+    verify: Option<Vec<f64>>,
     /// Per token past `pass`'s end.
     slope: f64,
     /// The least a token adds to a pass (a noisy estimate must never make
@@ -306,6 +327,7 @@ impl Costs {
     fn prior() -> Costs {
         Costs {
             pass: vec![1.0],
+            verify: None,
             slope: PRIOR_TOKEN_SHARE,
             floor: MIN_TOKEN_SHARE,
             r0: PRIOR_ROUND_SHARE * (1.0 + PRIOR_TOKEN_SHARE),
@@ -315,14 +337,33 @@ impl Costs {
 
     /// `F(t)`.
     fn pass_time(&self, t: usize) -> f64 {
-        let last = self.pass.len() - 1;
-        self.pass[t.min(last)] + self.slope * t.saturating_sub(last) as f64
+        self.extended(&self.pass, t)
+    }
+
+    /// `V(t)`.
+    fn verify_time(&self, t: usize) -> f64 {
+        match &self.verify {
+            Some(verify) => self.extended(verify, t).max(self.pass_time(t)),
+            None => self.pass_time(t),
+        }
+    }
+
+    /// `curve[t]`, continued past its end by the slope.
+    fn extended(&self, curve: &[f64], t: usize) -> f64 {
+        let last = curve.len() - 1;
+        curve[t.min(last)] + self.slope * t.saturating_sub(last) as f64
     }
 }
 
 impl CostModel {
+    /// A plain decode pass: every sequence fed one token.
     pub fn record_pass(&mut self, tokens: usize, time: Duration) {
         self.forward.add(tokens, time.as_secs_f64());
+    }
+
+    /// A decode pass that verified drafts.
+    pub fn record_verify(&mut self, tokens: usize, time: Duration) {
+        self.verify.add(tokens, time.as_secs_f64());
     }
 
     pub fn record_round(&mut self, members: usize, time: Duration) {
@@ -350,8 +391,16 @@ impl CostModel {
             .round
             .coefficients(|per_member| per_member / 4.0)
             .unwrap_or((PRIOR_ROUND_SHARE * (f0 + f1), 0.0));
+        let pass = self.forward.curve(f0, f1, max_tokens);
+        let verify = self.verify.line.coefficients(|_| f1).map(|(v0, v1)| {
+            let curve = self
+                .verify
+                .curve(v0, v1.max(MIN_TOKEN_SHARE * f0), max_tokens);
+            curve.iter().zip(&pass).map(|(v, p)| v.max(*p)).collect()
+        });
         Some(Costs {
-            pass: self.forward.curve(f0, f1, max_tokens),
+            pass,
+            verify,
             slope: f1,
             floor: MIN_TOKEN_SHARE * f0,
             r0,
@@ -471,13 +520,30 @@ impl DraftPolicy {
                 }
             })
             .collect();
-        let mut plan = StepModel::new(costs, base_tokens, candidates.len());
+        let mut plan = StepModel::new(costs.clone(), base_tokens, candidates.len());
         plan.fill(&reach, &options, &mut drafts);
+        let head_round = options
+            .iter()
+            .zip(&reach)
+            .any(|(o, r)| o.drafter == Drafter::Head && !r.is_empty());
+        // Priors are guesses: only measured costs are worth sharing.
+        if !cold {
+            let mut shared = StepModel::new(costs, base_tokens, candidates.len())
+                .with_shared_costs_paid(head_round);
+            let mut shared_drafts = vec![0usize; candidates.len()];
+            shared.fill(&reach, &options, &mut shared_drafts);
+            if shared.rate() > plan.rate() {
+                (plan, drafts) = (shared, shared_drafts);
+            }
+        }
         tracing::debug!(
             base_tokens,
             cold,
             pass_ms = ?(base_tokens..base_tokens + 4)
                 .map(|t| (plan.costs.pass_time(t) * 1e4).round() / 10.0)
+                .collect::<Vec<_>>(),
+            verify_ms = ?(base_tokens + 1..base_tokens + 4)
+                .map(|t| (plan.costs.verify_time(t) * 1e4).round() / 10.0)
                 .collect::<Vec<_>>(),
             slope_ms = plan.costs.slope * 1e3,
             drafts = drafts.iter().sum::<usize>(),
@@ -606,6 +672,9 @@ struct StepModel {
     costs: Costs,
     /// The pass's tokens, drafts granted so far included.
     pass_tokens: usize,
+    /// Whether the pass is priced as verifying (`V`): from the start when
+    /// the shared costs are paid up front, else once a draft joins it.
+    verifies: bool,
     tokens: f64,
     time: f64,
     /// Members of head round `r`.
@@ -613,14 +682,36 @@ struct StepModel {
 }
 
 impl StepModel {
+    /// The plain step of `decodes` sequences and `base_tokens` pass
+    /// tokens, before drafts.
     fn new(costs: Costs, base_tokens: usize, decodes: usize) -> Self {
         Self {
             time: costs.pass_time(base_tokens),
             costs,
             pass_tokens: base_tokens,
+            verifies: false,
             tokens: decodes as f64,
             round_members: vec![0; MAX_DRAFT_TOKENS],
         }
+    }
+
+    /// The same step with the costs drafts share paid up front: the jump
+    /// to a verifying pass and, when `head_round`, the first head round's
+    /// fixed part.
+    fn with_shared_costs_paid(mut self, head_round: bool) -> Self {
+        self.time = self.costs.verify_time(self.pass_tokens);
+        self.verifies = true;
+        if head_round {
+            // A phantom member opens round 0; it drafts nothing.
+            self.round_members[0] = 1;
+            self.time += self.costs.r0;
+        }
+        self
+    }
+
+    /// Expected tokens per second.
+    fn rate(&self) -> f64 {
+        self.tokens / self.time.max(1e-12)
     }
 
     /// Time added by drafts `from..to` of one sequence using `drafter`.
@@ -635,15 +726,19 @@ impl StepModel {
                 .sum(),
         };
         let added = to - from;
-        let pass =
-            self.costs.pass_time(self.pass_tokens + added) - self.costs.pass_time(self.pass_tokens);
+        let now = if self.verifies {
+            self.costs.verify_time(self.pass_tokens)
+        } else {
+            self.costs.pass_time(self.pass_tokens)
+        };
+        let pass = self.costs.verify_time(self.pass_tokens + added) - now;
         rounds + pass.max(self.costs.floor * added as f64)
     }
 
     /// Whether one draft accepted with probability `p` raises the rate.
     fn would_pay(&self, drafter: Drafter, p: f64) -> bool {
         let dt = self.added_time(drafter, 0, 1);
-        dt > 0.0 && p / dt > MARGIN * self.tokens / self.time.max(1e-12)
+        dt > 0.0 && p / dt > MARGIN * self.rate()
     }
 
     /// The greedy choice of the module docs.
@@ -665,7 +760,7 @@ impl StepModel {
             let Some((rate, i, to, gain, dt)) = best else {
                 return;
             };
-            if rate <= MARGIN * self.tokens / self.time.max(1e-12) {
+            if rate <= MARGIN * self.rate() {
                 return;
             }
             if options[i].drafter == Drafter::Head {
@@ -674,6 +769,7 @@ impl StepModel {
                 }
             }
             self.pass_tokens += to - drafts[i];
+            self.verifies = true;
             drafts[i] = to;
             self.tokens += gain;
             self.time += dt;
@@ -914,6 +1010,77 @@ mod tests {
         // One sequence alone on a latency-bound step drafts.
         let grants = policy.assign(&slots[..1], 1);
         assert!(grants[0].drafts > 0);
+    }
+
+    /// CUDA-like: a plain pass replays a graph (1 ms, nearly flat), a
+    /// round costs 20 µs and 2 µs a member; 16 sequences whose first draft
+    /// is nearly always accepted and second nearly never.
+    fn graph_like() -> (DraftPolicy, Vec<Candidate>) {
+        let mut policy = DraftPolicy::new(true, None);
+        for t in [1, 4, 16] {
+            policy
+                .cost_mut()
+                .record_pass(t, Duration::from_micros(1_000 + 10 * t as u64));
+        }
+        for m in [1, 4, 16] {
+            policy
+                .cost_mut()
+                .record_round(m, Duration::from_micros(20 + 2 * m as u64));
+        }
+        let slots: Vec<Candidate> = (0..16).map(|s| candidate(s, 6)).collect();
+        for s in 0..16 {
+            policy.admit(s, drafting(DraftSchedule::Adaptive));
+            for _ in 0..10 {
+                policy.record(s, Drafter::Head, 2, 1);
+            }
+        }
+        (policy, slots)
+    }
+
+    #[test]
+    fn a_verifying_pass_that_runs_eagerly_prices_the_first_draft() {
+        // Verifying passes run eagerly: 3 ms.
+        let (mut policy, slots) = graph_like();
+        let unmeasured = policy.assign(&slots, 16);
+        assert!(
+            unmeasured.iter().any(|g| g.drafts > 0),
+            "no verification measured: it is priced as a plain pass"
+        );
+        for t in [17, 24, 40] {
+            policy
+                .cost_mut()
+                .record_verify(t, Duration::from_micros(3_000 + 10 * t as u64));
+        }
+        let grants = policy.assign(&slots, 16);
+        assert!(grants.iter().all(|g| g.drafts == 0), "{grants:?}");
+        // A perfect drafter on a lone stream still pays for the jump: seven
+        // tokens for about 3.7 ms against one for 1 ms.
+        policy.admit(99, drafting(DraftSchedule::Adaptive));
+        for _ in 0..20 {
+            policy.record(99, Drafter::Head, 6, 6);
+        }
+        assert_eq!(policy.assign(&[candidate(99, 6)], 1)[0].drafts, 6);
+    }
+
+    #[test]
+    fn a_jump_that_pays_only_when_shared_is_taken_by_the_whole_batch() {
+        // Verifying passes cost 0.3 ms more than plain ones: no one
+        // sequence's draft pays for that, sixteen together do.
+        let (mut policy, slots) = graph_like();
+        for t in [17, 24, 32] {
+            policy
+                .cost_mut()
+                .record_verify(t, Duration::from_micros(1_300 + 10 * t as u64));
+        }
+        let grants = policy.assign(&slots, 16);
+        assert!(grants.iter().all(|g| g.drafts >= 1), "{grants:?}");
+        // One draft at a time, from the plain step, none pays it.
+        let costs = policy.cost.costs(64).unwrap();
+        let options: Vec<Choice> = slots.iter().map(|c| policy.choice(c)).collect();
+        let reach: Vec<Vec<f64>> = options.iter().map(|o| o.reach.clone()).collect();
+        let mut drafts = vec![0; slots.len()];
+        StepModel::new(costs, 16, 16).fill(&reach, &options, &mut drafts);
+        assert_eq!(drafts, vec![0; 16]);
     }
 
     #[test]
