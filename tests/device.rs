@@ -553,8 +553,8 @@ fn speculation_with_a_draft_vocab_head_and_lookup_is_exact_on_the_device() {
 /// CUDA graphs of decode passes: replays equal the eager passes token for
 /// token, over decode batches that change size between steps (requests
 /// join late and finish at different lengths), greedy, seeded sampled and
-/// penalised rows together, with MTP drafts on (verification passes stay
-/// eager, plain decode passes replay), and again on the same engine, whose
+/// penalised rows together, with MTP drafts on (verification passes
+/// replay as plain decode passes do), and again on the same engine, whose
 /// block tables then differ (freed blocks reused in another order) and
 /// whose pool may have grown. Without a GPU both engines run eagerly, and
 /// the test checks the same path a GPU's eager pass takes.
@@ -590,9 +590,8 @@ fn decode_graph_replays_equal_eager_passes() {
                 sampling[i % sampling.len()],
                 12 + 5 * (i % 4),
             );
-            // A third draft two tokens every step (those passes verify, and
-            // stay eager); the rest never draft, so some passes are plain
-            // decodes.
+            // A third draft two tokens every step (those passes verify);
+            // the rest never draft, so some passes are plain decodes.
             r.spec = Some(if i % 3 == 1 {
                 SpecOptions::constant(2)
             } else {
@@ -623,6 +622,8 @@ fn decode_graph_replays_equal_eager_passes() {
     if device.is_cuda() && cfg!(feature = "cuda") {
         eprintln!("decode graphs: {stats:?}");
         assert!(stats.captures > 0 && stats.replays > 0, "{stats:?}");
+        assert!(stats.verify_replays > 0, "{stats:?}");
+        assert!(stats.verify_replays < stats.replays, "{stats:?}");
         assert!(stats.kernels > 0, "{stats:?}");
     } else {
         assert_eq!(stats, Default::default());

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 
 use super::batched_attention::BatchedAttention;
-use super::decode_graphs::{DecodeGraphs, GraphInputs, GraphKey, MAX_GRAPH_ROWS};
+use super::decode_graphs::{DecodeGraphs, GraphInputs, GraphKey, MAX_GRAPH_ROWS, MAX_GRAPH_SPAN};
 use super::fused::Normed;
 use super::llama_weights::{ModelWeights, QScale};
 use super::pooled_attention::{PooledAttention, TableLayout};
@@ -49,6 +49,18 @@ type PhaseTimes = [Duration; CANDLE_PHASES.len()];
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether `batch` is a pass a CUDA graph may capture: each sequence
+/// decodes one token, or one token and the drafts it verifies (at most
+/// [`MAX_GRAPH_SPAN`] rows, every one wanted); prompt chunks are not.
+fn graph_shaped(batch: &Batch) -> bool {
+    !batch.seqs.is_empty()
+        && batch.seqs.iter().all(|s| match s.len {
+            1 => s.output != OutputRows::None,
+            2..=MAX_GRAPH_SPAN => s.output == OutputRows::All,
+            _ => false,
+        })
 }
 
 /// Accumulates the time since the previous lap into a phase, after
@@ -214,9 +226,10 @@ impl CandleStep {
         self.forward(cfg, weights, batch, x, kv, num_layers)
     }
 
-    /// A decode pass (every sequence one token, every row wanted, pooled
-    /// attention, no sliding window, not profiling) through
-    /// [`DecodeGraphs`]; `None` for any other pass or with graphs off.
+    /// A decode or verification pass (every sequence at least one and at
+    /// most [`MAX_GRAPH_SPAN`] tokens, every row wanted, pooled attention,
+    /// no sliding window, not profiling) through [`DecodeGraphs`]; `None`
+    /// for any other pass or with graphs off.
     fn decode_graph(
         &self,
         cfg: &ModelConfig,
@@ -226,12 +239,7 @@ impl CandleStep {
         num_layers: usize,
     ) -> Result<Option<Tensor>, ModelError> {
         let n = batch.tokens.len();
-        let decode = batch
-            .seqs
-            .iter()
-            .all(|s| s.len == 1 && s.output != OutputRows::None);
-        if !decode
-            || n == 0
+        if !graph_shaped(batch)
             || n > MAX_GRAPH_ROWS
             || cfg.sliding_window.is_some()
             || lock(&self.profile).is_some()
@@ -240,7 +248,12 @@ impl CandleStep {
         {
             return Ok(None);
         }
-        let keys = batch.seqs.iter().map(|s| s.offset + 1).max().unwrap_or(1);
+        let keys = batch
+            .seqs
+            .iter()
+            .map(|s| s.offset + s.len)
+            .max()
+            .unwrap_or(1);
         let key_bound = GraphKey::key_bound(keys);
         if !PooledAttention::fits(cfg, key_bound, kv.block_size()) {
             return Ok(None);
@@ -254,6 +267,7 @@ impl CandleStep {
         let layers = num_layers.min(weights.layers.len());
         let key = GraphKey {
             rows: n,
+            seqs: batch.seqs.len(),
             key_bound,
             layers,
         };
@@ -265,7 +279,8 @@ impl CandleStep {
         self.graphs
             .run(&self.device, key, pool, inputs, |ids, meta| {
                 let x = weights.embed.index_select(ids, 0)?;
-                let pooled = PooledAttention::over(meta.clone(), kv, cfg, n, key_bound)?;
+                let write_own = !key.verifies();
+                let pooled = PooledAttention::over(meta.clone(), kv, cfg, n, key_bound, write_own)?;
                 let plan = AttentionPlan::Pooled(pooled);
                 self.layers(cfg, weights, x, kv, layers, &plan)
             })
@@ -593,5 +608,46 @@ impl CandleStep {
         Ok(Some(
             Tensor::from_vec(data, (len * g, keys), &self.device)?.to_dtype(self.dtype)?,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(spans: &[(usize, OutputRows)]) -> Batch {
+        let mut b = Batch::default();
+        for (slot, &(len, output)) in spans.iter().enumerate() {
+            b.push(slot as u32, 10, &vec![1; len], output);
+        }
+        b
+    }
+
+    #[test]
+    fn decode_and_verification_passes_are_graph_shaped_prompt_chunks_are_not() {
+        use OutputRows::{All, Last, None as Hidden};
+        assert!(graph_shaped(&batch(&[(1, Last), (1, Last)])), "decodes");
+        assert!(
+            graph_shaped(&batch(&[(1, Last), (4, All)])),
+            "a verification"
+        );
+        assert!(
+            graph_shaped(&batch(&[(MAX_GRAPH_SPAN, All)])),
+            "eight drafts"
+        );
+        assert!(!graph_shaped(&batch(&[])), "nothing to run");
+        assert!(
+            !graph_shaped(&batch(&[(MAX_GRAPH_SPAN + 1, All)])),
+            "a long span"
+        );
+        assert!(
+            !graph_shaped(&batch(&[(1, Last), (4, Last)])),
+            "a final prompt chunk"
+        );
+        assert!(!graph_shaped(&batch(&[(1, Hidden)])), "a row nobody reads");
+        assert!(
+            !graph_shaped(&batch(&[(1, Last), (0, Last)])),
+            "an empty span"
+        );
     }
 }

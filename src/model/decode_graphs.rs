@@ -1,13 +1,23 @@
 //! CUDA graphs for decode passes: the layers of a pass whose every sequence
-//! decodes one token are captured once per shape and replayed, so a step
-//! costs one graph launch instead of ~170 kernel launches of host time.
+//! decodes one token, or one token and the drafts it verifies, are
+//! captured once per shape and replayed, so a step costs one graph launch
+//! instead of ~170 kernel launches of host time.
+//!
+//! Verification passes are captured too: were they eager while plain
+//! decode passes replay, a draft would cost the whole difference between
+//! an eager pass and a replay (on the H200, SmolLM2 at 16 streams: 1.8 ms
+//! a plain step, about 4 ms a verifying one; BENCHMARKS.md, issue 18),
+//! and speculation could not pay on a GPU.
 //!
 //! # What is captured, and what varies between replays
-//! A graph is keyed by [`GraphKey`]: the number of rows (one per sequence:
-//! no padding, so a replay computes exactly what the eager pass does), the
-//! key bound its attention's shared memory is sized for, and the layers
-//! run; every kept graph reads one KV pool ([`KvCache::pool_generation`]).
-//! Everything a
+//! A graph is keyed by [`GraphKey`]: the number of rows (query tokens) and
+//! of sequences (no padding, so a replay computes exactly what the eager
+//! pass does), the key bound its attention's shared memory is sized for,
+//! and the layers run; every kept graph reads one KV pool
+//! ([`KvCache::pool_generation`]). A pass with more rows than sequences
+//! verifies drafts: its K/V rows are written by a launch of their own
+//! before attention (a draft's query reads the keys of the rows before it),
+//! as the eager pass does. Everything a
 //! pass reads that changes from step to step lives in two device buffers
 //! owned by the graph and rewritten before each replay: the token ids and
 //! the attention plan's metadata (per query: its table, first and own
@@ -49,6 +59,10 @@ use crate::kv::KvCache;
 
 /// Rows above which passes stay eager (large batches are not launch-bound).
 pub(super) const MAX_GRAPH_ROWS: usize = 128;
+/// The most rows one sequence may feed a captured pass: its decode token
+/// and up to eight drafts. Longer spans are prompt chunks, whose lengths
+/// vary too much for captures to pay.
+pub(super) const MAX_GRAPH_SPAN: usize = 9;
 /// Graphs kept at most; past it the cache starts over.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const MAX_GRAPHS: usize = 256;
@@ -59,13 +73,21 @@ const MIN_KEY_BOUND: usize = 256;
 /// KV pool it reads (see [`DecodeGraphs::run`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) struct GraphKey {
+    /// Query tokens.
     pub rows: usize,
+    /// Sequences (each with at least one row).
+    pub seqs: usize,
     /// Most keys any query may see (sizes the attention's shared memory).
     pub key_bound: usize,
     pub layers: usize,
 }
 
 impl GraphKey {
+    /// Whether the pass verifies drafts (some sequence has several rows).
+    pub fn verifies(&self) -> bool {
+        self.rows > self.seqs
+    }
+
     /// The key bound for queries that see at most `keys` keys.
     pub fn key_bound(keys: usize) -> usize {
         keys.next_power_of_two().max(MIN_KEY_BOUND)
@@ -100,6 +122,8 @@ struct State {
 pub struct GraphStats {
     /// Decode passes replayed from a graph.
     pub replays: u64,
+    /// Of those, passes that verified drafts.
+    pub verify_replays: u64,
     /// Graphs captured.
     pub captures: u64,
     /// Kernel launches in the last graph captured (what one replay saves).
@@ -170,6 +194,7 @@ impl DecodeGraphs {
             if let Some(g) = s.graphs.get(&key) {
                 let out = g.replay(&inputs)?;
                 s.stats.replays += 1;
+                s.stats.verify_replays += u64::from(key.verifies());
                 return Ok(Some(out));
             }
             if s.graphs.len() >= MAX_GRAPHS {

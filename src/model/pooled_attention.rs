@@ -177,9 +177,10 @@ impl PooledAttention {
         }))
     }
 
-    /// A plan for a decode pass of `rows` query tokens (one a sequence) over
-    /// metadata already on the device (`meta`, laid out by
-    /// [`Self::host_plan`]), sized for queries of at most `max_keys` keys.
+    /// A plan for a pass of `rows` query tokens over metadata already on
+    /// the device (`meta`, laid out by [`Self::host_plan`]), sized for
+    /// queries of at most `max_keys` keys; `write_own` when every sequence
+    /// has one row (see [`PooledAttention::write_own`]).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(super) fn over(
         meta: Tensor,
@@ -187,13 +188,14 @@ impl PooledAttention {
         cfg: &ModelConfig,
         rows: usize,
         max_keys: usize,
+        write_own: bool,
     ) -> Result<Self, ModelError> {
         Ok(Self {
             arrivals: arrivals(rows, cfg, meta.device())?,
             meta,
             block_shift: kv.block_size().trailing_zeros(),
             max_keys,
-            write_own: true,
+            write_own,
         })
     }
 
