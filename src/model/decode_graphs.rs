@@ -17,7 +17,10 @@
 //! ([`KvCache::pool_generation`]). A pass with more rows than sequences
 //! verifies drafts: its K/V rows are written by a launch of their own
 //! before attention (a draft's query reads the keys of the rows before it),
-//! as the eager pass does. Everything a
+//! as the eager pass does. A plain decode shape is captured the first time
+//! it runs, a verifying one only the [`CAPTURE_VERIFY_AFTER`]th time: with
+//! many sequences the draft counts combine into many shapes, most of which
+//! never recur, and a capture costs about two eager passes. Everything a
 //! pass reads that changes from step to step lives in two device buffers
 //! owned by the graph and rewritten before each replay: the token ids and
 //! the attention plan's metadata (per query: its table, first and own
@@ -66,6 +69,8 @@ pub(super) const MAX_GRAPH_SPAN: usize = 9;
 /// Graphs kept at most; past it the cache starts over.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const MAX_GRAPHS: usize = 256;
+/// Runs of one verifying shape before it is captured (eager until then).
+const CAPTURE_VERIFY_AFTER: u32 = 3;
 /// The smallest key bound a graph is captured for (bounds are powers of two).
 const MIN_KEY_BOUND: usize = 256;
 
@@ -114,6 +119,8 @@ struct State {
     graphs: HashMap<GraphKey, cuda::Captured>,
     #[cfg(not(feature = "cuda"))]
     graphs: HashMap<GraphKey, ()>,
+    /// Runs of each verifying shape not captured yet.
+    seen: HashMap<GraphKey, u32>,
     stats: GraphStats,
 }
 
@@ -132,6 +139,24 @@ pub struct GraphStats {
     pub nodes: usize,
 }
 
+impl State {
+    /// Counts a run of verifying shape `key`; whether it is now run often
+    /// enough to capture.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn hot(&mut self, key: GraphKey) -> bool {
+        if self.seen.len() >= 4 * MAX_GRAPHS {
+            self.seen.clear();
+        }
+        let runs = self.seen.entry(key).or_insert(0);
+        *runs += 1;
+        if *runs < CAPTURE_VERIFY_AFTER {
+            return false;
+        }
+        self.seen.remove(&key);
+        true
+    }
+}
+
 impl DecodeGraphs {
     /// Graphs on `device` (CUDA only), unless `TANDEM_CUDA_GRAPHS=0`.
     pub fn new(device: &Device) -> Self {
@@ -141,6 +166,7 @@ impl DecodeGraphs {
                 enabled: device.is_cuda() && cfg!(feature = "cuda") && !off,
                 pool: 0,
                 graphs: HashMap::new(),
+                seen: HashMap::new(),
                 stats: GraphStats::default(),
             }),
         }
@@ -160,6 +186,7 @@ impl DecodeGraphs {
         s.enabled = on && device.is_cuda() && cfg!(feature = "cuda");
         if !s.enabled {
             s.graphs.clear();
+            s.seen.clear();
         }
     }
 
@@ -172,7 +199,8 @@ impl DecodeGraphs {
     /// and then captured. `pass` maps the device ids and metadata to the
     /// layers' output; it must read nothing else that varies between
     /// steps. Graphs over another pool are dropped. `None` when graphs are
-    /// off (the caller runs the pass itself).
+    /// off or the shape is not worth capturing yet (the caller runs the
+    /// pass itself).
     pub fn run(
         &self,
         device: &Device,
@@ -187,6 +215,7 @@ impl DecodeGraphs {
         }
         if s.pool != pool {
             s.graphs.clear();
+            s.seen.clear();
             s.pool = pool;
         }
         #[cfg(feature = "cuda")]
@@ -196,6 +225,9 @@ impl DecodeGraphs {
                 s.stats.replays += 1;
                 s.stats.verify_replays += u64::from(key.verifies());
                 return Ok(Some(out));
+            }
+            if key.verifies() && !s.hot(key) {
+                return Ok(None);
             }
             if s.graphs.len() >= MAX_GRAPHS {
                 s.graphs.clear();
@@ -367,5 +399,26 @@ mod cuda {
             let slice = storage.as_cuda_slice_mut::<u32>()?;
             dev.memcpy_htod(self.0, slice)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_verifying_shape_is_hot_on_its_third_run() {
+        let graphs = DecodeGraphs::new(&Device::Cpu);
+        let mut s = graphs.lock();
+        let key = |rows| GraphKey {
+            rows,
+            seqs: 16,
+            key_bound: 256,
+            layers: 30,
+        };
+        assert!(!key(16).verifies() && key(17).verifies());
+        let runs: Vec<bool> = (0..4).map(|_| s.hot(key(20))).collect();
+        assert_eq!(runs, [false, false, true, false], "counted afresh once hot");
+        assert!(!s.hot(key(21)), "each shape counts its own runs");
     }
 }
