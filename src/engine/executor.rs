@@ -35,7 +35,7 @@ use super::spec::SpecConfig;
 use super::update;
 use super::work::{self, Planned};
 use super::{drafting, EngineError};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvError};
 use crate::model::Model;
 use crate::sampler::{SamplePath, SampleResult, Sampler};
 
@@ -338,16 +338,21 @@ impl Engine {
         layout: &RowLayout,
         hidden: &Tensor,
     ) -> Result<(), EngineError> {
-        for (p, rows) in planned.iter().zip(&layout.seqs) {
-            let fed = hidden
-                .narrow(0, rows.hidden.start, rows.hidden.len())
-                .map_err(tensor_err)?;
-            self.seqs
-                .kv
-                .write_hidden(p.slot, p.offset, &fed)
-                .map_err(|e| kv_err(p.slot, e))?;
-        }
-        Ok(())
+        let writes: Vec<_> = planned
+            .iter()
+            .zip(&layout.seqs)
+            .map(|(p, rows)| (p.slot, p.offset, rows.hidden.clone()))
+            .collect();
+        self.seqs
+            .kv
+            .write_hidden_rows(&writes, hidden)
+            .map_err(|e| {
+                let slot = match e {
+                    KvError::OverReservation { slot, .. } | KvError::UnknownSlot(slot) => slot,
+                    _ => writes.first().map_or(0, |w| w.0),
+                };
+                kv_err(slot, e)
+            })
     }
 
     /// One sampler call over the plain sampling rows.
@@ -454,14 +459,24 @@ impl StepExecutor for Engine {
             // ran twice (eagerly, then under capture): a one-off, not what
             // its shape costs.
             let captured = self.model.cuda_graph_stats().captures != captures;
-            if !captured && planned.iter().all(|p| p.tokens.len() == 1) {
+            if planned.iter().all(|p| p.tokens.len() == 1) {
                 let stats = &outcome.stats;
                 let pass = start.elapsed().saturating_sub(stats.draft);
+                let verifies = planned.iter().any(|p| !p.drafts.tokens.is_empty());
+                tracing::debug!(
+                    tokens = stats.batch_tokens,
+                    seqs = planned.len(),
+                    verifies,
+                    captured,
+                    pass_ms = pass.as_secs_f64() * 1e3,
+                    draft_ms = stats.draft.as_secs_f64() * 1e3,
+                    "decode pass"
+                );
                 let cost = self.seqs.policy.cost_mut();
-                if planned.iter().any(|p| !p.drafts.tokens.is_empty()) {
-                    cost.record_verify(stats.batch_tokens, pass);
-                } else {
-                    cost.record_pass(stats.batch_tokens, pass);
+                match (captured, verifies) {
+                    (true, _) => {}
+                    (false, true) => cost.record_verify(stats.batch_tokens, pass),
+                    (false, false) => cost.record_pass(stats.batch_tokens, pass),
                 }
             }
             self.report(&planned, result, &mut outcome.seqs);

@@ -37,6 +37,7 @@
 pub mod blocks;
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -269,15 +270,47 @@ impl KvCache {
         hidden: &Tensor,
     ) -> Result<(), KvError> {
         let n = hidden.dim(0)?;
-        let segments = self.segments(slot, at, n)?;
+        self.write_hidden_rows(&[(slot, at, 0..n)], hidden)
+    }
+
+    /// Writes several slots' hidden states in one scatter (a forward pass's
+    /// rows: one launch, not one a sequence): each `(slot, at, rows)` takes
+    /// `hidden`'s rows `rows` as `slot`'s positions from `at`. Nothing is
+    /// written when any slot lacks the room.
+    pub fn write_hidden_rows(
+        &mut self,
+        writes: &[(SlotId, usize, Range<usize>)],
+        hidden: &Tensor,
+    ) -> Result<(), KvError> {
+        let mut source = Vec::new();
+        let mut dest = Vec::new();
+        for (slot, at, rows) in writes {
+            for (row, from, len) in self.segments(*slot, *at, rows.len())? {
+                source.extend((rows.start + from..rows.start + from + len).map(|r| r as u32));
+                dest.extend((row..row + len).map(|r| r as u32));
+            }
+        }
         if let Some(h @ HiddenRows { buffer: None, .. }) = self.hidden.as_mut() {
             h.buffer = Some(Tensor::zeros((self.rows, h.width), h.dtype, &self.device)?);
         }
         let buffer = self.hidden_buffer()?;
-        let hidden = hidden.to_dtype(buffer.dtype())?;
-        for (row, from, len) in segments {
-            buffer.slice_set(&hidden.narrow(0, from, len)?, 0, row)?;
+        if dest.is_empty() {
+            return Ok(());
         }
+        let whole = source.len() == hidden.dim(0)?
+            && source.iter().enumerate().all(|(i, &r)| r as usize == i);
+        let hidden = if whole {
+            hidden.clone()
+        } else {
+            hidden.index_select(&Tensor::new(source.as_slice(), hidden.device())?, 0)?
+        };
+        let hidden = hidden.to_dtype(buffer.dtype())?.contiguous()?;
+        let width = hidden.dim(1)?;
+        let dest = Tensor::new(dest.as_slice(), &self.device)?
+            .unsqueeze(1)?
+            .expand((dest.len(), width))?
+            .contiguous()?;
+        buffer.scatter_set(&dest, &hidden, 0)?;
         Ok(())
     }
 

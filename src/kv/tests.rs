@@ -169,3 +169,35 @@ fn hidden_rows_follow_the_table_survive_growth_and_are_shared_with_the_block() {
     want.extend(values(&hidden_rows(108, 2)));
     assert_eq!(values(&kv.hidden(2, 0, 10).unwrap()), want);
 }
+
+#[test]
+fn one_scatter_writes_every_slots_hidden_rows_or_none() {
+    let mut kv = KvCache::paged(layout(), Device::Cpu, 64, 4);
+    kv.store_hidden(3, DType::F32);
+    kv.register(1, vec![5, 2], 0).unwrap();
+    kv.register(2, vec![9, 3], 0).unwrap();
+    // A pass's rows: slot 2's two, then slot 1's five (across its blocks).
+    let mut rows = values(&hidden_rows(200, 2));
+    rows.extend(values(&hidden_rows(100, 5)));
+    let pass = Tensor::from_vec(rows, (7, 3), &Device::Cpu).unwrap();
+    kv.write_hidden_rows(&[(1, 0, 2..7), (2, 3, 0..2)], &pass)
+        .unwrap();
+    assert_eq!(
+        values(&kv.hidden(1, 0, 5).unwrap()),
+        values(&hidden_rows(100, 5))
+    );
+    assert_eq!(
+        values(&kv.hidden(2, 3, 5).unwrap()),
+        values(&hidden_rows(200, 2))
+    );
+    // Past slot 2's table: an error, and slot 1's rows stay as they were.
+    let err = kv.write_hidden_rows(&[(1, 0, 0..2), (2, 7, 2..4)], &hidden_rows(0, 4));
+    assert!(
+        matches!(err, Err(KvError::OverReservation { slot: 2, .. })),
+        "{err:?}"
+    );
+    assert_eq!(
+        values(&kv.hidden(1, 0, 5).unwrap()),
+        values(&hidden_rows(100, 5))
+    );
+}
