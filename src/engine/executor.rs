@@ -447,7 +447,9 @@ impl StepExecutor for Engine {
             plan.tables,
             &mut outcome.seqs,
         );
+        let planning = Instant::now();
         let mut planned = self.plan(plan.work, &mut outcome.seqs);
+        let planning = planning.elapsed();
         self.draft(&mut planned, &mut outcome.stats);
         if !planned.is_empty() {
             outcome.stats.batch_seqs = planned.len();
@@ -470,6 +472,9 @@ impl StepExecutor for Engine {
                     captured,
                     pass_ms = pass.as_secs_f64() * 1e3,
                     draft_ms = stats.draft.as_secs_f64() * 1e3,
+                    plan_ms = planning.as_secs_f64() * 1e3,
+                    forward_ms = stats.forward.as_secs_f64() * 1e3,
+                    sample_ms = stats.sample.as_secs_f64() * 1e3,
                     "decode pass"
                 );
                 let cost = self.seqs.policy.cost_mut();

@@ -35,8 +35,11 @@
 //!   stands in for `V` (on the CPU the two nearly coincide).
 //!   Prompt-lookup drafts cost no round. Before the first decode pass is
 //!   measured, priors stand in (a token a thirty-second of the fixed cost,
-//!   a round a tenth of a step) and no sequence drafts more than its
-//!   `initial_draft`.
+//!   a round a tenth of a step), and only a lone decode drafts, at most its
+//!   `initial_draft`: what verification costs a batch is unknown until
+//!   measured (on the H200 a verifying pass of 16 streams that no graph
+//!   had captured took 3-5 plain passes), and a server's first steps, its
+//!   prompts' chunks beside the first decodes, are no place to find out.
 //! - **Choice**: starting from no drafts, the policy repeatedly extends the
 //!   one sequence whose extension (by any number of drafts up to its cap)
 //!   brings the most expected tokens per second added, while that rate
@@ -495,20 +498,22 @@ impl DraftPolicy {
     pub fn assign(&mut self, candidates: &[Candidate], base_tokens: usize) -> Vec<Grant> {
         let options: Vec<Choice> = candidates.iter().map(|c| self.choice(c)).collect();
         let mut drafts = vec![0usize; candidates.len()];
-        // Nothing measured yet: the priors decide, up to each sequence's
-        // initial draft (a lone stream drafts, a batch beside prompt chunks
-        // does not).
+        // Nothing measured yet: the priors decide for a lone decode, up to
+        // its initial draft; nobody else drafts (see the module docs).
         let most_tokens = base_tokens + options.iter().map(|o| o.reach.len()).sum::<usize>();
         let (costs, cold) = match self.cost.costs(most_tokens) {
             Some(costs) => (costs, false),
             None => (Costs::prior(), true),
         };
         let probing: Vec<bool> = options.iter().map(|o| o.probe_due).collect();
+        let lone = candidates.len() == 1 && base_tokens == 1;
         let reach: Vec<Vec<f64>> = options
             .iter()
             .zip(&probing)
             .map(|(o, &p)| {
-                if p {
+                if cold && !lone {
+                    Vec::new()
+                } else if p {
                     // One draft tells whether the first position pays; a
                     // longer probe of a drafter that does not pay would
                     // cost a round per draft.
@@ -1095,9 +1100,14 @@ mod tests {
             (1..=2).contains(&one[0].drafts),
             "a lone stream drafts, at most its initial 2: {one:?}"
         );
-        // 64 decodes beside 448 prompt tokens: a draft row is not worth it.
+        // 64 decodes beside 448 prompt tokens, or 16 alone: a batch waits
+        // for measured costs.
         let many = policy.assign(&slots, 512);
         assert!(many.iter().all(|g| g.drafts == 0), "{many:?}");
+        let batch = policy.assign(&slots[..16], 16);
+        assert!(batch.iter().all(|g| g.drafts == 0), "{batch:?}");
+        // A lone decode beside a prompt chunk waits too.
+        assert_eq!(policy.assign(&slots[..1], 100)[0].drafts, 0);
     }
 
     #[test]
