@@ -36,6 +36,12 @@ def report(label, passes, plans):
             f" {tokens:6.1f} tokens on average, median {statistics.median(ms):7.3f} ms,"
             f" mean {statistics.mean(ms):7.3f} ms, total {sum(ms):8.1f} ms"
         )
+        parts = [k for k in ("plan_ms", "forward_ms", "sample_ms") if k in ps[0]]
+        if parts:
+            medians = ", ".join(
+                f"{k[:-3]} {statistics.median(float(p[k]) for p in ps):.3f}" for k in parts
+            )
+            print(f"      medians (ms): {medians}")
     granted = [p for p in plans if int(p.get("drafts", "0")) > 0]
     cold = sum(p.get("cold") == "true" for p in plans)
     print(f"  plans: {len(plans)} ({cold} on priors), {len(granted)} granting drafts")

@@ -61,33 +61,44 @@ impl PromptLookup {
         if max == 0 {
             return Proposal::default();
         }
-        for n in (self.min_n..=self.max_n).rev() {
-            if let Some(start) = latest_match(history, n) {
-                let end = (start + max).min(history.len());
-                return Proposal {
-                    order: n,
-                    tokens: history[start..end].to_vec(),
-                };
-            }
+        match longest_latest_match(history, self.min_n, self.max_n) {
+            Some((order, start)) => Proposal {
+                order,
+                tokens: history[start..(start + max).min(history.len())].to_vec(),
+            },
+            None => Proposal::default(),
         }
-        Proposal::default()
     }
 }
 
-/// Where the continuation of the latest earlier occurrence of `history`'s
-/// last `n` tokens starts (the position right after that occurrence).
-fn latest_match(history: &[u32], n: usize) -> Option<usize> {
+/// The longest `n` in `min_n..=max_n` whose last-`n`-token suffix of
+/// `history` occurred earlier, and where the continuation of its latest
+/// earlier occurrence starts (the position right after it; at least one
+/// token must follow). One backwards scan for every `n` at once: each
+/// earlier position is scored by how many tokens before it match the
+/// suffix, and most fail on the first.
+fn longest_latest_match(history: &[u32], min_n: usize, max_n: usize) -> Option<(usize, usize)> {
     let len = history.len();
-    if n == 0 || len <= n {
-        return None;
+    let last = *history.last()?;
+    let mut best: Option<(usize, usize)> = None;
+    // `end`: where an occurrence ends (exclusive), its continuation's start.
+    for end in (1..len).rev() {
+        if history[end - 1] != last {
+            continue;
+        }
+        let most = max_n.min(end);
+        let n = 1
+            + (1..most)
+                .take_while(|&k| history[end - 1 - k] == history[len - 1 - k])
+                .count();
+        if n >= min_n && best.is_none_or(|(b, _)| n > b) {
+            best = Some((n, end));
+            if n == max_n {
+                break;
+            }
+        }
     }
-    let suffix = &history[len - n..];
-    // Occurrences ending before the suffix itself, latest first; the
-    // continuation must hold at least one token.
-    (0..len - n)
-        .rev()
-        .find(|&i| &history[i..i + n] == suffix)
-        .map(|i| i + n)
+    best
 }
 
 #[cfg(test)]
@@ -134,5 +145,46 @@ mod tests {
         assert_eq!(PromptLookup::default().propose(&[3, 3], 4).tokens, vec![3]);
         assert!(PromptLookup { min_n: 0, max_n: 2 }.validate().is_err());
         assert!(PromptLookup { min_n: 3, max_n: 2 }.validate().is_err());
+    }
+
+    /// The definition, one scan per suffix length (longest first).
+    fn reference(pl: &PromptLookup, history: &[u32], max: usize) -> Proposal {
+        let len = history.len();
+        for n in (pl.min_n..=pl.max_n).rev() {
+            if max == 0 || len <= n {
+                continue;
+            }
+            let suffix = &history[len - n..];
+            if let Some(i) = (0..len - n).rev().find(|&i| &history[i..i + n] == suffix) {
+                let start = i + n;
+                return Proposal {
+                    order: n,
+                    tokens: history[start..(start + max).min(len)].to_vec(),
+                };
+            }
+        }
+        Proposal::default()
+    }
+
+    #[test]
+    fn one_scan_finds_what_a_scan_per_length_finds() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for case in 0..4000 {
+            let len = rng.random_range(0..40);
+            let alphabet = rng.random_range(1..6);
+            let history: Vec<u32> = (0..len).map(|_| rng.random_range(0..alphabet)).collect();
+            let min_n = rng.random_range(1..4);
+            let pl = PromptLookup {
+                min_n,
+                max_n: min_n + rng.random_range(0..4),
+            };
+            let max = rng.random_range(0..6);
+            assert_eq!(
+                pl.propose(&history, max),
+                reference(&pl, &history, max),
+                "case {case}: {pl:?} over {history:?}, max {max}"
+            );
+        }
     }
 }

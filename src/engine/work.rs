@@ -138,6 +138,16 @@ pub(crate) fn grant_drafts(seqs: &mut Sequences, planned: &mut [Planned]) {
     if drafting.is_empty() {
         return;
     }
+    let slots: Vec<SlotId> = drafting.iter().map(|&i| planned[i].slot).collect();
+    let cap = drafting
+        .iter()
+        .map(|&i| planned[i].draft_cap)
+        .max()
+        .unwrap_or(0);
+    let base_tokens = planned.iter().map(|p| p.tokens.len()).sum();
+    if !seqs.policy.worth_planning(&slots, base_tokens, cap) {
+        return;
+    }
     let lookup = seqs.policy.lookup();
     let candidates: Vec<Candidate> = drafting
         .iter()
@@ -154,7 +164,6 @@ pub(crate) fn grant_drafts(seqs: &mut Sequences, planned: &mut [Planned]) {
             }
         })
         .collect();
-    let base_tokens = planned.iter().map(|p| p.tokens.len()).sum();
     let grants = seqs.policy.assign(&candidates, base_tokens);
     for ((&i, c), Grant { drafts, drafter }) in drafting.iter().zip(&candidates).zip(grants) {
         let p = &mut planned[i];
