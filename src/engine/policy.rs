@@ -32,7 +32,9 @@
 //!   run eagerly (before verification passes were captured, the H200 took
 //!   1.8 ms for a plain step of 16 streams and about 4 ms for a verifying
 //!   one: BENCHMARKS.md, issue 18). Until a verification is measured, `F`
-//!   stands in for `V` (on the CPU the two nearly coincide).
+//!   stands in for `V` (on the CPU the two nearly coincide), and a batch
+//!   grants a single draft, to the sequence likeliest to land it: its
+//!   pass measures `V` at the least cost.
 //!   Prompt-lookup drafts cost no round. Before the first decode pass is
 //!   measured, priors stand in (a token a thirty-second of the fixed cost,
 //!   a round a tenth of a step), and only a lone decode drafts, at most its
@@ -536,7 +538,7 @@ impl DraftPolicy {
         };
         let probing: Vec<bool> = options.iter().map(|o| o.probe_due).collect();
         let lone = candidates.len() == 1 && base_tokens == 1;
-        let reach: Vec<Vec<f64>> = options
+        let mut reach: Vec<Vec<f64>> = options
             .iter()
             .zip(&probing)
             .map(|(o, &p)| {
@@ -554,6 +556,9 @@ impl DraftPolicy {
                 }
             })
             .collect();
+        if !cold && costs.verify.is_none() && !lone {
+            measure_verification_first(&mut reach);
+        }
         let mut plan = StepModel::new(costs.clone(), base_tokens, candidates.len());
         plan.fill(&reach, &options, &mut drafts);
         let head_round = options
@@ -688,6 +693,19 @@ impl Choice {
             probe_due: false,
             reach: Vec::new(),
         }
+    }
+}
+
+/// Leaves one draft to the candidate likeliest to land it, and none to
+/// the rest: a batch's first verifying pass measures `V` at the least
+/// cost, since it may cost several plain passes (an uncaptured shape on a
+/// GPU).
+fn measure_verification_first(reach: &mut [Vec<f64>]) {
+    let best = (0..reach.len())
+        .filter(|&i| !reach[i].is_empty())
+        .max_by(|&a, &b| reach[a][0].total_cmp(&reach[b][0]));
+    for (i, r) in reach.iter_mut().enumerate() {
+        r.truncate(usize::from(Some(i) == best));
     }
 }
 
@@ -845,13 +863,15 @@ mod tests {
         }
     }
 
-    /// A CPU-like cost: a step of T tokens costs 10 ms + 1 ms · T, a round
-    /// 0.5 ms + 0.1 ms per member.
+    /// A CPU-like cost: a step of T tokens costs 10 ms + 1 ms · T, whether
+    /// it verifies or not, a round 0.5 ms + 0.1 ms per member.
     fn measured(policy: &mut DraftPolicy) {
         for t in [1, 2, 4, 8, 16, 64] {
+            let time = Duration::from_micros(10_000 + 1_000 * t as u64);
+            policy.cost_mut().record_pass(t, time);
             policy
                 .cost_mut()
-                .record_pass(t, Duration::from_micros(10_000 + 1_000 * t as u64));
+                .record_verify(t + 1, time + Duration::from_millis(1));
         }
         for m in [1, 2, 4, 8] {
             policy
@@ -1076,9 +1096,11 @@ mod tests {
         // Verifying passes run eagerly: 3 ms.
         let (mut policy, slots) = graph_like();
         let unmeasured = policy.assign(&slots, 16);
-        assert!(
-            unmeasured.iter().any(|g| g.drafts > 0),
-            "no verification measured: it is priced as a plain pass"
+        let drafts: Vec<usize> = unmeasured.iter().map(|g| g.drafts).collect();
+        assert_eq!(
+            drafts.iter().sum::<usize>(),
+            1,
+            "no verification measured: one draft measures it, {drafts:?}"
         );
         for t in [17, 24, 40] {
             policy
@@ -1125,6 +1147,16 @@ mod tests {
             policy.worth_planning(&ids, 16, 6),
             "verification unmeasured"
         );
+        for t in [17, 24] {
+            policy
+                .cost_mut()
+                .record_verify(t, Duration::from_micros(1_000 + 10 * t as u64));
+        }
+        assert!(
+            policy.worth_planning(&ids, 16, 6),
+            "verification as cheap as a pass"
+        );
+        let mut policy = graph_like().0;
         // Verifying passes at 20 ms against plain ones of 1 ms: no run,
         // however perfect, pays.
         for t in [17, 24, 32, 64, 112] {
