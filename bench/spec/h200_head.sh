@@ -18,7 +18,16 @@
 # $WAIT seconds; `bench` waits for it to finish, saves the head (gzipped:
 # the output limit is 16 MiB a file) and its report to $OUT, then runs the
 # speculation rows. With SKIP_TRAIN=1 the bench unpacks
-# $BIN/mtp.safetensors.gz (a head trained in an earlier session).
+# $BIN/mtp.safetensors.gz (a head trained in an earlier session); or the
+# head travels with the parts, as .devdata/head/mtp.safetensors.gz, and
+# `stage` unpacks it (a bench-only run: stage, stage, then bench with
+# SKIP_TRAIN=1 and only multi_client_load.gz in $BIN). With
+# $BIN/device-tests.gz (`cargo test --release --features cuda --test
+# device --no-run`) and stories260k in $BIN/shared/models, the bench runs
+# the GPU tests first. REPEAT sets each row's alternating runs (3).
+# PHASE=trace (after the stage calls) traces every decode pass of the 16-
+# and 64-stream rows instead (bench/spec/pass_trace.py); GRAPHS_OFF=1
+# reruns them with CUDA graphs off.
 # Session 11's figures in BENCHMARKS.md came from this script at dd63118
 # (one call, 5 120 sequences, 3 000 steps, and two rows dropped here).
 set -uo pipefail
@@ -35,7 +44,11 @@ mkdir -p "$OUT" /tmp/bin /tmp/smollm2
 exec > >(tee -a "$OUT/run.log") 2>&1
 
 if [ "$PHASE" = stage ]; then
-  cp .devdata/a/part.* /tmp/smollm2/ && ls -l /tmp/smollm2 && nvidia-smi -L
+  cp .devdata/*/part.* /tmp/smollm2/ 2>/dev/null
+  if [ -f .devdata/head/mtp.safetensors.gz ]; then
+    mkdir -p "$HEAD" && gunzip -c .devdata/head/mtp.safetensors.gz >"$HEAD/mtp.safetensors"
+  fi
+  ls -l /tmp/smollm2 "$HEAD" 2>/dev/null; nvidia-smi -L
   exit
 fi
 if [ ! -f "$MODEL" ]; then
@@ -46,7 +59,7 @@ echo "$MODEL_SHA256  $MODEL" | sha256sum -c - || exit 1
 CU13=$(python3 -c 'import nvidia.cu13 as m; print(m.__path__[0])' 2>/dev/null)/lib
 [ -f "$CU13/libcublasLt.so.13" ] || CU13=$(dirname "$(find / -name 'libcublasLt.so.13' 2>/dev/null | head -1)")
 export LD_LIBRARY_PATH="$CU13:${LD_LIBRARY_PATH:-}"
-for b in tandem multi_client_load; do
+for b in tandem multi_client_load device-tests; do
   [ -f "$BIN/$b.gz" ] && [ ! -x /tmp/bin/$b ] && gunzip -c "$BIN/$b.gz" >/tmp/bin/$b && chmod +x /tmp/bin/$b
 done
 nvidia-smi -L
@@ -79,13 +92,49 @@ elif [ ! -f "$HEAD/mtp.safetensors" ] && [ -f "$BIN/mtp.safetensors.gz" ]; then
 fi
 
 L=/tmp/bin/multi_client_load
-run() { echo "=== $*"; timeout 150 "$L" --device cuda --dtype bf16 --model "$MODEL" --show-answers 0 "$@" 2>&1 | grep -E 'MTP|medians|aggregate|engine time|ceiling' ; }
+R=${REPEAT:-3}
 CHAT="--prompts bench/spec/chat_prompts.txt --max-tokens 96"
-run $CHAT --clients 16 --max-seqs 1 --mtp "head:$HEAD" --mtp-compare --repeat 3
-run $CHAT --clients 16 --max-seqs 1 --mtp early-exit:1 --mtp-compare --repeat 3
-run $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --mtp-compare --repeat 3
-run --prompts bench/spec/edit_prompts.txt --clients 8 --max-seqs 1 --max-tokens 96 --prompt-lookup --mtp-compare --repeat 3
-run --prompts bench/spec/edit_prompts.txt --clients 8 --max-seqs 1 --max-tokens 96 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat 3
-run $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat 3
-run $CHAT --clients 64 --max-seqs 64 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat 3
+if [ "$PHASE" = trace ]; then
+  # Where speculation's time goes at 16 and 64 streams: every decode pass
+  # traced (bench/spec/pass_trace.py), then the same rows with graphs off.
+  n=0
+  trace() {
+    echo "=== trace: $*"
+    n=$((n + 1))
+    RUST_LOG=tandem::engine::executor=debug,tandem::engine::policy=debug timeout 150 "$L" \
+      --device cuda --dtype bf16 --model "$MODEL" --show-answers 0 "$@" 2>&1 \
+      | tee >(gzip >"$OUT/trace-$n.log.gz") | python3 bench/spec/pass_trace.py
+  }
+  trace $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat 1
+  trace $CHAT --clients 16 --max-seqs 16 --prompt-lookup --mtp-compare --repeat 1
+  trace $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --mtp-compare --repeat 1
+  trace $CHAT --clients 64 --max-seqs 64 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat 1
+  if [ "${GRAPHS_OFF:-0}" = 1 ]; then
+    for rows in "--clients 16 --max-seqs 16" "--clients 64 --max-seqs 64"; do
+      echo "=== graphs off: $rows"
+      TANDEM_CUDA_GRAPHS=0 timeout 150 "$L" --device cuda --dtype bf16 --model "$MODEL" --show-answers 0 \
+        $CHAT $rows --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R 2>&1 | grep -E 'MTP:|medians|on / off'
+    done
+  fi
+  exit 0
+fi
+
+if [ -x /tmp/bin/device-tests ]; then
+  echo "=== GPU tests"
+  TANDEM_SHARED_DIR=$(realpath "$BIN/shared") TANDEM_REQUIRE_GPU=1 timeout 300 \
+    /tmp/bin/device-tests --test-threads 1 --nocapture 2>&1 | grep -E '^test |test result|graphs|panicked|assert'
+fi
+
+run() { echo "=== $*"; timeout 150 "$L" --device cuda --dtype bf16 --model "$MODEL" --show-answers 0 "$@" 2>&1 | grep -E 'MTP|medians|aggregate|engine time|ceiling' ; }
+run $CHAT --clients 16 --max-seqs 1 --mtp "head:$HEAD" --mtp-compare --repeat $R
+run $CHAT --clients 16 --max-seqs 1 --mtp early-exit:1 --mtp-compare --repeat $R
+run $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --mtp-compare --repeat $R
+run --prompts bench/spec/edit_prompts.txt --clients 8 --max-seqs 1 --max-tokens 96 --prompt-lookup --mtp-compare --repeat $R
+run --prompts bench/spec/edit_prompts.txt --clients 8 --max-seqs 1 --max-tokens 96 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+run $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+run $CHAT --clients 64 --max-seqs 64 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+# Longer runs (eight and four waves): one-time costs (graph captures, a
+# first eager verification) weigh less than in 0.2 s runs.
+run $CHAT --clients 128 --max-seqs 16 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+run $CHAT --clients 256 --max-seqs 64 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
 echo "=== done"

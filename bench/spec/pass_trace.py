@@ -21,10 +21,15 @@ def fields(line):
     return {k: v for k, v in FIELD.findall(line)}
 
 
-def report(label, passes, plans):
+def report(label, passes, plans, steps):
     if not passes and not plans:
         return
     print(f"{label}")
+    if steps:
+        total = {k: sum(float(p.get(k, 0)) for p in steps) for k in STEP_PARTS}
+        rest = total["total_ms"] - sum(v for k, v in total.items() if k != "total_ms")
+        parts = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in total.items())
+        print(f"  {len(steps)} steps, ms in all: {parts}, rest {rest:.1f}")
     kinds = {}
     for p in passes:
         kinds.setdefault((p["verifies"], p["captured"]), []).append(p)
@@ -52,21 +57,26 @@ def report(label, passes, plans):
         )
 
 
+STEP_PARTS = ("kv_ms", "plan_ms", "draft_ms", "forward_ms", "sample_ms", "total_ms")
+
+
 def main():
-    label, passes, plans = "(before any run)", [], []
+    label, passes, plans, steps = "(before any run)", [], [], []
     for line in sys.stdin:
         line = ANSI.sub("", line)
         if line.startswith("--- MTP"):
-            report(label, passes, plans)
-            label, passes, plans = line.strip(), [], []
+            report(label, passes, plans, steps)
+            label, passes, plans, steps = line.strip(), [], [], []
         elif "decode pass" in line and "verifies=" in line:
             passes.append(fields(line))
+        elif " step " in line and "total_ms=" in line:
+            steps.append(fields(line))
         elif "draft plan" in line:
             # `pass_ms=[..]` lists hold commas but no spaces.
             plans.append(fields(line))
         elif "medians" in line or "on / off" in line or line.startswith("aggregate"):
             print(line.rstrip())
-    report(label, passes, plans)
+    report(label, passes, plans, steps)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@
 //! released in the plan phase; the others still run. Only a failure of the
 //! pass itself (phases 5–8) fails every sequence in it.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 
@@ -447,6 +447,7 @@ impl StepExecutor for Engine {
             plan.tables,
             &mut outcome.seqs,
         );
+        let admitted = start.elapsed();
         let planning = Instant::now();
         let mut planned = self.plan(plan.work, &mut outcome.seqs);
         let planning = planning.elapsed();
@@ -487,6 +488,19 @@ impl StepExecutor for Engine {
             self.report(&planned, result, &mut outcome.seqs);
         }
         outcome.stats.total = start.elapsed();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let stats = &outcome.stats;
+        tracing::debug!(
+            seqs = stats.batch_seqs,
+            tokens = stats.batch_tokens,
+            kv_ms = ms(admitted),
+            plan_ms = ms(planning),
+            draft_ms = ms(stats.draft),
+            forward_ms = ms(stats.forward),
+            sample_ms = ms(stats.sample),
+            total_ms = ms(stats.total),
+            "step"
+        );
         outcome
     }
 }

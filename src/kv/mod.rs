@@ -181,6 +181,10 @@ fn next_pool_generation() -> u64 {
     POOL_GENERATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
+/// Contiguous runs of hidden rows [`KvCache::write_hidden_rows`] copies one
+/// by one; past it one scatter (with its index upload) is cheaper.
+const FEW_HIDDEN_RUNS: usize = 4;
+
 /// The hidden-state buffer of [`KvCache::store_hidden`].
 struct HiddenRows {
     width: usize,
@@ -273,44 +277,53 @@ impl KvCache {
         self.write_hidden_rows(&[(slot, at, 0..n)], hidden)
     }
 
-    /// Writes several slots' hidden states in one scatter (a forward pass's
-    /// rows: one launch, not one a sequence): each `(slot, at, rows)` takes
-    /// `hidden`'s rows `rows` as `slot`'s positions from `at`. Nothing is
-    /// written when any slot lacks the room.
+    /// Writes several slots' hidden states: each `(slot, at, rows)` takes
+    /// `hidden`'s rows `rows` as `slot`'s positions from `at`. A few
+    /// contiguous runs are copied one by one; more go in one scatter (a
+    /// forward pass of many sequences: one launch, not one a sequence).
+    /// Nothing is written when any slot lacks the room.
     pub fn write_hidden_rows(
         &mut self,
         writes: &[(SlotId, usize, Range<usize>)],
         hidden: &Tensor,
     ) -> Result<(), KvError> {
-        let mut source = Vec::new();
-        let mut dest = Vec::new();
+        // (destination row, source row, length) of each contiguous run.
+        let mut runs = Vec::new();
         for (slot, at, rows) in writes {
             for (row, from, len) in self.segments(*slot, *at, rows.len())? {
-                source.extend((rows.start + from..rows.start + from + len).map(|r| r as u32));
-                dest.extend((row..row + len).map(|r| r as u32));
+                runs.push((row, rows.start + from, len));
             }
         }
         if let Some(h @ HiddenRows { buffer: None, .. }) = self.hidden.as_mut() {
             h.buffer = Some(Tensor::zeros((self.rows, h.width), h.dtype, &self.device)?);
         }
         let buffer = self.hidden_buffer()?;
-        if dest.is_empty() {
+        let hidden = hidden.to_dtype(buffer.dtype())?;
+        if runs.len() <= FEW_HIDDEN_RUNS {
+            for (row, from, len) in runs {
+                buffer.slice_set(&hidden.narrow(0, from, len)?, 0, row)?;
+            }
             return Ok(());
+        }
+        let mut source = Vec::new();
+        let mut dest = Vec::new();
+        for (row, from, len) in runs {
+            source.extend((from..from + len).map(|r| r as u32));
+            dest.extend((row..row + len).map(|r| r as u32));
         }
         let whole = source.len() == hidden.dim(0)?
             && source.iter().enumerate().all(|(i, &r)| r as usize == i);
         let hidden = if whole {
-            hidden.clone()
+            hidden
         } else {
             hidden.index_select(&Tensor::new(source.as_slice(), hidden.device())?, 0)?
         };
-        let hidden = hidden.to_dtype(buffer.dtype())?.contiguous()?;
         let width = hidden.dim(1)?;
         let dest = Tensor::new(dest.as_slice(), &self.device)?
             .unsqueeze(1)?
             .expand((dest.len(), width))?
             .contiguous()?;
-        buffer.scatter_set(&dest, &hidden, 0)?;
+        buffer.scatter_set(&dest, &hidden.contiguous()?, 0)?;
         Ok(())
     }
 

@@ -171,7 +171,7 @@ fn hidden_rows_follow_the_table_survive_growth_and_are_shared_with_the_block() {
 }
 
 #[test]
-fn one_scatter_writes_every_slots_hidden_rows_or_none() {
+fn a_pass_writes_every_slots_hidden_rows_or_none() {
     let mut kv = KvCache::paged(layout(), Device::Cpu, 64, 4);
     kv.store_hidden(3, DType::F32);
     kv.register(1, vec![5, 2], 0).unwrap();
@@ -190,6 +190,18 @@ fn one_scatter_writes_every_slots_hidden_rows_or_none() {
         values(&kv.hidden(2, 3, 5).unwrap()),
         values(&hidden_rows(200, 2))
     );
+    // Many runs go in one scatter: six slots, one row each.
+    for slot in 10..16 {
+        kv.register(slot, vec![20 + slot], 0).unwrap();
+    }
+    let writes: Vec<_> = (10..16)
+        .map(|slot| (slot, 2, (slot - 10) as usize..(slot - 9) as usize))
+        .collect();
+    kv.write_hidden_rows(&writes, &hidden_rows(300, 6)).unwrap();
+    for slot in 10..16u32 {
+        let want = values(&hidden_rows(300 + (slot - 10) as usize, 1));
+        assert_eq!(values(&kv.hidden(slot, 2, 3).unwrap()), want, "slot {slot}");
+    }
     // Past slot 2's table: an error, and slot 1's rows stay as they were.
     let err = kv.write_hidden_rows(&[(1, 0, 0..2), (2, 7, 2..4)], &hidden_rows(0, 4));
     assert!(
