@@ -18,9 +18,14 @@
 //! verifies drafts: its K/V rows are written by a launch of their own
 //! before attention (a draft's query reads the keys of the rows before it),
 //! as the eager pass does. A plain decode shape is captured the first time
-//! it runs, a verifying one only the [`CAPTURE_VERIFY_AFTER`]th time: with
-//! many sequences the draft counts combine into many shapes, most of which
-//! never recur, and a capture costs about two eager passes. Everything a
+//! it runs, and so is a verifying one of at most [`FEW_SEQS`] sequences
+//! (their draft counts make few shapes); a verifying shape of more only
+//! on its [`CAPTURE_VERIFY_AFTER`]th run: there the draft counts combine
+//! into many shapes, most of which never recur, and a capture costs about
+//! two eager passes. Capturing at once where shapes recur also keeps the
+//! draft policy's cost of verification honest: it never sees a captured
+//! pass's cost (a one-off), and eager runs of a shape that will replay
+//! would teach it that verifying costs several plain passes. Everything a
 //! pass reads that changes from step to step lives in two device buffers
 //! owned by the graph and rewritten before each replay: the token ids and
 //! the attention plan's metadata (per query: its table, first and own
@@ -69,8 +74,11 @@ pub(super) const MAX_GRAPH_SPAN: usize = 9;
 /// Graphs kept at most; past it the cache starts over.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const MAX_GRAPHS: usize = 256;
-/// Runs of one verifying shape before it is captured (eager until then).
+/// Runs of one verifying shape of more than [`FEW_SEQS`] sequences before
+/// it is captured (eager until then).
 const CAPTURE_VERIFY_AFTER: u32 = 3;
+/// Sequences up to which a verifying shape is captured on its first run.
+const FEW_SEQS: usize = 4;
 /// The smallest key bound a graph is captured for (bounds are powers of two).
 const MIN_KEY_BOUND: usize = 256;
 
@@ -144,6 +152,9 @@ impl State {
     /// enough to capture.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn hot(&mut self, key: GraphKey) -> bool {
+        if key.seqs <= FEW_SEQS {
+            return true;
+        }
         if self.seen.len() >= 4 * MAX_GRAPHS {
             self.seen.clear();
         }
@@ -407,18 +418,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_verifying_shape_is_hot_on_its_third_run() {
+    fn a_verifying_shape_is_hot_at_once_for_few_sequences_else_on_its_third_run() {
         let graphs = DecodeGraphs::new(&Device::Cpu);
         let mut s = graphs.lock();
         let key = |rows| GraphKey {
             rows,
-            seqs: 16,
+            seqs: FEW_SEQS + 1,
             key_bound: 256,
             layers: 30,
         };
-        assert!(!key(16).verifies() && key(17).verifies());
+        assert!(!key(FEW_SEQS + 1).verifies() && key(FEW_SEQS + 2).verifies());
         let runs: Vec<bool> = (0..4).map(|_| s.hot(key(20))).collect();
         assert_eq!(runs, [false, false, true, false], "counted afresh once hot");
         assert!(!s.hot(key(21)), "each shape counts its own runs");
+        let few = GraphKey {
+            rows: 3,
+            seqs: 1,
+            ..key(0)
+        };
+        assert!(s.hot(few), "a lone stream's verification at once");
     }
 }
