@@ -456,51 +456,71 @@ impl StepExecutor for Engine {
             outcome.stats.batch_seqs = planned.len();
             let captures = self.model.cuda_graph_stats().captures;
             let result = self.run_pass(&mut planned, &mut outcome.stats);
-            // Decode steps only: a prompt chunk's tokens are far cheaper at
-            // the margin than a decode's, and would skew the slope the
-            // policy prices drafts with. A pass that captured a CUDA graph
-            // ran twice (eagerly, then under capture): a one-off, not what
-            // its shape costs.
             let captured = self.model.cuda_graph_stats().captures != captures;
-            if planned.iter().all(|p| p.tokens.len() == 1) {
-                let stats = &outcome.stats;
-                let pass = start.elapsed().saturating_sub(stats.draft);
-                let verifies = planned.iter().any(|p| !p.drafts.tokens.is_empty());
-                tracing::debug!(
-                    tokens = stats.batch_tokens,
-                    seqs = planned.len(),
-                    verifies,
-                    captured,
-                    pass_ms = pass.as_secs_f64() * 1e3,
-                    draft_ms = stats.draft.as_secs_f64() * 1e3,
-                    plan_ms = planning.as_secs_f64() * 1e3,
-                    forward_ms = stats.forward.as_secs_f64() * 1e3,
-                    sample_ms = stats.sample.as_secs_f64() * 1e3,
-                    "decode pass"
-                );
-                let cost = self.seqs.policy.cost_mut();
-                match (captured, verifies) {
-                    (true, _) => {}
-                    (false, true) => cost.record_verify(stats.batch_tokens, pass),
-                    (false, false) => cost.record_pass(stats.batch_tokens, pass),
-                }
-            }
+            let pass = start.elapsed().saturating_sub(outcome.stats.draft);
+            self.record_pass_cost(&planned, &outcome.stats, pass, captured);
             self.report(&planned, result, &mut outcome.seqs);
         }
         outcome.stats.total = start.elapsed();
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        let stats = &outcome.stats;
-        tracing::debug!(
-            seqs = stats.batch_seqs,
-            tokens = stats.batch_tokens,
-            kv_ms = ms(admitted),
-            plan_ms = ms(planning),
-            draft_ms = ms(stats.draft),
-            forward_ms = ms(stats.forward),
-            sample_ms = ms(stats.sample),
-            total_ms = ms(stats.total),
-            "step"
-        );
+        trace_step(&outcome.stats, admitted, planning);
         outcome
     }
+}
+
+impl Engine {
+    /// Gives a decode pass's time (`pass`: the step's, drafting aside) to
+    /// the draft policy's cost model, as a plain or a verifying pass, and
+    /// traces it. Decode steps only: a prompt chunk's tokens are far
+    /// cheaper at the margin than a decode's, and would skew the slope the
+    /// policy prices drafts with. A pass that `captured` a CUDA graph ran
+    /// twice (eagerly, then under capture): a one-off, not what its shape
+    /// costs.
+    fn record_pass_cost(
+        &mut self,
+        planned: &[Planned],
+        stats: &StepStats,
+        pass: Duration,
+        captured: bool,
+    ) {
+        if planned.iter().any(|p| p.tokens.len() != 1) {
+            return;
+        }
+        let verifies = planned.iter().any(|p| !p.drafts.tokens.is_empty());
+        tracing::debug!(
+            tokens = stats.batch_tokens,
+            seqs = planned.len(),
+            verifies,
+            captured,
+            pass_ms = ms(pass),
+            forward_ms = ms(stats.forward),
+            sample_ms = ms(stats.sample),
+            "decode pass"
+        );
+        let cost = self.seqs.policy.cost_mut();
+        match (captured, verifies) {
+            (true, _) => {}
+            (false, true) => cost.record_verify(stats.batch_tokens, pass),
+            (false, false) => cost.record_pass(stats.batch_tokens, pass),
+        }
+    }
+}
+
+/// Traces a step's phases (`admitted`: release and admission; `planning`:
+/// the plan phase, drafts granted).
+fn trace_step(stats: &StepStats, admitted: Duration, planning: Duration) {
+    tracing::debug!(
+        seqs = stats.batch_seqs,
+        tokens = stats.batch_tokens,
+        kv_ms = ms(admitted),
+        plan_ms = ms(planning),
+        draft_ms = ms(stats.draft),
+        forward_ms = ms(stats.forward),
+        sample_ms = ms(stats.sample),
+        total_ms = ms(stats.total),
+        "step"
+    );
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }
