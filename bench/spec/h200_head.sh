@@ -105,6 +105,11 @@ if [ "$PHASE" = trace ]; then
       --device cuda --dtype bf16 --model "$MODEL" --show-answers 0 "$@" 2>&1 \
       | tee >(gzip >"$OUT/trace-$n.log.gz") | python3 bench/spec/pass_trace.py
   }
+  if [ -n "${TRACE_ROW:-}" ]; then
+    # One row only, e.g. TRACE_ROW="--clients 256 --max-seqs 64".
+    trace $CHAT $TRACE_ROW --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat ${REPEAT:-1}
+    exit 0
+  fi
   trace $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat 1
   trace $CHAT --clients 16 --max-seqs 16 --prompt-lookup --mtp-compare --repeat 1
   trace $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --mtp-compare --repeat 1
