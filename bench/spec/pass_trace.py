@@ -21,10 +21,15 @@ def fields(line):
     return {k: v for k, v in FIELD.findall(line)}
 
 
-def report(label, passes, plans, steps):
-    if not passes and not plans:
-        return
-    print(f"{label}")
+def report(label, passes, plans, steps, lines):
+    if passes or plans:
+        print(f"{label}")
+        summarise(passes, plans, steps)
+    for line in lines:
+        print(line)
+
+
+def summarise(passes, plans, steps):
     if steps:
         total = {k: sum(float(p.get(k, 0)) for p in steps) for k in STEP_PARTS}
         rest = total["total_ms"] - sum(v for k, v in total.items() if k != "total_ms")
@@ -61,12 +66,12 @@ STEP_PARTS = ("kv_ms", "plan_ms", "draft_ms", "forward_ms", "sample_ms", "total_
 
 
 def main():
-    label, passes, plans, steps = "(before any run)", [], [], []
+    label, passes, plans, steps, lines = "(before any run)", [], [], [], []
     for line in sys.stdin:
         line = ANSI.sub("", line)
         if line.startswith("--- MTP"):
-            report(label, passes, plans, steps)
-            label, passes, plans, steps = line.strip(), [], [], []
+            report(label, passes, plans, steps, lines)
+            label, passes, plans, steps, lines = line.strip(), [], [], [], []
         elif "decode pass" in line and "verifies=" in line:
             passes.append(fields(line))
         elif " step " in line and "total_ms=" in line:
@@ -75,8 +80,8 @@ def main():
             # `pass_ms=[..]` lists hold commas but no spaces.
             plans.append(fields(line))
         elif "medians" in line or "on / off" in line or line.startswith("aggregate"):
-            print(line.rstrip())
-    report(label, passes, plans, steps)
+            lines.append(line.rstrip())
+    report(label, passes, plans, steps, lines)
 
 
 if __name__ == "__main__":
