@@ -347,9 +347,11 @@ impl Engine {
             .kv
             .write_hidden_rows(&writes, hidden)
             .map_err(|e| {
+                // `kv_err` names a slot only for an over-reservation, whose
+                // error carries it.
                 let slot = match e {
-                    KvError::OverReservation { slot, .. } | KvError::UnknownSlot(slot) => slot,
-                    _ => writes.first().map_or(0, |w| w.0),
+                    KvError::OverReservation { slot, .. } => slot,
+                    _ => SlotId::default(),
                 };
                 kv_err(slot, e)
             })

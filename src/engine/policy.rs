@@ -309,8 +309,8 @@ struct Costs {
     /// token); non-decreasing.
     pass: Vec<f64>,
     /// `verify[t]`: a pass of `t` tokens that verifies drafts,
-    /// non-decreasing and never below `pass[t]`; `None` while none is
-    /// measured (then `pass` stands in).
+    /// non-decreasing ([`Costs::verify_time`] keeps it above `pass`);
+    /// `None` while none is measured (then `pass` stands in).
     verify: Option<Vec<f64>>,
     /// Per token past `pass`'s end.
     slope: f64,
@@ -345,7 +345,7 @@ impl Costs {
         self.extended(&self.pass, t)
     }
 
-    /// `V(t)`.
+    /// `V(t)`, never below `F(t)`.
     fn verify_time(&self, t: usize) -> f64 {
         match &self.verify {
             Some(verify) => self.extended(verify, t).max(self.pass_time(t)),
@@ -398,10 +398,8 @@ impl CostModel {
             .unwrap_or((PRIOR_ROUND_SHARE * (f0 + f1), 0.0));
         let pass = self.forward.curve(f0, f1, max_tokens);
         let verify = self.verify.line.coefficients(|_| f1).map(|(v0, v1)| {
-            let curve = self
-                .verify
-                .curve(v0, v1.max(MIN_TOKEN_SHARE * f0), max_tokens);
-            curve.iter().zip(&pass).map(|(v, p)| v.max(*p)).collect()
+            self.verify
+                .curve(v0, v1.max(MIN_TOKEN_SHARE * f0), max_tokens)
         });
         Some(Costs {
             pass,
@@ -511,7 +509,7 @@ impl DraftPolicy {
         let decodes = slots.len();
         let cap = cap.min(MAX_DRAFT_TOKENS);
         let Some(costs) = self.cost.costs(base_tokens + decodes * cap) else {
-            return constant || (decodes == 1 && base_tokens == 1);
+            return constant || lone_decode(decodes, base_tokens);
         };
         let plain = costs.pass_time(base_tokens);
         let rate = decodes as f64 / plain;
@@ -537,7 +535,7 @@ impl DraftPolicy {
             None => (Costs::prior(), true),
         };
         let probing: Vec<bool> = options.iter().map(|o| o.probe_due).collect();
-        let lone = candidates.len() == 1 && base_tokens == 1;
+        let lone = lone_decode(candidates.len(), base_tokens);
         let mut reach: Vec<Vec<f64>> = options
             .iter()
             .zip(&probing)
@@ -694,6 +692,12 @@ impl Choice {
             reach: Vec::new(),
         }
     }
+}
+
+/// Whether a step is one decode and nothing else: the one shape that
+/// drafts on priors (see the module docs).
+fn lone_decode(decodes: usize, base_tokens: usize) -> bool {
+    decodes == 1 && base_tokens == 1
 }
 
 /// Leaves one draft to the candidate likeliest to land it, and none to
@@ -1091,6 +1095,16 @@ mod tests {
         (policy, slots)
     }
 
+    /// Verifying passes of `sizes` tokens, each `fixed_us` µs and 10 µs a
+    /// token.
+    fn verifying_passes(policy: &mut DraftPolicy, sizes: &[usize], fixed_us: u64) {
+        for &t in sizes {
+            policy
+                .cost_mut()
+                .record_verify(t, Duration::from_micros(fixed_us + 10 * t as u64));
+        }
+    }
+
     #[test]
     fn a_verifying_pass_that_runs_eagerly_prices_the_first_draft() {
         // Verifying passes run eagerly: 3 ms.
@@ -1102,11 +1116,7 @@ mod tests {
             1,
             "no verification measured: one draft measures it, {drafts:?}"
         );
-        for t in [17, 24, 40] {
-            policy
-                .cost_mut()
-                .record_verify(t, Duration::from_micros(3_000 + 10 * t as u64));
-        }
+        verifying_passes(&mut policy, &[17, 24, 40], 3_000);
         let grants = policy.assign(&slots, 16);
         assert!(grants.iter().all(|g| g.drafts == 0), "{grants:?}");
         // A perfect drafter on a lone stream still pays for the jump: seven
@@ -1123,11 +1133,7 @@ mod tests {
         // Verifying passes cost 0.3 ms more than plain ones: no one
         // sequence's draft pays for that, sixteen together do.
         let (mut policy, slots) = graph_like();
-        for t in [17, 24, 32] {
-            policy
-                .cost_mut()
-                .record_verify(t, Duration::from_micros(1_300 + 10 * t as u64));
-        }
+        verifying_passes(&mut policy, &[17, 24, 32], 1_300);
         let grants = policy.assign(&slots, 16);
         assert!(grants.iter().all(|g| g.drafts >= 1), "{grants:?}");
         // One draft at a time, from the plain step, none pays it.
@@ -1147,11 +1153,7 @@ mod tests {
             policy.worth_planning(&ids, 16, 6),
             "verification unmeasured"
         );
-        for t in [17, 24] {
-            policy
-                .cost_mut()
-                .record_verify(t, Duration::from_micros(1_000 + 10 * t as u64));
-        }
+        verifying_passes(&mut policy, &[17, 24], 1_000);
         assert!(
             policy.worth_planning(&ids, 16, 6),
             "verification as cheap as a pass"
@@ -1159,11 +1161,7 @@ mod tests {
         let mut policy = graph_like().0;
         // Verifying passes at 20 ms against plain ones of 1 ms: no run,
         // however perfect, pays.
-        for t in [17, 24, 32, 64, 112] {
-            policy
-                .cost_mut()
-                .record_verify(t, Duration::from_micros(20_000 + 10 * t as u64));
-        }
+        verifying_passes(&mut policy, &[17, 24, 32, 64, 112], 20_000);
         assert!(!policy.worth_planning(&ids, 16, 6));
         assert!(policy.assign(&slots, 16).iter().all(|g| g.drafts == 0));
         // A constant schedule drafts whatever it costs.
@@ -1171,11 +1169,7 @@ mod tests {
         assert!(policy.worth_planning(&[99], 1, 6));
         // Cheap verification: worth planning again.
         let (mut cheap, _) = graph_like();
-        for t in [17, 24, 32] {
-            cheap
-                .cost_mut()
-                .record_verify(t, Duration::from_micros(1_100 + 10 * t as u64));
-        }
+        verifying_passes(&mut cheap, &[17, 24, 32], 1_100);
         assert!(cheap.worth_planning(&ids, 16, 6));
         // Before any measurement only a lone decode plans.
         let fresh = DraftPolicy::new(true, None);
