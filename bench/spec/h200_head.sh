@@ -95,8 +95,9 @@ L=/tmp/bin/multi_client_load
 R=${REPEAT:-3}
 CHAT="--prompts bench/spec/chat_prompts.txt --max-tokens 96"
 if [ "$PHASE" = trace ]; then
-  # Where speculation's time goes at 16 and 64 streams: every decode pass
-  # traced (bench/spec/pass_trace.py), then the same rows with graphs off.
+  # Where speculation's time goes at 16 and 64 streams: every step and
+  # decode pass traced (bench/spec/pass_trace.py); with GRAPHS_OFF=1 the
+  # same rows again with CUDA graphs off.
   n=0
   trace() {
     echo "=== trace: $*"
