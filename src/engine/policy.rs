@@ -1056,18 +1056,24 @@ mod tests {
                 .cost_mut()
                 .record_pass(t, Duration::from_micros(1_000 + 1_000 * t as u64));
         }
-        let slots: Vec<Candidate> = (0..64).map(|s| candidate(s, 6)).collect();
-        for s in 0..64 {
-            policy.admit(s, drafting(DraftSchedule::Adaptive));
-            for _ in 0..10 {
-                policy.record(s, Drafter::Head, 2, 1); // 75 % acceptance
-            }
-        }
+        let slots = first_drafts_land(&mut policy, 64);
         let grants = policy.assign(&slots, 64);
         assert!(grants.iter().all(|g| g.drafts == 0), "{grants:?}");
         // One sequence alone on a latency-bound step drafts.
         let grants = policy.assign(&slots[..1], 1);
         assert!(grants[0].drafts > 0);
+    }
+
+    /// `n` adaptive sequences whose head drafts two, of which the first
+    /// lands and the second does not (75 % acceptance); their candidates.
+    fn first_drafts_land(policy: &mut DraftPolicy, n: SlotId) -> Vec<Candidate> {
+        for s in 0..n {
+            policy.admit(s, drafting(DraftSchedule::Adaptive));
+            for _ in 0..10 {
+                policy.record(s, Drafter::Head, 2, 1);
+            }
+        }
+        (0..n).map(|s| candidate(s, 6)).collect()
     }
 
     /// CUDA-like: a plain pass replays a graph (1 ms, nearly flat), a
@@ -1085,13 +1091,7 @@ mod tests {
                 .cost_mut()
                 .record_round(m, Duration::from_micros(20 + 2 * m as u64));
         }
-        let slots: Vec<Candidate> = (0..16).map(|s| candidate(s, 6)).collect();
-        for s in 0..16 {
-            policy.admit(s, drafting(DraftSchedule::Adaptive));
-            for _ in 0..10 {
-                policy.record(s, Drafter::Head, 2, 1);
-            }
-        }
+        let slots = first_drafts_land(&mut policy, 16);
         (policy, slots)
     }
 
