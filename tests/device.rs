@@ -630,6 +630,93 @@ fn decode_graph_replays_equal_eager_passes() {
     }
 }
 
+/// An MTP head's rounds replayed from CUDA graphs equal its eager rounds:
+/// the same drafts (each row's argmax, computed inside the graph) and the
+/// same logits bit for bit, over round 0's pending pairs (one to three a
+/// slot, read for the last) and later rounds of one pair a slot, for one
+/// and for three slots, while the slots' head KV grows and its speculative
+/// entries are rolled back. Without a GPU both heads run the eager path.
+#[test]
+fn mtp_head_round_replays_equal_eager_rounds() {
+    use tandem::model::MtpHead;
+    let Some(Stories { dir, .. }) = stories260k() else {
+        return;
+    };
+    let device = test_device();
+    let target = Model::from_dir(&dir, &options(&device, DType::F32)).unwrap();
+    let head = |graphs: bool| {
+        let h = MtpHead::random(&target, 7).unwrap();
+        h.set_cuda_graphs(graphs);
+        h
+    };
+    let (hidden_size, vocab) = (target.config().hidden_size, target.config().vocab_size);
+    let run = |head: &mut MtpHead| -> Vec<(Vec<u32>, Vec<f32>)> {
+        let mut out = Vec::new();
+        let mut record = |logits: tandem::model::DraftLogits, rows: usize| {
+            let best = logits.argmax(&(0..rows).collect::<Vec<_>>()).unwrap();
+            let all = logits.widened_all().unwrap();
+            out.push((best.clone(), all.flatten_all().unwrap().to_vec1().unwrap()));
+            best
+        };
+        for slot in 0..3 {
+            head.admit(slot, 256).unwrap();
+        }
+        for step in 0..8usize {
+            let slots = if step % 3 == 0 { 1 } else { 3 };
+            let mut batch = Batch::default();
+            for slot in 0..slots {
+                let pairs = 1 + (step + slot) % 3;
+                let start = head.len(slot as u32).unwrap();
+                let tokens: Vec<u32> = (0..pairs)
+                    .map(|j| ((start + j) * 7 + slot) as u32 % vocab as u32)
+                    .collect();
+                batch.push(slot as u32, start, &tokens, OutputRows::Last);
+            }
+            let rows = batch.tokens.len();
+            let values = (0..rows * hidden_size)
+                .map(|i| ((i * 31 + step) as f32 * 0.37).sin())
+                .collect();
+            let hidden = Tensor::from_vec(values, (rows, hidden_size), &device).unwrap();
+            let logits = head.step_logits(&target, &batch, Some(&hidden)).unwrap();
+            let kept: Vec<usize> = (0..slots).map(|s| head.len(s as u32).unwrap()).collect();
+            let mut drafts = record(logits, slots);
+            for _round in 1..4 {
+                let mut batch = Batch::default();
+                for (slot, &token) in drafts.iter().enumerate() {
+                    let at = head.len(slot as u32).unwrap();
+                    batch.push(slot as u32, at, &[token], OutputRows::Last);
+                }
+                let logits = head.step_logits(&target, &batch, None).unwrap();
+                drafts = record(logits, slots);
+            }
+            for (slot, &len) in kept.iter().enumerate() {
+                head.truncate(slot as u32, len).unwrap();
+            }
+        }
+        out
+    };
+    let (mut eager, mut graphed) = (head(false), head(true));
+    let want = run(&mut eager);
+    let got = run(&mut graphed);
+    assert_eq!(got.len(), want.len());
+    for (round, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.0, w.0, "drafts of round {round}");
+        assert!(g.1 == w.1, "logits of round {round} differ");
+    }
+    let stats = graphed.cuda_graph_stats();
+    assert_eq!(eager.cuda_graph_stats(), Default::default());
+    if device.is_cuda() && cfg!(feature = "cuda") {
+        eprintln!("head round graphs: {stats:?}");
+        assert!(stats.captures > 0 && stats.replays > 0, "{stats:?}");
+        assert!(
+            stats.verify_replays > 0,
+            "round 0's pending pairs: {stats:?}"
+        );
+    } else {
+        assert_eq!(stats, Default::default());
+    }
+}
+
 /// Half-precision weights on a GPU: the run completes and its greedy
 /// tokens mostly agree with f32 (reported, loosely bounded: rounding may
 /// flip near-ties). On the CPU there is no bf16 compute, so this checks

@@ -28,6 +28,14 @@ pub struct DraftInput {
     pub context: Option<HiddenContext>,
 }
 
+impl DraftInput {
+    /// Rows the input feeds a round: its token, after the pairs of its
+    /// hidden context.
+    pub fn rows(&self) -> usize {
+        1 + self.context.as_ref().map_or(0, |c| c.tokens.len())
+    }
+}
+
 /// Target hidden states `h_t` for positions `position - m .. position` and
 /// the tokens `x_{t+1}` that followed them (all but the last, which is the
 /// input's `token`).
@@ -77,6 +85,13 @@ pub trait DraftHead: Send {
         inputs: &[DraftInput],
     ) -> Result<DraftLogits, ModelError> {
         Ok(DraftLogits::full(self.draft(model, kv, inputs)?))
+    }
+
+    /// CUDA graphs the head has captured since load: a round that
+    /// captured one ran twice (eagerly, then under capture), a one-off the
+    /// draft policy does not take as a round's cost.
+    fn graph_captures(&self) -> u64 {
+        0
     }
 
     /// The step's draft rounds are over for `slot`, whose target KV holds
@@ -191,6 +206,10 @@ impl DraftHead for MtpDraft {
             Some(Tensor::cat(&hidden, 0)?)
         };
         self.head.step_logits(model, &batch, hidden.as_ref())
+    }
+
+    fn graph_captures(&self) -> u64 {
+        self.head.cuda_graph_stats().captures
     }
 
     fn end_rounds(&mut self, slot: SlotId, position: usize) -> Result<(), ModelError> {

@@ -8,9 +8,11 @@
 //! each member's draft from its row: plain greedy members by one argmax
 //! call over all of their rows (only ids leave the device), the others from
 //! the sampler's draft distribution with the keyed uniform of the position
-//! drafted (see [`super::spec`]). Each round's time goes to the policy's
-//! cost model. Afterwards every drafting slot's target KV length is back
-//! where it was, whatever happened.
+//! drafted (see [`super::spec`]). Each round's time and the rows it fed
+//! go to the policy's cost model, but for a round whose CUDA graph was
+//! captured (a one-off).
+//! Afterwards every drafting slot's target KV length is back where it was,
+//! whatever happened.
 
 use std::time::Instant;
 
@@ -67,13 +69,16 @@ fn run_round(
         .map(|&i| round_input(seqs, &planned[i], round))
         .collect::<Result<Vec<_>, _>>()?;
     let head = seqs.head.as_mut().expect("drafting needs a head");
+    let captures = head.graph_captures();
     let logits = head
         .draft_logits(model, &mut seqs.kv, &inputs)
         .map_err(model_err)?;
+    let captured = head.graph_captures() != captures;
     pick_drafts(seqs, planned, &members, round, &logits)?;
-    seqs.policy
-        .cost_mut()
-        .record_round(members.len(), start.elapsed());
+    if !captured {
+        let rows = inputs.iter().map(DraftInput::rows).sum();
+        seqs.policy.cost_mut().record_round(rows, start.elapsed());
+    }
     Ok(())
 }
 

@@ -15,9 +15,15 @@
 //! - **Cost**: the time of a decode step's pass (forward, sampling,
 //!   verification, update; steps with prompt chunks are left out, their
 //!   tokens are cheaper at the margin) as a function of its tokens `F(T)`,
-//!   and one draft round's time as a function of its members,
-//!   `R(M) = r0 + r1·M`, both measured online from the engine's own
-//!   steps. `F` is not a line: kernels change tiling with the row count
+//!   and one draft round's time as a function of the rows it feeds the
+//!   head, `R(M) = r0 + r1·M` (a member feeds one; in round 0 it feeds
+//!   the pairs the head has not consumed, a few in steady drafting but its
+//!   whole history when it resumes drafting: as a function of members,
+//!   those catch-up rounds taught the policy that every round costs
+//!   several, so it stopped drafting and caught up again at the next
+//!   probe; on the H200 a single stream then drafted in fits), both
+//!   measured online from the engine's own steps. The plan prices a
+//!   member's round at one row. `F` is not a line: kernels change tiling with the row count
 //!   (on a 2-core AVX-512 host an f32 pass of 1–4 rows costs 21–25 ms and
 //!   one of 5 rows 31 ms; BENCHMARKS.md, issue 18), so each pass size keeps
 //!   its own decayed mean time, as a departure from a decayed
@@ -371,8 +377,9 @@ impl CostModel {
         self.verify.add(tokens, time.as_secs_f64());
     }
 
-    pub fn record_round(&mut self, members: usize, time: Duration) {
-        self.round.add(members as f64, time.as_secs_f64());
+    /// A draft round that fed the head `rows` rows (pairs) in all.
+    pub fn record_round(&mut self, rows: usize, time: Duration) {
+        self.round.add(rows as f64, time.as_secs_f64());
     }
 
     /// The line `(f0, f1)` through every decode pass measured, its slope
@@ -394,7 +401,7 @@ impl CostModel {
         let (f0, f1) = self.pass_line()?;
         let (r0, r1) = self
             .round
-            .coefficients(|per_member| per_member / 4.0)
+            .coefficients(|per_row| per_row / 4.0)
             .unwrap_or((PRIOR_ROUND_SHARE * (f0 + f1), 0.0));
         let pass = self.forward.curve(f0, f1, max_tokens);
         let verify = self.verify.line.coefficients(|_| f1).map(|(v0, v1)| {
@@ -882,6 +889,32 @@ mod tests {
                 .cost_mut()
                 .record_round(m, Duration::from_micros(500 + 100 * m as u64));
         }
+    }
+
+    /// A lone stream's rounds on a GPU: one to three rows at about 170 µs,
+    /// and every twentieth round 0 a catch-up of 150 pending pairs (the
+    /// stream resumed drafting) at 3 ms. A round of one row is still
+    /// priced near 170 µs: the catch-ups teach the per-row cost.
+    #[test]
+    fn a_catch_up_round_prices_its_rows_not_every_round() {
+        let mut cost = CostModel::default();
+        cost.record_pass(1, Duration::from_micros(800));
+        for i in 0..60u64 {
+            if i % 20 == 19 {
+                cost.record_round(150, Duration::from_millis(3));
+            } else {
+                let rows = 1 + i % 3;
+                cost.record_round(rows as usize, Duration::from_micros(165 + 5 * rows));
+            }
+        }
+        let c = cost.costs(8).unwrap();
+        let one_row = c.r0 + c.r1;
+        assert!((one_row - 170e-6).abs() < 30e-6, "one row: {one_row:e} s");
+        assert!(
+            c.r0 + 150.0 * c.r1 > 2e-3,
+            "a catch-up: {:e} s",
+            c.r0 + 150.0 * c.r1
+        );
     }
 
     #[test]

@@ -29,7 +29,9 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 
 use super::batched_attention::BatchedAttention;
-use super::decode_graphs::{DecodeGraphs, GraphInputs, GraphKey, MAX_GRAPH_ROWS, MAX_GRAPH_SPAN};
+use super::decode_graphs::{
+    DecodeGraphs, GraphInputs, GraphKey, PassInputs, MAX_GRAPH_ROWS, MAX_GRAPH_SPAN,
+};
 use super::fused::Normed;
 use super::llama_weights::{ModelWeights, QScale};
 use super::pooled_attention::{PooledAttention, TableLayout};
@@ -51,14 +53,40 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// How a captured pass may read a sequence of several rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ShortSpans {
+    /// Every row (a decode token and the drafts it verifies). A target's
+    /// final prompt chunk (its last row read) stays eager: prompt lengths
+    /// vary too much for captures to pay.
+    EveryRow,
+    /// Every row or only the last (also a draft head's pending pairs,
+    /// whose counts are the few accepted-draft counts).
+    EveryOrLastRow,
+}
+
+/// A pass a CUDA graph may capture, and what it reads besides token ids.
+pub(super) struct GraphPass<'a> {
+    pub batch: &'a Batch,
+    pub spans: ShortSpans,
+    /// Input rows copied into the graph before a replay (see
+    /// [`GraphInputs::rows`]).
+    pub rows: Option<&'a Tensor>,
+    pub num_layers: usize,
+}
+
 /// Whether `batch` is a pass a CUDA graph may capture: each sequence
 /// decodes one token, or one token and the drafts it verifies (at most
-/// [`MAX_GRAPH_SPAN`] rows, every one wanted); prompt chunks are not.
-fn graph_shaped(batch: &Batch) -> bool {
+/// [`MAX_GRAPH_SPAN`] rows, read as `spans` allows); prompt chunks are not.
+fn graph_shaped(batch: &Batch, spans: ShortSpans) -> bool {
+    let short_output = |o: OutputRows| match spans {
+        ShortSpans::EveryRow => o == OutputRows::All,
+        ShortSpans::EveryOrLastRow => o != OutputRows::None,
+    };
     !batch.seqs.is_empty()
         && batch.seqs.iter().all(|s| match s.len {
             1 => s.output != OutputRows::None,
-            2..=MAX_GRAPH_SPAN => s.output == OutputRows::All,
+            2..=MAX_GRAPH_SPAN => short_output(s.output),
             _ => false,
         })
 }
@@ -238,8 +266,36 @@ impl CandleStep {
         kv: &mut KvCache,
         num_layers: usize,
     ) -> Result<Option<Tensor>, ModelError> {
+        let pass = GraphPass {
+            batch,
+            spans: ShortSpans::EveryRow,
+            rows: None,
+            num_layers,
+        };
+        let embed = |inputs: &PassInputs| Ok(weights.embed.index_select(&inputs.ids, 0)?);
+        let out = self.graph_pass(cfg, weights, kv, pass, embed, |h| Ok(vec![h]))?;
+        Ok(out.map(|mut o| o.swap_remove(0)))
+    }
+
+    /// `pass` through [`DecodeGraphs`] when it is graph-shaped (every
+    /// sequence at least one and at most [`MAX_GRAPH_SPAN`] rows, the rows
+    /// read as `pass.spans` allows; pooled attention, no sliding window,
+    /// not profiling): `prologue` makes the layers' input rows from the
+    /// device inputs, `epilogue` the outputs from the rows the batch asks
+    /// for. `None` for any other pass or with graphs off (the caller runs
+    /// it eagerly). Does not set the slots' KV lengths.
+    pub(super) fn graph_pass(
+        &self,
+        cfg: &ModelConfig,
+        weights: &ModelWeights,
+        kv: &mut KvCache,
+        pass: GraphPass<'_>,
+        prologue: impl Fn(&PassInputs) -> Result<Tensor, ModelError>,
+        epilogue: impl Fn(Tensor) -> Result<Vec<Tensor>, ModelError>,
+    ) -> Result<Option<Vec<Tensor>>, ModelError> {
+        let batch = pass.batch;
         let n = batch.tokens.len();
-        if !graph_shaped(batch)
+        if !graph_shaped(batch, pass.spans)
             || n > MAX_GRAPH_ROWS
             || cfg.sliding_window.is_some()
             || lock(&self.profile).is_some()
@@ -264,26 +320,34 @@ impl CandleStep {
         let Some(host) = PooledAttention::host_plan(batch, kv, cfg, layout)? else {
             return Ok(None);
         };
-        let layers = num_layers.min(weights.layers.len());
+        let layers = pass.num_layers.min(weights.layers.len());
+        let picks = batch.output_indices();
         let key = GraphKey {
             rows: n,
             seqs: batch.seqs.len(),
             key_bound,
             layers,
+            outputs: picks.len(),
         };
         let inputs = GraphInputs {
             ids: &batch.tokens,
             meta: &host.meta,
+            picks: if picks.len() == n { &[] } else { &picks },
+            rows: pass.rows,
         };
         let pool = kv.pool_generation();
-        self.graphs
-            .run(&self.device, key, pool, inputs, |ids, meta| {
-                let x = weights.embed.index_select(ids, 0)?;
-                let write_own = !key.verifies();
-                let pooled = PooledAttention::over(meta.clone(), kv, cfg, n, key_bound, write_own)?;
-                let plan = AttentionPlan::Pooled(pooled);
-                self.layers(cfg, weights, x, kv, layers, &plan)
+        self.graphs.run(&self.device, key, pool, inputs, |inputs| {
+            let x = prologue(inputs)?;
+            let write_own = !key.verifies();
+            let meta = inputs.meta.clone();
+            let pooled = PooledAttention::over(meta, kv, cfg, n, key_bound, write_own)?;
+            let plan = AttentionPlan::Pooled(pooled);
+            let x = self.layers(cfg, weights, x, kv, layers, &plan)?;
+            epilogue(match &inputs.picks {
+                Some(picks) => x.index_select(picks, 0)?,
+                None => x,
             })
+        })
     }
 
     /// The first `num_layers` layers over input rows `x` (`[n, hidden]`,
@@ -626,6 +690,7 @@ mod tests {
     #[test]
     fn decode_and_verification_passes_are_graph_shaped_prompt_chunks_are_not() {
         use OutputRows::{All, Last, None as Hidden};
+        let graph_shaped = |b: &Batch| graph_shaped(b, ShortSpans::EveryRow);
         assert!(graph_shaped(&batch(&[(1, Last), (1, Last)])), "decodes");
         assert!(
             graph_shaped(&batch(&[(1, Last), (4, All)])),
@@ -649,5 +714,18 @@ mod tests {
             !graph_shaped(&batch(&[(1, Last), (0, Last)])),
             "an empty span"
         );
+    }
+
+    #[test]
+    fn a_draft_heads_pending_pairs_are_graph_shaped_when_allowed() {
+        use OutputRows::{All, Last, None as Hidden};
+        let pending = batch(&[(1, Last), (4, Last)]);
+        assert!(graph_shaped(&pending, ShortSpans::EveryOrLastRow));
+        assert!(!graph_shaped(&pending, ShortSpans::EveryRow));
+        let allowed =
+            |spans: &[(usize, OutputRows)]| graph_shaped(&batch(spans), ShortSpans::EveryOrLastRow);
+        assert!(allowed(&[(3, All), (1, Last)]));
+        assert!(!allowed(&[(2, Hidden)]), "a span nobody reads");
+        assert!(!allowed(&[(MAX_GRAPH_SPAN + 1, Last)]), "a prompt chunk");
     }
 }

@@ -93,6 +93,9 @@ pub(super) struct GraphKey {
     /// Most keys any query may see (sizes the attention's shared memory).
     pub key_bound: usize,
     pub layers: usize,
+    /// Rows the pass returns: `rows`, or one a sequence when it picks
+    /// each span's last row ([`GraphInputs::picks`]).
+    pub outputs: usize,
 }
 
 impl GraphKey {
@@ -107,11 +110,24 @@ impl GraphKey {
     }
 }
 
-/// A decode pass's inputs as the host has them.
+/// A pass's inputs as the host has them, and the device rows it reads.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(super) struct GraphInputs<'a> {
     pub ids: &'a [u32],
     pub meta: &'a [u32],
+    /// The rows the pass returns, when not every row (empty: every row).
+    pub picks: &'a [u32],
+    /// Input rows the pass reads besides the token ids (an MTP head's
+    /// hidden states), copied into the graph's own buffer before a replay.
+    pub rows: Option<&'a Tensor>,
+}
+
+/// What a pass reads, on the device: the graph's buffers under capture.
+pub(super) struct PassInputs {
+    pub ids: Tensor,
+    pub meta: Tensor,
+    pub picks: Option<Tensor>,
+    pub rows: Option<Tensor>,
 }
 
 /// The captured graphs of one model (see the module docs).
@@ -205,21 +221,21 @@ impl DecodeGraphs {
         self.lock().stats
     }
 
-    /// The hidden rows of the pass `key` over `inputs` and the KV pool of
+    /// The outputs of the pass `key` over `inputs` and the KV pool of
     /// generation `pool`: a replay of its graph, or else `pass` run eagerly
-    /// and then captured. `pass` maps the device ids and metadata to the
-    /// layers' output; it must read nothing else that varies between
-    /// steps. Graphs over another pool are dropped. `None` when graphs are
-    /// off or the shape is not worth capturing yet (the caller runs the
-    /// pass itself).
+    /// and then captured. `pass` maps the device inputs to its outputs
+    /// (fresh tensors, copied out of the graph's buffers on a replay); it
+    /// must read nothing else that varies between steps. Graphs over
+    /// another pool are dropped. `None` when graphs are off or the shape is
+    /// not worth capturing yet (the caller runs the pass itself).
     pub fn run(
         &self,
         device: &Device,
         key: GraphKey,
         pool: u64,
         inputs: GraphInputs<'_>,
-        pass: impl FnMut(&Tensor, &Tensor) -> Result<Tensor, ModelError>,
-    ) -> Result<Option<Tensor>, ModelError> {
+        pass: impl FnMut(&PassInputs) -> Result<Vec<Tensor>, ModelError>,
+    ) -> Result<Option<Vec<Tensor>>, ModelError> {
         let mut s = self.lock();
         if !s.enabled {
             return Ok(None);
@@ -275,19 +291,18 @@ mod cuda {
     use candle_core::cuda_backend::cudarc::driver::CudaGraph;
     use candle_core::{CpuStorage, CudaStorage, Device, InplaceOp1, Layout, Tensor};
 
-    use super::GraphInputs;
+    use super::{GraphInputs, PassInputs};
     use crate::model::ModelError;
 
-    /// A graph with the buffers it reads and writes. All three are
-    /// ordinary allocations made before the capture: the graph frees every
+    /// A graph with the buffers it reads and writes. All are ordinary
+    /// allocations made before the capture: the graph frees every
     /// allocation it makes, so it owns no memory that outlives a replay
     /// (cudarc would otherwise free graph memory that a never-launched
     /// graph has not allocated).
     pub(super) struct Captured {
         graph: CudaGraph,
-        ids: Tensor,
-        meta: Tensor,
-        output: Tensor,
+        inputs: PassInputs,
+        outputs: Vec<Tensor>,
     }
 
     // SAFETY: the graph is only launched by the engine thread, under the
@@ -296,12 +311,30 @@ mod cuda {
     unsafe impl Send for Captured {}
 
     impl Captured {
-        pub(super) fn replay(&self, inputs: &GraphInputs<'_>) -> Result<Tensor, ModelError> {
-            self.ids.inplace_op1(&Upload(inputs.ids))?;
-            self.meta.inplace_op1(&Upload(inputs.meta))?;
+        pub(super) fn replay(&self, inputs: &GraphInputs<'_>) -> Result<Vec<Tensor>, ModelError> {
+            let own = &self.inputs;
+            own.ids.inplace_op1(&Upload(inputs.ids))?;
+            own.meta.inplace_op1(&Upload(inputs.meta))?;
+            if let Some(picks) = &own.picks {
+                picks.inplace_op1(&Upload(inputs.picks))?;
+            }
+            match (&own.rows, inputs.rows) {
+                (Some(buffer), Some(rows)) => buffer.slice_set(rows, 0, 0)?,
+                (None, None) => {}
+                _ => {
+                    return Err(driver(
+                        "graph replay",
+                        "input rows differ from the capture's",
+                    ))
+                }
+            }
             self.graph.launch().map_err(|e| driver("graph launch", e))?;
-            // The next replay overwrites the output in place: hand out a copy.
-            Ok(self.output.copy()?)
+            // The next replay overwrites the outputs in place: hand out copies.
+            Ok(self
+                .outputs
+                .iter()
+                .map(Tensor::copy)
+                .collect::<candle_core::Result<_>>()?)
         }
 
         /// (kernel nodes, all nodes) of the graph.
@@ -340,10 +373,18 @@ mod cuda {
     pub(super) fn capture(
         device: &Device,
         inputs: &GraphInputs<'_>,
-        mut pass: impl FnMut(&Tensor, &Tensor) -> Result<Tensor, ModelError>,
-    ) -> Result<(Tensor, Result<Captured, ModelError>), ModelError> {
-        let ids = Tensor::from_slice(inputs.ids, inputs.ids.len(), device)?;
-        let meta = Tensor::from_slice(inputs.meta, inputs.meta.len(), device)?;
+        mut pass: impl FnMut(&PassInputs) -> Result<Vec<Tensor>, ModelError>,
+    ) -> Result<(Vec<Tensor>, Result<Captured, ModelError>), ModelError> {
+        let words = |w: &[u32]| Tensor::from_slice(w, w.len(), device);
+        let own = PassInputs {
+            ids: words(inputs.ids)?,
+            meta: words(inputs.meta)?,
+            picks: match inputs.picks {
+                [] => None,
+                p => Some(words(p)?),
+            },
+            rows: inputs.rows.map(Tensor::copy).transpose()?,
+        };
         let Device::Cuda(cuda) = device else {
             return Err(ModelError::InvalidBatch(
                 "CUDA graphs need a CUDA device".into(),
@@ -352,9 +393,11 @@ mod cuda {
         // Small uploads inside the pass (candle's layout parameters) come
         // from a cache the eager run fills, so the capture uploads nothing.
         let _cache = cuda.enable_cuda_graph_htod_cache();
-        let out = pass(&ids, &meta)?;
-        let output = out.zeros_like()?;
-        output.slice_set(&out, 0, 0)?;
+        let out = pass(&own)?;
+        let outputs = out
+            .iter()
+            .map(Tensor::zeros_like)
+            .collect::<candle_core::Result<Vec<_>>>()?;
         device.synchronize()?;
         let stream = cuda.cuda_stream();
         let captured = (|| {
@@ -363,7 +406,12 @@ mod cuda {
                 .map_err(|e| driver("begin capture", e))?;
             // The capture always ends, so a failed pass leaves the stream
             // out of capture mode.
-            let written = pass(&ids, &meta).and_then(|o| Ok(output.slice_set(&o, 0, 0)?));
+            let written = pass(&own).and_then(|o| {
+                for (buffer, t) in outputs.iter().zip(&o) {
+                    buffer.slice_set(t, 0, 0)?;
+                }
+                Ok(())
+            });
             let graph = stream.end_capture(
                 CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
             );
@@ -374,9 +422,13 @@ mod cuda {
             graph.upload().map_err(|e| driver("graph upload", e))?;
             Ok(Captured {
                 graph,
-                ids: ids.clone(),
-                meta: meta.clone(),
-                output: output.clone(),
+                inputs: PassInputs {
+                    ids: own.ids.clone(),
+                    meta: own.meta.clone(),
+                    picks: own.picks.clone(),
+                    rows: own.rows.clone(),
+                },
+                outputs,
             })
         })();
         Ok((out, captured))
@@ -426,6 +478,7 @@ mod tests {
             seqs: FEW_SEQS + 1,
             key_bound: 256,
             layers: 30,
+            outputs: rows,
         };
         assert!(!key(FEW_SEQS + 1).verifies() && key(FEW_SEQS + 2).verifies());
         let runs: Vec<bool> = (0..4).map(|_| s.hot(key(20))).collect();

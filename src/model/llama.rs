@@ -34,8 +34,9 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 
-use super::candle_step::CandleStep;
+use super::candle_step::{CandleStep, GraphPass, ShortSpans};
 use super::decode_graphs::GraphStats;
+use super::decode_graphs::PassInputs;
 use super::kernels::qformat::ActivationQuant;
 use super::lean::Lean;
 use super::linear::WeightFormat;
@@ -291,7 +292,7 @@ impl Model {
     /// Token ids must index the embedding table. Requests are checked at
     /// the edge (`scheduler::validate`); this guards the model's own
     /// callers (tools, tests, draft heads) against an out-of-bounds lookup.
-    fn check_tokens(&self, ids: &[u32]) -> Result<(), ModelError> {
+    pub(super) fn check_tokens(&self, ids: &[u32]) -> Result<(), ModelError> {
         match ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
             Some(&bad) => Err(ModelError::InvalidBatch(format!(
                 "token id {bad} is outside the vocabulary of {}",
@@ -365,6 +366,48 @@ impl Model {
                 c.forward(cfg, w, batch, x, kv, layers)
             }
         }
+    }
+
+    /// A pass whose layer input and outputs the caller computes on the
+    /// device around the layers (an MTP head's round: its input projection
+    /// before, its unembedding and argmax after), captured in a CUDA graph
+    /// with them and replayed when the batch is graph-shaped (every span at
+    /// most nine rows, each read whole or for its last row; see
+    /// `decode_graphs`). `prologue` maps the graph's device inputs (token
+    /// ids, and `rows` copied into the graph's buffer) to the layers'
+    /// `[tokens, hidden]` input; `epilogue` maps the rows the batch asks
+    /// for to the outputs. `None` where no graph runs (the CPU, graphs off,
+    /// other shapes): the caller then runs the same ops eagerly. The token
+    /// ids are the caller's to check (they need not index this model's
+    /// vocabulary). Writes each sequence's K/V as a forward pass does.
+    pub(super) fn captured_pass(
+        &self,
+        batch: &Batch,
+        kv: &mut KvCache,
+        rows: Option<&Tensor>,
+        prologue: impl Fn(&PassInputs) -> Result<Tensor, ModelError>,
+        epilogue: impl Fn(Tensor) -> Result<Vec<Tensor>, ModelError>,
+    ) -> Result<Option<Vec<Tensor>>, ModelError> {
+        let Step::Candle(c) = &self.step else {
+            return Ok(None);
+        };
+        self.check_batch(batch, kv, self.cfg.num_layers)?;
+        for s in &batch.seqs {
+            kv.ensure_room(s.slot, s.len)?;
+        }
+        let pass = GraphPass {
+            batch,
+            spans: ShortSpans::EveryOrLastRow,
+            rows,
+            num_layers: self.cfg.num_layers,
+        };
+        let out = c.graph_pass(&self.cfg, &self.weights, kv, pass, prologue, epilogue)?;
+        if out.is_some() {
+            for s in &batch.seqs {
+                kv.set_len(s.slot, s.offset + s.len)?;
+            }
+        }
+        Ok(out)
     }
 
     fn check_batch(

@@ -44,6 +44,20 @@
 //! the target's projections are quantised, so a draft token costs a fixed
 //! share of a target step whatever the target's format.
 //!
+//! # Captured rounds (CUDA)
+//! A round is a handful of small launches (the input projection, one
+//! layer, the draft-vocabulary unembedding, an argmax) and on a GPU their
+//! host time is most of its cost: eagerly about 0.3-0.4 ms against a 0.7
+//! ms replayed SmolLM2 step on the H200 (BENCHMARKS.md, issue 18). So a
+//! round whose spans are graph-shaped (one pair a slot, or round 0's few
+//! pending pairs) runs as one CUDA graph of all of it, through the block's
+//! [`Model::captured_pass`]: token ids, attention metadata, the rows to
+//! read and the hidden rows go in; the projected hidden, the logits and
+//! every row's argmax come out, so a greedy draft reads back only its id.
+//! The graph runs the eager round's ops in order over the same inputs, so
+//! it computes what the eager round does. `TANDEM_HEAD_GRAPHS=0` keeps the
+//! rounds eager (`TANDEM_CUDA_GRAPHS=0` turns every graph off).
+//!
 //! # KV
 //! The block keeps its own one-layer KV cache per slot: entry `t` holds the
 //! block's keys/values for the pair `(h_t, x_{t+1})`, so it can be written only
@@ -157,6 +171,9 @@ pub struct DraftLogits {
     /// `[rows, N]`.
     logits: Tensor,
     vocab: Option<Arc<DraftVocab>>,
+    /// `[rows]` u32: every row's argmax (into the `N` columns), when the
+    /// round already computed it on the device (a captured round).
+    best: Option<Tensor>,
 }
 
 impl DraftLogits {
@@ -165,6 +182,7 @@ impl DraftLogits {
         Self {
             logits,
             vocab: None,
+            best: None,
         }
     }
 
@@ -176,14 +194,21 @@ impl DraftLogits {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
-        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let idx = Tensor::new(idx.as_slice(), self.logits.device())?;
-        let best: Vec<u32> = self
-            .logits
-            .index_select(&idx, 0)?
-            .to_dtype(DType::F32)?
-            .argmax(candle_core::D::Minus1)?
-            .to_vec1()?;
+        let best: Vec<u32> = match &self.best {
+            Some(all) => {
+                let all: Vec<u32> = all.to_vec1()?;
+                rows.iter().map(|&r| all[r]).collect()
+            }
+            None => {
+                let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+                let idx = Tensor::new(idx.as_slice(), self.logits.device())?;
+                self.logits
+                    .index_select(&idx, 0)?
+                    .to_dtype(DType::F32)?
+                    .argmax(candle_core::D::Minus1)?
+                    .to_vec1()?
+            }
+        };
         Ok(match &self.vocab {
             Some(v) => best.iter().map(|&i| v.host_ids[i as usize]).collect(),
             None => best,
@@ -215,6 +240,8 @@ impl DraftLogits {
 
 /// A loaded MTP head (see the module docs).
 pub struct MtpHead {
+    /// The target's token embedding (shared).
+    embed: Tensor,
     enorm: Tensor,
     hnorm: Tensor,
     eh_proj: Tensor,
@@ -278,7 +305,7 @@ impl MtpHead {
         let enorm = take("mtp.enorm.weight", &[h])?;
         let hnorm = take("mtp.hnorm.weight", &[h])?;
         let eh_proj = take("mtp.eh_proj.weight", &[h, 2 * h])?;
-        let (_, norm, lm_head) = target.shared_tensors()?;
+        let (embed, norm, lm_head) = target.shared_tensors()?;
         let mut block_weights = HashMap::new();
         for (name, shape) in mtp_tensor_shapes(cfg).into_iter().skip(3) {
             let t = take(&name, &shape)?;
@@ -323,10 +350,15 @@ impl MtpHead {
                 ..LoadOptions::default()
             },
         )?;
+        // An A/B knob for the captured rounds (see the module docs).
+        if std::env::var("TANDEM_HEAD_GRAPHS").is_ok_and(|v| v == "0") {
+            block.set_cuda_graphs(false);
+        }
         // One layer of KV per slot; the capacity bound is generous because the
         // engine's own pool already limits how many tokens slots can hold.
         let kv = KvCache::new(block.kv_layout(), device, usize::MAX / 2);
         Ok(Self {
+            embed,
             enorm,
             hnorm,
             eh_proj,
@@ -336,6 +368,17 @@ impl MtpHead {
             projected: HashMap::new(),
             draft_vocab,
         })
+    }
+
+    /// Turns the CUDA graphs of the head's rounds on or off (see
+    /// [`step_logits`](Self::step_logits)).
+    pub fn set_cuda_graphs(&self, on: bool) {
+        self.block.set_cuda_graphs(on);
+    }
+
+    /// What the graphs of the head's rounds have done since load.
+    pub fn cuda_graph_stats(&self) -> super::GraphStats {
+        self.block.cuda_graph_stats()
     }
 
     /// The draft vocabulary's size, `None` for the full vocabulary.
@@ -391,7 +434,8 @@ impl MtpHead {
     /// `None` to use each slot's last projected hidden (one pair per slot).
     /// Returns the logits of each span's last pair (over the draft vocabulary
     /// when the head has one) and stores its projected hidden for the next
-    /// round.
+    /// round. On a GPU the round replays a CUDA graph where it can (see the
+    /// module docs).
     pub fn step_logits(
         &mut self,
         target: &Model,
@@ -416,26 +460,68 @@ impl MtpHead {
                 Tensor::cat(&rows, 0)?
             }
         };
-        let emb = target.token_embeddings(&batch.tokens)?;
-        let x = Tensor::cat(
-            &[
-                candle_nn::ops::rms_norm(&emb.contiguous()?, &self.enorm, self.eps)?,
-                candle_nn::ops::rms_norm(
-                    &hidden.to_dtype(emb.dtype())?.contiguous()?,
-                    &self.hnorm,
-                    self.eps,
-                )?,
-            ],
-            1,
+        target.check_tokens(&batch.tokens)?;
+        let hidden = hidden.to_dtype(self.embed.dtype())?.contiguous()?;
+        let (embed, enorm, hnorm, eps) = (&self.embed, &self.enorm, &self.hnorm, self.eps);
+        let eh_proj = &self.eh_proj;
+        let project = |ids: &Tensor, hidden: &Tensor| -> Result<Tensor, ModelError> {
+            let emb = embed.index_select(ids, 0)?.contiguous()?;
+            let x = Tensor::cat(
+                &[
+                    candle_nn::ops::rms_norm(&emb, enorm, eps)?,
+                    candle_nn::ops::rms_norm(hidden, hnorm, eps)?,
+                ],
+                1,
+            )?;
+            Ok(x.matmul(&eh_proj.t()?)?)
+        };
+        let block = &self.block;
+        // A captured round also takes every row's argmax on the device, so
+        // a greedy draft reads back only its id.
+        let unembed = |out: Tensor| -> Result<Vec<Tensor>, ModelError> {
+            let logits = block.unembed(&out)?;
+            let best = logits.argmax(candle_core::D::Minus1)?;
+            Ok(vec![out, logits, best])
+        };
+        let captured = self.block.captured_pass(
+            batch,
+            &mut self.kv,
+            Some(&hidden),
+            |inputs| match &inputs.rows {
+                Some(rows) => project(&inputs.ids, rows),
+                None => Err(ModelError::InvalidBatch(
+                    "a head round without hidden rows".into(),
+                )),
+            },
+            unembed,
         )?;
-        let u = x.matmul(&self.eh_proj.t()?)?;
-        let out = self.block.forward_embeddings(batch, u, &mut self.kv)?; // [slots, H] (Last rows)
+        let (out, logits, best) = match captured {
+            Some(mut outputs) if outputs.len() == 3 => {
+                let best = outputs.pop();
+                let logits = outputs.pop().expect("three outputs");
+                (outputs.pop().expect("three outputs"), logits, best)
+            }
+            Some(outputs) => {
+                return Err(ModelError::InvalidBatch(format!(
+                    "a captured head round returned {} outputs, not 3",
+                    outputs.len()
+                )))
+            }
+            None => {
+                let ids = Tensor::new(batch.tokens.as_slice(), target.device())?;
+                let u = project(&ids, &hidden)?;
+                let out = self.block.forward_embeddings(batch, u, &mut self.kv)?; // [slots, H] (Last rows)
+                let logits = self.block.unembed(&out)?;
+                (out, logits, None)
+            }
+        };
         for (i, s) in batch.seqs.iter().enumerate() {
             self.projected.insert(s.slot, out.narrow(0, i, 1)?);
         }
         Ok(DraftLogits {
-            logits: self.block.unembed(&out)?,
+            logits,
             vocab: self.draft_vocab.clone(),
+            best,
         })
     }
 }
@@ -463,4 +549,38 @@ pub fn random_tensors(cfg: &ModelConfig, seed: u64) -> Result<HashMap<String, Te
         out.insert(name, t);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A captured round hands over every row's argmax; the drafts read from
+    /// it are the ones computed from the logits, mapped through the draft
+    /// vocabulary alike.
+    #[test]
+    fn a_rounds_precomputed_argmax_gives_the_computed_drafts() {
+        let device = Device::Cpu;
+        let ids = [5u32, 7, 9];
+        let vocab = Arc::new(DraftVocab {
+            ids: Tensor::new(&ids, &device).unwrap(),
+            host_ids: ids.to_vec(),
+            vocab: 10,
+        });
+        let logits = Tensor::new(&[[0.1f32, 2.0, -1.0], [3.0, 0.5, 4.0]], &device).unwrap();
+        let computed = DraftLogits {
+            logits: logits.clone(),
+            vocab: Some(vocab.clone()),
+            best: None,
+        };
+        let given = DraftLogits {
+            best: Some(logits.argmax(candle_core::D::Minus1).unwrap()),
+            ..computed.clone()
+        };
+        for rows in [vec![0, 1], vec![1], vec![]] {
+            let want = computed.argmax(&rows).unwrap();
+            assert_eq!(given.argmax(&rows).unwrap(), want, "rows {rows:?}");
+        }
+        assert_eq!(computed.argmax(&[0, 1]).unwrap(), [7, 9]);
+    }
 }
