@@ -19,10 +19,10 @@
 //! before attention (a draft's query reads the keys of the rows before it),
 //! as the eager pass does. A plain decode shape is captured the first time
 //! it runs, and so is a verifying one of at most [`FEW_SEQS`] sequences
-//! or [`FEW_DRAFTS`] drafts (they make few shapes); any other verifying
-//! shape only on its [`CAPTURE_VERIFY_AFTER`]th run: there the draft
-//! counts combine into many shapes, most of which never recur, and a
-//! capture costs about two eager passes. Capturing at once where shapes recur also keeps the
+//! (their draft counts make few shapes); a verifying shape of more only
+//! on its [`CAPTURE_VERIFY_AFTER`]th run: there the draft counts combine
+//! into many shapes, most of which never recur, and a capture costs about
+//! two eager passes. Capturing at once where shapes recur also keeps the
 //! draft policy's cost of verification honest: it never sees a captured
 //! pass's cost (a one-off), and eager runs of a shape that will replay
 //! would teach it that verifying costs several plain passes. Everything a
@@ -79,13 +79,6 @@ const MAX_GRAPHS: usize = 256;
 const CAPTURE_VERIFY_AFTER: u32 = 3;
 /// Sequences up to which a verifying shape is captured on its first run.
 const FEW_SEQS: usize = 4;
-/// Drafts up to which a verifying shape of any batch is captured on its
-/// first run: one or two drafts in a batch make few shapes, and the draft
-/// policy measures verification with a single draft, whose eager pass
-/// (10-15 ms at 16 streams on the H200, against a 1.2 ms replay) would
-/// both cost a short run several percent and teach it that verifying is
-/// dear.
-const FEW_DRAFTS: usize = 2;
 /// The smallest key bound a graph is captured for (bounds are powers of two).
 const MIN_KEY_BOUND: usize = 256;
 
@@ -175,7 +168,7 @@ impl State {
     /// enough to capture.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn hot(&mut self, key: GraphKey) -> bool {
-        if key.seqs <= FEW_SEQS || key.rows - key.seqs <= FEW_DRAFTS {
+        if key.seqs <= FEW_SEQS {
             return true;
         }
         if self.seen.len() >= 4 * MAX_GRAPHS {
@@ -477,7 +470,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_verifying_shape_is_hot_at_once_for_few_sequences_or_drafts_else_on_its_third_run() {
+    fn a_verifying_shape_is_hot_at_once_for_few_sequences_else_on_its_third_run() {
         let graphs = DecodeGraphs::new(&Device::Cpu);
         let mut s = graphs.lock();
         let key = |rows| GraphKey {
@@ -488,8 +481,6 @@ mod tests {
             outputs: rows,
         };
         assert!(!key(FEW_SEQS + 1).verifies() && key(FEW_SEQS + 2).verifies());
-        let few_drafts = key(FEW_SEQS + 1 + FEW_DRAFTS);
-        assert!(s.hot(few_drafts), "a batch's measuring draft at once");
         let runs: Vec<bool> = (0..4).map(|_| s.hot(key(20))).collect();
         assert_eq!(runs, [false, false, true, false], "counted afresh once hot");
         assert!(!s.hot(key(21)), "each shape counts its own runs");
