@@ -24,7 +24,9 @@
 # SKIP_TRAIN=1 and only multi_client_load.gz in $BIN). With
 # $BIN/device-tests.gz (`cargo test --release --features cuda --test
 # device --no-run`) and stories260k in $BIN/shared/models, the bench runs
-# the GPU tests first. REPEAT sets each row's alternating runs (3).
+# the GPU tests first. REPEAT sets each row's alternating runs (3);
+# ROWS=head runs only the head A/B at the end (HEAD_GRAPHS_AB=1 runs it
+# after the other rows).
 # PHASE=trace (after the stage calls) traces every decode pass of the 16-
 # and 64-stream rows instead (bench/spec/pass_trace.py); GRAPHS_OFF=1
 # reruns them with CUDA graphs off.
@@ -79,7 +81,13 @@ if [ "$PHASE" = train ] || [ "$PHASE" = all ]; then
     --out '$HEAD' --steps $STEPS --batch 32 --seq-len 256 --train-seqs $TRAIN_SEQS \
     --heldout-seqs 64 --temperature 0.8 --draft-vocab 8192 --eval-every 250 \
     --checkpoint-every 250 --draft-positions 6 --seed 0; } </dev/null >/tmp/train.log 2>&1; echo \$? >/tmp/train.rc" </dev/null >/dev/null 2>&1 &
-  [ "$PHASE" = train ] && { wait_training "$WAIT"; exit 0; }
+  if [ "$PHASE" = train ]; then
+    wait_training "$WAIT"
+    # Save the head now: the bench call may come after the machine is gone.
+    [ -f /tmp/train.rc ] && gzip -c "$HEAD/mtp.safetensors" >"$OUT/mtp.safetensors.gz" \
+      && cp "$HEAD"/mtp_training.json /tmp/train.log "$OUT/" 2>/dev/null
+    exit 0
+  fi
 fi
 
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
@@ -132,15 +140,31 @@ if [ -x /tmp/bin/device-tests ]; then
 fi
 
 run() { echo "=== $*"; timeout 150 "$L" --device cuda --dtype bf16 --model "$MODEL" --show-answers 0 "$@" 2>&1 | grep -E 'MTP|medians|aggregate|engine time|ceiling' ; }
-run $CHAT --clients 16 --max-seqs 1 --mtp "head:$HEAD" --mtp-compare --repeat $R
-run $CHAT --clients 16 --max-seqs 1 --mtp early-exit:1 --mtp-compare --repeat $R
-run $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --mtp-compare --repeat $R
-run --prompts bench/spec/edit_prompts.txt --clients 8 --max-seqs 1 --max-tokens 96 --prompt-lookup --mtp-compare --repeat $R
-run --prompts bench/spec/edit_prompts.txt --clients 8 --max-seqs 1 --max-tokens 96 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
-run $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
-run $CHAT --clients 64 --max-seqs 64 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
-# Longer runs (eight and four waves): one-time costs (graph captures, a
-# first eager verification) weigh less than in 0.2 s runs.
-run $CHAT --clients 128 --max-seqs 16 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
-run $CHAT --clients 256 --max-seqs 64 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+if [ "${ROWS:-all}" = all ]; then
+  run $CHAT --clients 16 --max-seqs 1 --mtp "head:$HEAD" --mtp-compare --repeat $R
+  run $CHAT --clients 16 --max-seqs 1 --mtp early-exit:1 --mtp-compare --repeat $R
+  run $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --mtp-compare --repeat $R
+  run --prompts bench/spec/edit_prompts.txt --clients 8 --max-seqs 1 --max-tokens 96 --prompt-lookup --mtp-compare --repeat $R
+  run --prompts bench/spec/edit_prompts.txt --clients 8 --max-seqs 1 --max-tokens 96 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+  run $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+  run $CHAT --clients 64 --max-seqs 64 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+  # Longer runs (eight and four waves): one-time costs (graph captures, a
+  # first eager verification) weigh less than in 0.2 s runs.
+  run $CHAT --clients 128 --max-seqs 16 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+  run $CHAT --clients 256 --max-seqs 64 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+fi
+# HEAD_GRAPHS_AB=1: the head rows again with the head's rounds captured
+# (TANDEM_HEAD_GRAPHS=1) and eager (0), alternating, two rounds.
+if [ "${HEAD_GRAPHS_AB:-0}" = 1 ] || [ "${ROWS:-all}" = head ]; then
+  for round in 1 2; do
+    for g in 1 0; do
+      export TANDEM_HEAD_GRAPHS=$g
+      echo "=== head graphs $g, round $round"
+      run $CHAT --clients 16 --max-seqs 1 --mtp "head:$HEAD" --mtp-compare --repeat $R
+      run --prompts bench/spec/edit_prompts.txt --clients 8 --max-seqs 1 --max-tokens 96 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+      run $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --mtp-compare --repeat $R
+    done
+  done
+  unset TANDEM_HEAD_GRAPHS
+fi
 echo "=== done"
