@@ -23,7 +23,9 @@
 //!   several, so it stopped drafting and caught up again at the next
 //!   probe; on the H200 a single stream then drafted in fits), both
 //!   measured online from the engine's own steps. The plan prices a
-//!   member's round at one row. `F` is not a line: kernels change tiling with the row count
+//!   member's round 0 at the pairs it has pending (a sequence resuming
+//!   after a long pause pays its catch-up to draft) and later rounds at
+//!   one row. `F` is not a line: kernels change tiling with the row count
 //!   (on a 2-core AVX-512 host an f32 pass of 1–4 rows costs 21–25 ms and
 //!   one of 5 rows 31 ms; BENCHMARKS.md, issue 18), so each pass size keeps
 //!   its own decayed mean time, as a departure from a decayed
@@ -427,6 +429,9 @@ pub(crate) struct Candidate {
     pub cap: usize,
     /// What prompt lookup proposes (empty: nothing, or no lookup).
     pub lookup: Proposal,
+    /// Rows the head's round 0 feeds if this sequence drafts from it: the
+    /// pairs the head has not consumed (its whole history after a pause).
+    pub head_rows: usize,
 }
 
 /// The policy's decision for one candidate.
@@ -648,6 +653,7 @@ impl DraftPolicy {
             constant,
             probe_due: s.idle >= s.backoff,
             reach,
+            head_rows: c.head_rows,
         }
     }
 
@@ -675,7 +681,7 @@ impl DraftPolicy {
             } else if drafts[i] > 0 {
                 s.idle = 0;
                 s.backoff = MIN_BACKOFF;
-            } else if plan.would_pay(options[i].drafter, PROBE_ACCEPTANCE) {
+            } else if plan.would_pay(&options[i], PROBE_ACCEPTANCE) {
                 s.idle += 1;
             }
         }
@@ -693,6 +699,8 @@ struct Choice {
     /// `reach[j]`: chance that drafts `0..=j` are accepted; its length is
     /// the most drafts this candidate may take.
     reach: Vec<f64>,
+    /// [`Candidate::head_rows`].
+    head_rows: usize,
 }
 
 impl Choice {
@@ -703,6 +711,7 @@ impl Choice {
             constant: None,
             probe_due: false,
             reach: Vec::new(),
+            head_rows: 1,
         }
     }
 }
@@ -814,14 +823,15 @@ impl StepModel {
         tokens / time
     }
 
-    /// The time of head round `r` for one more member (its fixed part
-    /// when the member opens it); nothing for prompt lookup.
-    fn round_time(&self, drafter: Drafter, r: usize) -> f64 {
-        match drafter {
+    /// The time of head round `r` for one more member `o` (its rows, and
+    /// the fixed part when it opens the round); nothing for prompt lookup.
+    fn round_time(&self, o: &Choice, r: usize) -> f64 {
+        match o.drafter {
             Drafter::Lookup(_) => 0.0,
             Drafter::Head => {
+                let rows = if r == 0 { o.head_rows.max(1) } else { 1 };
                 let opens = self.round_members[r] == 0;
-                self.costs.r1 + if opens { self.costs.r0 } else { 0.0 }
+                self.costs.r1 * rows as f64 + if opens { self.costs.r0 } else { 0.0 }
             }
         }
     }
@@ -841,15 +851,16 @@ impl StepModel {
         pass.max(self.costs.floor * added as f64)
     }
 
-    /// Time added by drafts `from..to` of one sequence using `drafter`.
-    fn added_time(&self, drafter: Drafter, from: usize, to: usize) -> f64 {
-        let rounds: f64 = (from..to).map(|r| self.round_time(drafter, r)).sum();
+    /// Time added by drafts `from..to` of one sequence `o`.
+    fn added_time(&self, o: &Choice, from: usize, to: usize) -> f64 {
+        let rounds: f64 = (from..to).map(|r| self.round_time(o, r)).sum();
         rounds + self.pass_added(self.pass_now(), to - from)
     }
 
-    /// Whether one draft accepted with probability `p` raises the rate.
-    fn would_pay(&self, drafter: Drafter, p: f64) -> bool {
-        let dt = self.added_time(drafter, 0, 1);
+    /// Whether one draft of `o` accepted with probability `p` raises the
+    /// rate.
+    fn would_pay(&self, o: &Choice, p: f64) -> bool {
+        let dt = self.added_time(o, 0, 1);
         dt > 0.0 && p / dt > MARGIN * self.rate()
     }
 
@@ -863,7 +874,7 @@ impl StepModel {
                 let (mut gain, mut rounds) = (0.0, 0.0);
                 for to in from + 1..=r.len() {
                     gain += r[to - 1];
-                    rounds += self.round_time(options[i].drafter, to - 1);
+                    rounds += self.round_time(&options[i], to - 1);
                     let dt = rounds + self.pass_added(now, to - from);
                     let rate = gain / dt.max(1e-12);
                     if best.is_none_or(|b| rate > b.0) {
@@ -912,6 +923,7 @@ mod tests {
             slot,
             cap,
             lookup: Proposal::default(),
+            head_rows: 1,
         }
     }
 
@@ -922,6 +934,7 @@ mod tests {
             slot,
             cap: 6,
             lookup: Proposal { order, tokens },
+            head_rows: 1,
         }
     }
 
@@ -966,6 +979,26 @@ mod tests {
             "a catch-up: {:e} s",
             c.r0 + 150.0 * c.r1
         );
+    }
+
+    /// A lone stream whose drafts pay when the head is current does not
+    /// draft when its round 0 must first feed the head 300 pending pairs
+    /// (0.1 ms a row on CPU-like costs: 30 ms against an 11 ms step).
+    #[test]
+    fn a_catch_up_is_priced_into_the_first_draft() {
+        let mut policy = DraftPolicy::new(true, None);
+        measured(&mut policy);
+        policy.admit(0, drafting(DraftSchedule::Adaptive));
+        for _ in 0..20 {
+            policy.record(0, Drafter::Head, 4, 3);
+        }
+        let current = policy.assign(&[candidate(0, 6)], 1);
+        assert!(current[0].drafts > 0, "{current:?}");
+        let behind = Candidate {
+            head_rows: 300,
+            ..candidate(0, 6)
+        };
+        assert_eq!(policy.assign(&[behind], 1)[0].drafts, 0);
     }
 
     /// The bound that decides whether a plan is worth filling is one: no

@@ -157,10 +157,15 @@ pub(crate) fn grant_drafts(seqs: &mut Sequences, planned: &mut [Planned]) {
                 (Some(l), Some(seq)) => l.propose(&seq.history(), p.draft_cap),
                 _ => Default::default(),
             };
+            let head_rows = match seqs.get(p.slot) {
+                Some(seq) if seqs.head_needs_hidden() => p.offset.saturating_sub(seq.hidden_from),
+                _ => 1,
+            };
             Candidate {
                 slot: p.slot,
                 cap: p.draft_cap,
                 lookup: proposal,
+                head_rows,
             }
         })
         .collect();
