@@ -35,8 +35,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, IndexOp, Tensor};
 
 use super::candle_step::{CandleStep, GraphPass, ShortSpans};
-use super::decode_graphs::GraphStats;
-use super::decode_graphs::PassInputs;
+use super::decode_graphs::{GraphStats, PassInputs};
 use super::kernels::qformat::ActivationQuant;
 use super::lean::Lean;
 use super::linear::WeightFormat;
