@@ -123,6 +123,7 @@ pub(super) struct GraphInputs<'a> {
 }
 
 /// What a pass reads, on the device: the graph's buffers under capture.
+#[derive(Clone)]
 pub(super) struct PassInputs {
     pub ids: Tensor,
     pub meta: Tensor,
@@ -422,12 +423,7 @@ mod cuda {
             graph.upload().map_err(|e| driver("graph upload", e))?;
             Ok(Captured {
                 graph,
-                inputs: PassInputs {
-                    ids: own.ids.clone(),
-                    meta: own.meta.clone(),
-                    picks: own.picks.clone(),
-                    rows: own.rows.clone(),
-                },
+                inputs: own.clone(),
                 outputs,
             })
         })();
