@@ -10,9 +10,8 @@
 //! the sampler's draft distribution with the keyed uniform of the position
 //! drafted (see [`super::spec`]). Each round's time and the rows it fed
 //! go to the policy's cost model, but for a round whose CUDA graph was
-//! captured (a one-off).
-//! Afterwards every drafting slot's target KV length is back where it was,
-//! whatever happened.
+//! captured (a one-off). Afterwards every drafting slot's target KV length
+//! is back where it was, whatever happened.
 
 use std::time::Instant;
 

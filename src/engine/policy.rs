@@ -986,17 +986,12 @@ mod tests {
     /// (0.1 ms a row on CPU-like costs: 30 ms against an 11 ms step).
     #[test]
     fn a_catch_up_is_priced_into_the_first_draft() {
-        let mut policy = DraftPolicy::new(true, None);
-        measured(&mut policy);
-        policy.admit(0, drafting(DraftSchedule::Adaptive));
-        for _ in 0..20 {
-            policy.record(0, Drafter::Head, 4, 3);
-        }
-        let current = policy.assign(&[candidate(0, 6)], 1);
+        let mut policy = one_sequence(Drafter::Head, 4, 3);
+        let current = policy.assign(&[candidate(1, 6)], 1);
         assert!(current[0].drafts > 0, "{current:?}");
         let behind = Candidate {
             head_rows: 300,
-            ..candidate(0, 6)
+            ..candidate(1, 6)
         };
         assert_eq!(policy.assign(&[behind], 1)[0].drafts, 0);
     }
@@ -1382,12 +1377,7 @@ mod tests {
 
     #[test]
     fn a_useless_drafter_probes_with_a_doubling_back_off() {
-        let mut policy = DraftPolicy::new(true, None);
-        measured(&mut policy);
-        policy.admit(1, drafting(DraftSchedule::Adaptive));
-        for _ in 0..20 {
-            policy.record(1, Drafter::Head, 2, 0);
-        }
+        let mut policy = one_sequence(Drafter::Head, 2, 0);
         let mut probes = Vec::new();
         for step in 0..200 {
             let g = policy.assign(&[candidate(1, 6)], 1);
@@ -1403,9 +1393,9 @@ mod tests {
     }
 
     /// A measured policy with only `drafter`'s kind, in which sequence 1
-    /// had it verify `drafted` drafts twenty times, accepting `accepted`,
-    /// and left; then sequence 2 arrives.
-    fn after_one_sequence(drafter: Drafter, drafted: usize, accepted: usize) -> DraftPolicy {
+    /// (adaptive) had it verify `drafted` drafts twenty times, accepting
+    /// `accepted`.
+    fn one_sequence(drafter: Drafter, drafted: usize, accepted: usize) -> DraftPolicy {
         let lookup = matches!(drafter, Drafter::Lookup(_));
         let mut policy = DraftPolicy::new(!lookup, lookup.then(PromptLookup::default));
         measured(&mut policy);
@@ -1413,6 +1403,13 @@ mod tests {
         for _ in 0..20 {
             policy.record(1, drafter, drafted, accepted);
         }
+        policy
+    }
+
+    /// [`one_sequence`], after which sequence 1 left and sequence 2
+    /// arrived.
+    fn after_one_sequence(drafter: Drafter, drafted: usize, accepted: usize) -> DraftPolicy {
+        let mut policy = one_sequence(drafter, drafted, accepted);
         policy.release(1);
         policy.admit(2, drafting(DraftSchedule::Adaptive));
         policy
