@@ -153,11 +153,12 @@ pub(crate) fn grant_drafts(seqs: &mut Sequences, planned: &mut [Planned]) {
         .iter()
         .map(|&i| {
             let p = &planned[i];
-            let proposal = match (lookup, seqs.get(p.slot)) {
+            let seq = seqs.get(p.slot);
+            let proposal = match (lookup, seq) {
                 (Some(l), Some(seq)) => l.propose(&seq.history(), p.draft_cap),
                 _ => Default::default(),
             };
-            let head_rows = match seqs.get(p.slot) {
+            let head_rows = match seq {
                 Some(seq) if seqs.head_needs_hidden() => p.offset.saturating_sub(seq.hidden_from),
                 _ => 1,
             };
