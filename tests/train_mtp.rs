@@ -11,7 +11,7 @@ use tandem::sampler::{argmax, SamplingOptions};
 use tandem::tiny::{tiny_model_cpu, TinyPreset};
 use tandem::train::data::Features;
 use tandem::train::prompts::random_token_prompts;
-use tandem::train::{PromptSet, TrainConfig, TrainError, Trainer};
+use tandem::train::{evaluate_head, PromptSet, TrainConfig, TrainError, Trainer};
 
 fn target() -> Model {
     tiny_model_cpu(TinyPreset::Test).unwrap().0
@@ -92,7 +92,8 @@ fn acceptance_one_by_one(
 #[test]
 fn training_lowers_heldout_loss_and_raises_agreement() {
     let model = target();
-    let mut trainer = Trainer::new(&model, config(150), &prompts(&model, &config(150))).unwrap();
+    let prompt_set = prompts(&model, &config(150));
+    let mut trainer = Trainer::new(&model, config(150), &prompt_set).unwrap();
     let before = trainer.evaluate().unwrap();
     let dir = out_dir("learn");
     let report = trainer.run(&dir, |_, _, _| {}).unwrap();
@@ -131,6 +132,18 @@ fn training_lowers_heldout_loss_and_raises_agreement() {
         acceptance_one_by_one(&model, &mut alone, trainer.heldout(), k),
         "batched acceptance equals sequence-by-sequence drafting"
     );
+    // `tandem eval-mtp`'s measurement of the saved head on the held-out
+    // prompts is the report's.
+    let (evaluated, scored) = evaluate_head(
+        &model,
+        &mut MtpHead::from_dir(&model, &dir).unwrap(),
+        &prompt_set.heldout,
+        config(150).seq_len,
+        k,
+    )
+    .unwrap();
+    assert_eq!(evaluated, report.acceptance);
+    assert_eq!(scored, trainer.heldout().scored_labels().unwrap().len());
 
     // The saved head loads through the MTP loader and keeps greedy exact.
     let head = MtpHead::from_dir(&model, &dir).unwrap();
@@ -398,4 +411,44 @@ fn builtin_prompts_are_rendered_through_the_chat_template() {
         );
         assert!(text.contains(t.as_str()));
     }
+}
+
+/// The Magpie recipe on SmolLM2: continued from its chat template's user
+/// cue, the model writes distinct requests, closed where its turn ends,
+/// and the same ones again for the same seed.
+#[cfg(feature = "server")]
+#[test]
+fn smollm2_writes_distinct_requests_of_its_own() {
+    use tandem::train::prompts::self_prompts;
+    let Some((gguf, _)) = support::reference::smollm2() else {
+        return;
+    };
+    let model = Model::from_gguf(&gguf, &Default::default()).unwrap();
+    let tokenizer = tandem::tokenizer::Tokenizer::from_gguf_path(&gguf).unwrap();
+    let requests = self_prompts(&model, &tokenizer, 4, 11).unwrap();
+    eprintln!("{requests:#?}");
+    assert_eq!(requests.len(), 4);
+    for r in &requests {
+        assert_eq!(r.trim(), r, "trimmed");
+        assert!(!r.is_empty());
+        assert!(
+            !r.contains("<|im_end|>") && !r.contains("<|im_start|>"),
+            "{r:?}"
+        );
+        // Closed within the budget: it renders to a prompt of at most the
+        // cue, the budget and the turn's close.
+        let ids = tandem::train::prompts::render_chat(&tokenizer, std::slice::from_ref(r)).unwrap();
+        assert!(
+            ids[0].len() < 64 + tandem::train::prompts::SELF_PROMPT_TOKENS,
+            "{r:?}"
+        );
+    }
+    let distinct: std::collections::HashSet<_> = requests.iter().collect();
+    assert_eq!(distinct.len(), 4, "distinct");
+    assert_eq!(
+        self_prompts(&model, &tokenizer, 4, 11).unwrap(),
+        requests,
+        "seeded"
+    );
+    assert_ne!(self_prompts(&model, &tokenizer, 4, 12).unwrap(), requests);
 }

@@ -27,6 +27,10 @@
 # the GPU tests first. REPEAT sets each row's alternating runs (3);
 # ROWS=head runs only the head A/B at the end (HEAD_GRAPHS_AB=1 runs it
 # after the other rows).
+# TRAIN_ARGS adds train-mtp options (session 27: `--self-prompts 4096
+# --heldout-prompts bench/spec/chat_prompts.txt --heldout-seqs 16`); the
+# train phase then also runs `tandem eval-mtp` on the chat and edit prompts
+# with the new head and, when .devdata/head brought one, the old head.
 # PHASE=trace (after the stage calls) traces every decode pass of the 16-
 # and 64-stream rows instead (bench/spec/pass_trace.py); GRAPHS_OFF=1
 # reruns them with CUDA graphs off.
@@ -48,7 +52,10 @@ exec > >(tee -a "$OUT/run.log") 2>&1
 if [ "$PHASE" = stage ]; then
   cp .devdata/*/part.* /tmp/smollm2/ 2>/dev/null
   if [ -f .devdata/head/mtp.safetensors.gz ]; then
-    mkdir -p "$HEAD" && gunzip -c .devdata/head/mtp.safetensors.gz >"$HEAD/mtp.safetensors"
+    # Kept as /tmp/old-head too: a train phase replaces $HEAD.
+    for d in "$HEAD" /tmp/old-head; do
+      mkdir -p "$d" && gunzip -c .devdata/head/mtp.safetensors.gz >"$d/mtp.safetensors"
+    done
   fi
   ls -l /tmp/smollm2 "$HEAD" 2>/dev/null; nvidia-smi -L
   exit
@@ -79,13 +86,21 @@ if [ "$PHASE" = train ] || [ "$PHASE" = all ]; then
   rm -f /tmp/train.rc
   setsid bash -c "{ time /tmp/bin/tandem train-mtp --device cuda --model '$MODEL' \
     --out '$HEAD' --steps $STEPS --batch 32 --seq-len 256 --train-seqs $TRAIN_SEQS \
-    --heldout-seqs 64 --temperature 0.8 --draft-vocab 8192 --eval-every 250 \
-    --checkpoint-every 250 --draft-positions 6 --seed 0; } </dev/null >/tmp/train.log 2>&1; echo \$? >/tmp/train.rc" </dev/null >/dev/null 2>&1 &
+    --heldout-seqs ${HELDOUT_SEQS:-64} --temperature 0.8 --draft-vocab 8192 --eval-every 250 \
+    --checkpoint-every 250 --draft-positions 6 --seed 0 ${TRAIN_ARGS:-}; } </dev/null >/tmp/train.log 2>&1; echo \$? >/tmp/train.rc" </dev/null >/dev/null 2>&1 &
   if [ "$PHASE" = train ]; then
     wait_training "$WAIT"
     # Save the head now: the bench call may come after the machine is gone.
     [ -f /tmp/train.rc ] && gzip -c "$HEAD/mtp.safetensors" >"$OUT/mtp.safetensors.gz" \
       && cp "$HEAD"/mtp_training.json /tmp/train.log "$OUT/" 2>/dev/null
+    for head in "$HEAD" /tmp/old-head; do
+      [ -f "$head/mtp.safetensors" ] || continue
+      for p in chat edit; do
+        echo "=== eval-mtp $head on ${p}_prompts.txt"
+        /tmp/bin/tandem eval-mtp --device cuda --model "$MODEL" --head "$head" \
+          --prompts bench/spec/${p}_prompts.txt --seq-len 256 2>&1 | grep -v INFO
+      done
+    done
     exit 0
   fi
 fi

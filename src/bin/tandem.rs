@@ -51,6 +51,30 @@ enum Command {
     Generate(GenerateArgs),
     /// Train a self-distilled MTP draft head for a model (use it with `--mtp head:DIR`).
     TrainMtp(TrainArgs),
+    /// Measure an MTP head's greedy draft acceptance on your own prompts (the model's greedy answers to them).
+    EvalMtp(EvalArgs),
+}
+
+#[derive(Args, Debug)]
+struct EvalArgs {
+    /// Hugging Face model folder or GGUF file (weights dequantised to f32).
+    #[arg(long, value_name = "DIR|FILE.gguf")]
+    model: PathBuf,
+    /// The head's folder (mtp.safetensors, as `train-mtp --out` wrote it).
+    #[arg(long, value_name = "DIR")]
+    head: PathBuf,
+    /// Prompts, one per line (`\n` for a newline), each rendered as a user turn through the model's chat template.
+    #[arg(long, value_name = "FILE")]
+    prompts: PathBuf,
+    /// Tokens per answered sequence, the chat prompt included.
+    #[arg(long, default_value_t = 256)]
+    seq_len: usize,
+    /// Draft positions to report.
+    #[arg(long, default_value_t = 6)]
+    draft_positions: usize,
+    /// Where the model and the head run: cpu, cuda or metal.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 #[derive(Args, Debug)]
@@ -76,6 +100,12 @@ struct TrainArgs {
     /// Prompts to answer, one per line (`\n` for a newline), each rendered as a user turn through the model's chat template. Without it, the built-in set (questions, explanations, instructions, code, lists, summaries). The embedded models answer random token prompts instead.
     #[arg(long, value_name = "FILE")]
     prompts: Option<PathBuf>,
+    /// Answer N requests the model writes itself (continued from its chat template's user cue, the Magpie recipe), shuffled in with the other prompts (with the built-in set, N of the --train-seqs + --heldout-seqs prompts): requests as varied as the model's own chat data, beyond the built-in set's templates.
+    #[arg(long, default_value_t = 0)]
+    self_prompts: usize,
+    /// Held-out prompts from this file (one per line; --heldout-seqs sequences cycle through them) instead of the last of the training prompts, e.g. requests like those the head will serve.
+    #[arg(long, value_name = "FILE")]
+    heldout_prompts: Option<PathBuf>,
     /// Unembed the head over the N most frequent training labels only (stored with the head as `mtp.draft_vocab`); 0 = the full vocabulary.
     #[arg(long, default_value_t = 0)]
     draft_vocab: usize,
@@ -242,6 +272,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => system.block_on(serve(args)),
         Command::Generate(args) => system.block_on(generate(args)),
         Command::TrainMtp(args) => train_mtp(args),
+        Command::EvalMtp(args) => eval_mtp(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -461,6 +492,93 @@ async fn generate(args: GenerateArgs) -> Result<(), BoxError> {
     }
 }
 
+/// The prompt set of `train-mtp`: the file's or the built-in prompts, the
+/// model's own requests shuffled in, and the held-out file's (or the last
+/// `--heldout-seqs` of them) held out. Random token prompts for the
+/// embedded models.
+fn train_prompts(
+    args: &TrainArgs,
+    model: &tandem::model::Model,
+    tokenizer: Option<&tandem::tokenizer::Tokenizer>,
+) -> Result<tandem::train::PromptSet, BoxError> {
+    use tandem::train::prompts;
+    let wanted = args.train_seqs + args.heldout_seqs;
+    let Some(tok) = tokenizer else {
+        if args.prompts.is_some() || args.heldout_prompts.is_some() || args.self_prompts > 0 {
+            return Err("--prompts, --heldout-prompts and --self-prompts need --model (the embedded models answer random token prompts)".into());
+        }
+        let all = prompts::random_token_prompts(model.config(), wanted, args.seed);
+        return Ok(tandem::train::PromptSet::split(all, args.heldout_seqs)?);
+    };
+    let mut texts = match &args.prompts {
+        Some(path) => prompts::read_file(path)?,
+        None => prompts::builtin(wanted.saturating_sub(args.self_prompts).max(1)),
+    };
+    if args.self_prompts > 0 {
+        let start = std::time::Instant::now();
+        let own = prompts::self_prompts(model, tok, args.self_prompts, args.seed)?;
+        eprintln!(
+            "the model wrote {} requests of its own in {:.1} s, e.g. {:?}",
+            own.len(),
+            start.elapsed().as_secs_f64(),
+            own.first().map(String::as_str).unwrap_or_default()
+        );
+        texts.extend(own);
+        texts = prompts::shuffled(texts, args.seed);
+    }
+    let texts = prompts::render_chat(tok, &texts)?;
+    Ok(match &args.heldout_prompts {
+        Some(path) => tandem::train::PromptSet {
+            train: texts,
+            heldout: prompts::render_chat(tok, &prompts::read_file(path)?)?,
+        },
+        None => tandem::train::PromptSet::split(texts, args.heldout_seqs)?,
+    })
+}
+
+/// `tandem eval-mtp`: a saved head's acceptance on a prompt file.
+fn eval_mtp(args: EvalArgs) -> Result<(), BoxError> {
+    let options = tandem::model::LoadOptions {
+        device: args.device.parse::<DeviceKind>()?.open()?,
+        ..Default::default()
+    };
+    let (model, tokenizer) = if tandem::gguf::is_gguf_path(&args.model) {
+        (
+            tandem::model::Model::from_gguf(&args.model, &options)?,
+            tandem::tokenizer::Tokenizer::from_gguf_path(&args.model)?,
+        )
+    } else {
+        (
+            tandem::model::Model::from_dir(&args.model, &options)?,
+            tandem::tokenizer::Tokenizer::from_dir(&args.model)?,
+        )
+    };
+    let mut head = tandem::model::MtpHead::from_dir(&model, &args.head)?;
+    let texts = tandem::train::prompts::read_file(&args.prompts)?;
+    let prompts = tandem::train::prompts::render_chat(&tokenizer, &texts)?;
+    let (acceptance, scored) = tandem::train::evaluate_head(
+        &model,
+        &mut head,
+        &prompts,
+        args.seq_len,
+        args.draft_positions,
+    )?;
+    println!(
+        "{}: {} prompts, {scored} answer positions scored",
+        args.head.display(),
+        prompts.len()
+    );
+    let tokens = tandem::train::tokens_per_step(&acceptance);
+    for (i, (a, t)) in acceptance.iter().zip(&tokens).enumerate() {
+        println!(
+            "draft position {}: acceptance {a:.3} (draft length {}: {t:.2} tokens per step)",
+            i + 1,
+            i + 1
+        );
+    }
+    Ok(())
+}
+
 /// `tandem train-mtp`: trains (or resumes) a head with a progress bar.
 fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
     if args.draft_layers != 1 {
@@ -498,25 +616,7 @@ fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
             )
         }
     };
-    let wanted = args.train_seqs + args.heldout_seqs;
-    let prompts = match (&tokenizer, &args.prompts) {
-        (None, Some(_)) => {
-            return Err(
-                "--prompts needs --model (the embedded models answer random token prompts)".into(),
-            )
-        }
-        (None, None) => {
-            tandem::train::prompts::random_token_prompts(model.config(), wanted, args.seed)
-        }
-        (Some(tok), file) => {
-            let texts = match file {
-                Some(path) => tandem::train::prompts::read_file(path)?,
-                None => tandem::train::prompts::builtin(wanted),
-            };
-            tandem::train::prompts::render_chat(tok, &texts)?
-        }
-    };
-    let prompts = tandem::train::PromptSet::split(prompts, args.heldout_seqs)?;
+    let prompts = train_prompts(&args, &model, tokenizer.as_ref())?;
     let config = tandem::train::TrainConfig {
         steps: args.steps,
         batch: args.batch,

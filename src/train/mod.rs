@@ -564,9 +564,7 @@ impl<'a> Trainer<'a> {
         }
         self.save_checkpoint(out)?;
         let acceptance = self.acceptance()?;
-        let tokens_per_step = (1..=acceptance.len())
-            .map(|k| 1.0 + acceptance[..k].iter().sum::<f64>())
-            .collect();
+        let tokens_per_step = tokens_per_step(&acceptance);
         let report = TrainReport {
             config: self.config.clone(),
             losses: self.losses.clone(),
@@ -579,6 +577,35 @@ impl<'a> Trainer<'a> {
         self.save_head(out, &report)?;
         Ok(report)
     }
+}
+
+/// Expected tokens a verification emits at draft lengths `1..=k`, from the
+/// acceptance by position (drafts `1..=i` all accepted): one from the
+/// target plus every accepted draft.
+pub fn tokens_per_step(acceptance: &[f64]) -> Vec<f64> {
+    (1..=acceptance.len())
+        .map(|k| 1.0 + acceptance[..k].iter().sum::<f64>())
+        .collect()
+}
+
+/// A head's greedy acceptance at draft positions `1..=k` on the target's
+/// greedy answers to `prompts` (one sequence each, up to `seq_len` tokens
+/// with the prompt): what `train-mtp` reports for its held-out prompts,
+/// for any prompts and any saved head. Returns the acceptance and the
+/// positions scored.
+pub fn evaluate_head(
+    target: &Model,
+    head: &mut MtpHead,
+    prompts: &[Vec<u32>],
+    seq_len: usize,
+    k: usize,
+) -> Result<(Vec<f64>, usize), TrainError> {
+    let answers = data::generate(target, prompts, prompts.len(), seq_len, None, 0)?;
+    let scored = answers.scored_labels()?.len();
+    Ok((
+        data::acceptance_by_position(target, head, &answers, k)?,
+        scored,
+    ))
 }
 
 /// The rate of step `step` (0-based) of `steps`: a linear warm-up over the

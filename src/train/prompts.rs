@@ -9,6 +9,13 @@
 //! The built-in set is deterministic (its order is a fixed ChaCha8 shuffle
 //! of raw `u64` draws, not a version-dependent sampling routine).
 //!
+//! A chat model can also write requests itself ([`self_prompts`], the
+//! Magpie recipe): continued from its chat template's text up to a user
+//! message, it writes the kind of requests its own chat data held. The
+//! built-in set is a few dozen request templates, so a head trained on it
+//! alone learns their phrasings and drafts worse on other requests than
+//! its held-out figure (the held-out prompts share the templates) says.
+//!
 //! Models without a tokenizer worth speaking to (the embedded random-weight
 //! models of the tests) use [`random_token_prompts`] instead: a few random
 //! ids after BOS.
@@ -229,6 +236,13 @@ pub fn builtin(n: usize) -> Vec<String> {
     (0..n).map(|i| all[i % all.len()].clone()).collect()
 }
 
+/// `items` in an order fixed by `seed` (the prompt sources mixed, so the
+/// first `--train-seqs` of them draw from each).
+pub fn shuffled<T>(mut items: Vec<T>, seed: u64) -> Vec<T> {
+    shuffle(&mut items, seed);
+    items
+}
+
 /// Fisher–Yates over raw ChaCha8 draws (stable across `rand` versions).
 fn shuffle<T>(items: &mut [T], seed: u64) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -282,6 +296,78 @@ pub fn render_chat(
                 .map_err(|e| TrainError::Prompt(format!("encoding {p:?}: {e}")))
         })
         .collect()
+}
+
+/// Longest request [`self_prompts`] lets the target write, in tokens.
+pub const SELF_PROMPT_TOKENS: usize = 96;
+
+/// Requests a round of [`self_prompts`] asks the target for at most.
+const SELF_PROMPT_ROUND: usize = 256;
+
+/// `n` distinct user requests the target writes itself: the chat template
+/// rendered up to a user message's content, continued at temperature 1
+/// until the target closes the turn (an EOS, or the text the template puts
+/// after a message's content). A request that is not closed within
+/// [`SELF_PROMPT_TOKENS`], is blank, or repeats a kept one is dropped;
+/// rounds go on until `n` are kept, and fail after `4n` tries. The result
+/// depends only on the target and `seed`.
+#[cfg(feature = "server")]
+pub fn self_prompts(
+    target: &crate::model::Model,
+    tokenizer: &crate::tokenizer::Tokenizer,
+    n: usize,
+    seed: u64,
+) -> Result<Vec<String>, TrainError> {
+    use crate::server::{ChatMessage, ChatTemplate};
+    const MARK: &str = "\u{1}";
+    let template =
+        ChatTemplate::from_tokenizer(tokenizer).map_err(|e| TrainError::Prompt(format!("{e}")))?;
+    let text = template
+        .render(&[ChatMessage::text("user", MARK.into())], true)
+        .map_err(|e| TrainError::Prompt(format!("rendering the user cue: {e:?}")))?;
+    let (cue, after) = text
+        .split_once(MARK)
+        .ok_or_else(|| TrainError::Prompt("the chat template drops the user's message".into()))?;
+    let close = after.lines().map(str::trim).find(|l| !l.is_empty());
+    let cue = tokenizer
+        .encode(cue)
+        .map_err(|e| TrainError::Prompt(format!("encoding the user cue: {e}")))?;
+    let seq_len = cue.len() + SELF_PROMPT_TOKENS;
+    let mut kept = Vec::with_capacity(n);
+    let mut seen = std::collections::HashSet::new();
+    let mut tried = 0;
+    for round in 0u64.. {
+        if kept.len() >= n {
+            break;
+        }
+        if tried >= 4 * n {
+            return Err(TrainError::Prompt(format!(
+                "the model closed {} distinct requests of {tried} it was asked to write ({n} wanted)",
+                kept.len()
+            )));
+        }
+        let ask = (2 * (n - kept.len())).min(SELF_PROMPT_ROUND);
+        tried += ask;
+        let seed = seed ^ round.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let written = super::data::generate(target, &[cue.clone()], ask, seq_len, Some(1.0), seed)?;
+        for (ids, &len) in written.sequences.iter().zip(&written.lens) {
+            let raw = tokenizer
+                .inner()
+                .decode(&ids[cue.len()..len], false)
+                .map_err(|e| TrainError::Prompt(format!("decoding a request: {e}")))?;
+            let closed = match close.and_then(|c| raw.find(c)) {
+                Some(end) => Some(&raw[..end]),
+                None => (len < seq_len).then_some(raw.as_str()),
+            };
+            let Some(request) = closed.map(str::trim).filter(|r| !r.is_empty()) else {
+                continue;
+            };
+            if kept.len() < n && seen.insert(request.to_string()) {
+                kept.push(request.to_string());
+            }
+        }
+    }
+    Ok(kept)
 }
 
 /// `n` prompts of BOS (when the model has one) and 1–4 random ids, avoiding
