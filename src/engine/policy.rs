@@ -66,7 +66,10 @@
 //! - **Probing**: a sequence that does not draft because of its acceptance
 //!   (it would with a good one) probes again, with one draft, after a
 //!   back-off that doubles with every probe that does not pay, so a useless
-//!   drafter costs a vanishing share of the steps.
+//!   drafter costs a vanishing share of the steps. Meanwhile its own record
+//!   fades into the pooled prior at every such step: a hard stretch of
+//!   text passes, and a record revised only by probes kept sequences off
+//!   drafts that pay again.
 //!
 //! `Constant` sequences draft exactly their `initial_draft` (tests and
 //! experiments), capped by the plan. No request's tokens depend on any of
@@ -98,6 +101,13 @@ const PRIOR_WEIGHT: f64 = 0.5;
 const PROBE_ACCEPTANCE: f64 = 0.9;
 /// Weight kept by old observations at each new one.
 const FORGET: f64 = 0.95;
+/// Weight a sequence's own record keeps at each step it skips drafting
+/// while a good draft would pay: its record fades into the pooled prior.
+/// A hard stretch of text (a list, a name) passes, and a record revised
+/// only by single-draft probes at doubling intervals kept a lone CPU
+/// stream drafting in 35–55 % of its steps, at 1.06–1.10× where drafting
+/// every step ran 1.17× (BENCHMARKS.md, issue 18, session 27).
+const IDLE_KEEP: f64 = 0.8;
 const MIN_BACKOFF: usize = 8;
 const MAX_BACKOFF: usize = 512;
 
@@ -135,6 +145,13 @@ impl Acceptance {
                 p
             })
             .collect()
+    }
+
+    fn fade(&mut self, keep: f64) {
+        for j in 0..MAX_DRAFT_TOKENS {
+            self.hits[j] *= keep;
+            self.trials[j] *= keep;
+        }
     }
 
     fn record(&mut self, drafted: usize, accepted: usize) {
@@ -683,6 +700,9 @@ impl DraftPolicy {
                 s.backoff = MIN_BACKOFF;
             } else if plan.would_pay(&options[i], PROBE_ACCEPTANCE) {
                 s.idle += 1;
+                if let Some(a) = s.acceptance.get_mut(&options[i].drafter) {
+                    a.fade(IDLE_KEEP);
+                }
             }
         }
     }
@@ -1390,6 +1410,37 @@ mod tests {
         assert!(probes.len() >= 2 && probes.len() <= 5, "{probes:?}");
         let gaps: Vec<usize> = probes.windows(2).map(|w| w[1] - w[0]).collect();
         assert!(gaps.windows(2).all(|g| g[1] > g[0]), "{gaps:?}");
+    }
+
+    /// A sequence whose drafts failed for a stretch, while the head kept
+    /// paying for the others, drafts again once the stretch has passed:
+    /// its record fades into the pooled one while it waits, rather than
+    /// waiting on single-draft probes to outvote it.
+    #[test]
+    fn a_bad_stretch_fades_into_the_pooled_record() {
+        let mut policy = DraftPolicy::new(true, None);
+        measured(&mut policy);
+        policy.admit(1, drafting(DraftSchedule::Adaptive));
+        policy.admit(2, drafting(DraftSchedule::Adaptive));
+        for _ in 0..20 {
+            policy.record(2, Drafter::Head, 2, 0);
+        }
+        for _ in 0..40 {
+            policy.record(1, Drafter::Head, 2, 2);
+        }
+        assert_eq!(policy.assign(&[candidate(2, 6)], 1)[0].drafts, 0);
+        // From here on sequence 2's drafts are accepted again.
+        let resumed = (1..200).find(|_| {
+            let drafts = policy.assign(&[candidate(2, 6)], 1)[0].drafts;
+            if drafts > 0 {
+                policy.record(2, Drafter::Head, drafts, drafts);
+            }
+            drafts > 1
+        });
+        assert!(
+            resumed.is_some_and(|step| step <= 2 * MIN_BACKOFF),
+            "drafted more than a probe's one draft at step {resumed:?}"
+        );
     }
 
     /// A measured policy with only `drafter`'s kind, in which sequence 1
