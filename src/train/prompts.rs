@@ -349,7 +349,14 @@ pub fn self_prompts(
         let ask = (2 * (n - kept.len())).min(SELF_PROMPT_ROUND);
         tried += ask;
         let seed = seed ^ round.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        let written = super::data::generate(target, &[cue.clone()], ask, seq_len, Some(1.0), seed)?;
+        let written = super::data::generate(
+            target,
+            std::slice::from_ref(&cue),
+            ask,
+            seq_len,
+            Some(1.0),
+            seed,
+        )?;
         for (ids, &len) in written.sequences.iter().zip(&written.lens) {
             let raw = tokenizer
                 .inner()
