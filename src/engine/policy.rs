@@ -700,8 +700,12 @@ impl DraftPolicy {
                 s.backoff = MIN_BACKOFF;
             } else if plan.would_pay(&options[i], PROBE_ACCEPTANCE) {
                 s.idle += 1;
-                if let Some(a) = s.acceptance.get_mut(&options[i].drafter) {
-                    a.fade(IDLE_KEEP);
+                // Only the head's record has a pooled one to fade into;
+                // prompt lookup's belongs to the text being copied.
+                if let Some(a) = s.acceptance.get_mut(&Drafter::Head) {
+                    if options[i].drafter == Drafter::Head {
+                        a.fade(IDLE_KEEP);
+                    }
                 }
             }
         }
