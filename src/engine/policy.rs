@@ -1234,10 +1234,7 @@ mod tests {
 
     #[test]
     fn a_perfect_drafter_drafts_the_maximum_and_a_useless_one_stops() {
-        let mut policy = DraftPolicy::new(true, None);
-        measured(&mut policy);
-        policy.admit(1, drafting(DraftSchedule::Adaptive));
-        policy.admit(2, drafting(DraftSchedule::Adaptive));
+        let mut policy = two_head_sequences();
         for _ in 0..20 {
             policy.record(1, Drafter::Head, 6, 6);
             policy.record(2, Drafter::Head, 6, 0);
@@ -1422,10 +1419,7 @@ mod tests {
     /// waiting on single-draft probes to outvote it.
     #[test]
     fn a_bad_stretch_fades_into_the_pooled_record() {
-        let mut policy = DraftPolicy::new(true, None);
-        measured(&mut policy);
-        policy.admit(1, drafting(DraftSchedule::Adaptive));
-        policy.admit(2, drafting(DraftSchedule::Adaptive));
+        let mut policy = two_head_sequences();
         for _ in 0..20 {
             policy.record(2, Drafter::Head, 2, 0);
         }
@@ -1445,6 +1439,15 @@ mod tests {
             resumed.is_some_and(|step| step <= 2 * MIN_BACKOFF),
             "drafted more than a probe's one draft at step {resumed:?}"
         );
+    }
+
+    /// A measured policy with a head and adaptive sequences 1 and 2.
+    fn two_head_sequences() -> DraftPolicy {
+        let mut policy = DraftPolicy::new(true, None);
+        measured(&mut policy);
+        policy.admit(1, drafting(DraftSchedule::Adaptive));
+        policy.admit(2, drafting(DraftSchedule::Adaptive));
+        policy
     }
 
     /// A measured policy with only `drafter`'s kind, in which sequence 1
