@@ -8,7 +8,7 @@
 //! `--drain-timeout`), and 1 with a message on any startup error.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -536,23 +536,32 @@ fn train_prompts(
     })
 }
 
-/// `tandem eval-mtp`: a saved head's acceptance on a prompt file.
-fn eval_mtp(args: EvalArgs) -> Result<(), BoxError> {
-    let options = tandem::model::LoadOptions {
-        device: args.device.parse::<DeviceKind>()?.open()?,
+/// A model folder or GGUF file with its tokenizer, weights in f32 (a
+/// GGUF's dequantised) on `device`: what `train-mtp` and `eval-mtp` run.
+fn load_f32(
+    path: &Path,
+    device: &str,
+) -> Result<(tandem::model::Model, tandem::tokenizer::Tokenizer), BoxError> {
+    let f32_weights = tandem::model::LoadOptions {
+        device: device.parse::<DeviceKind>()?.open()?,
         ..Default::default()
     };
-    let (model, tokenizer) = if tandem::gguf::is_gguf_path(&args.model) {
+    Ok(if tandem::gguf::is_gguf_path(path) {
         (
-            tandem::model::Model::from_gguf(&args.model, &options)?,
-            tandem::tokenizer::Tokenizer::from_gguf_path(&args.model)?,
+            tandem::model::Model::from_gguf(path, &f32_weights)?,
+            tandem::tokenizer::Tokenizer::from_gguf_path(path)?,
         )
     } else {
         (
-            tandem::model::Model::from_dir(&args.model, &options)?,
-            tandem::tokenizer::Tokenizer::from_dir(&args.model)?,
+            tandem::model::Model::from_dir(path, &f32_weights)?,
+            tandem::tokenizer::Tokenizer::from_dir(path)?,
         )
-    };
+    })
+}
+
+/// `tandem eval-mtp`: a saved head's acceptance on a prompt file.
+fn eval_mtp(args: EvalArgs) -> Result<(), BoxError> {
+    let (model, tokenizer) = load_f32(&args.model, &args.device)?;
     let mut head = tandem::model::MtpHead::from_dir(&model, &args.head)?;
     let texts = tandem::train::prompts::read_file(&args.prompts)?;
     let prompts = tandem::train::prompts::render_chat(&tokenizer, &texts)?;
@@ -588,26 +597,20 @@ fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
         )
         .into());
     }
-    let f32_weights = tandem::model::LoadOptions {
-        device: args.device.parse::<DeviceKind>()?.open()?,
-        ..Default::default()
-    };
     let (model, tokenizer, name) = match &args.model {
-        Some(file) if tandem::gguf::is_gguf_path(file) => (
-            tandem::model::Model::from_gguf(file, &f32_weights)?,
-            Some(tandem::tokenizer::Tokenizer::from_gguf_path(file)?),
-            file.display().to_string(),
-        ),
-        Some(dir) => (
-            tandem::model::Model::from_dir(dir, &f32_weights)?,
-            Some(tandem::tokenizer::Tokenizer::from_dir(dir)?),
-            dir.display().to_string(),
-        ),
+        Some(path) => {
+            let (model, tokenizer) = load_f32(path, &args.device)?;
+            (model, Some(tokenizer), path.display().to_string())
+        }
         None => {
             let preset = if args.embedded == "test" {
                 TinyPreset::Test
             } else {
                 TinyPreset::Default
+            };
+            let f32_weights = tandem::model::LoadOptions {
+                device: args.device.parse::<DeviceKind>()?.open()?,
+                ..Default::default()
             };
             (
                 tandem::tiny::tiny_model(preset, &f32_weights)?.0,
