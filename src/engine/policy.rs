@@ -66,10 +66,11 @@
 //! - **Probing**: a sequence that does not draft because of its acceptance
 //!   (it would with a good one) probes again, with one draft, after a
 //!   back-off that doubles with every probe that does not pay, so a useless
-//!   drafter costs a vanishing share of the steps. Meanwhile its own record
-//!   fades into the pooled prior at every such step: a hard stretch of
-//!   text passes, and a record revised only by probes kept sequences off
-//!   drafts that pay again.
+//!   drafter costs a vanishing share of the steps. Meanwhile its own head
+//!   record fades into the pooled one at every such step: a hard stretch
+//!   of text passes, and a record revised only by probes kept sequences
+//!   off drafts that pay again (prompt lookup's record, which belongs to
+//!   the text being copied, does not fade).
 //!
 //! `Constant` sequences draft exactly their `initial_draft` (tests and
 //! experiments), capped by the plan. No request's tokens depend on any of
@@ -101,12 +102,12 @@ const PRIOR_WEIGHT: f64 = 0.5;
 const PROBE_ACCEPTANCE: f64 = 0.9;
 /// Weight kept by old observations at each new one.
 const FORGET: f64 = 0.95;
-/// Weight a sequence's own record keeps at each step it skips drafting
-/// while a good draft would pay: its record fades into the pooled prior.
-/// A hard stretch of text (a list, a name) passes, and a record revised
-/// only by single-draft probes at doubling intervals kept a lone CPU
-/// stream drafting in 35–55 % of its steps, at 1.06–1.10× where drafting
-/// every step ran 1.17× (BENCHMARKS.md, issue 18, session 27).
+/// Weight a sequence's own head record keeps at each step it skips
+/// drafting while a good draft would pay: the record fades into the pooled
+/// prior. A hard stretch of text (a list, a name) passes, and a record
+/// revised only by single-draft probes at doubling intervals kept a lone
+/// CPU stream drafting in about half its steps, at 1.06–1.10× where
+/// drafting every step ran 1.17× (BENCHMARKS.md, issue 18, session 27).
 const IDLE_KEEP: f64 = 0.8;
 const MIN_BACKOFF: usize = 8;
 const MAX_BACKOFF: usize = 512;
@@ -147,6 +148,7 @@ impl Acceptance {
             .collect()
     }
 
+    /// Every observation so far keeps `keep` of its weight.
     fn fade(&mut self, keep: f64) {
         for j in 0..MAX_DRAFT_TOKENS {
             self.hits[j] *= keep;
@@ -155,10 +157,7 @@ impl Acceptance {
     }
 
     fn record(&mut self, drafted: usize, accepted: usize) {
-        for j in 0..MAX_DRAFT_TOKENS {
-            self.hits[j] *= FORGET;
-            self.trials[j] *= FORGET;
-        }
+        self.fade(FORGET);
         // Position j was tried when every draft before it was accepted.
         for j in 0..drafted.min(accepted + 1).min(MAX_DRAFT_TOKENS) {
             self.trials[j] += 1.0;
@@ -700,12 +699,11 @@ impl DraftPolicy {
                 s.backoff = MIN_BACKOFF;
             } else if plan.would_pay(&options[i], PROBE_ACCEPTANCE) {
                 s.idle += 1;
-                // Only the head's record has a pooled one to fade into;
-                // prompt lookup's belongs to the text being copied.
-                if let Some(a) = s.acceptance.get_mut(&Drafter::Head) {
-                    if options[i].drafter == Drafter::Head {
-                        a.fade(IDLE_KEEP);
-                    }
+                // Only the head's record has a pooled one to fade into.
+                if let (Drafter::Head, Some(a)) =
+                    (options[i].drafter, s.acceptance.get_mut(&Drafter::Head))
+                {
+                    a.fade(IDLE_KEEP);
                 }
             }
         }
