@@ -41,6 +41,9 @@
 //!   agreement with f32 over 64-token continuations of 8 prompts (fraction
 //!   of identical tokens position by position, and the mean length of the
 //!   identical prefix);
+//! - `TANDEM_CPU_FEW_ROWS=stream|tile` fixes the f32/f16 linear's path for
+//!   calls of a few rows, which otherwise each projection shape settles by
+//!   timing its first calls (the bench prints what settled);
 //! - `TANDEM_BENCH_ROOFLINE=1` (CPU) adds single-stream decode against the
 //!   memory roofline measured in the same run: before every decode step, a
 //!   streaming sum over a buffer as large as what the step reads (weights
@@ -640,6 +643,16 @@ fn main() {
             .map(|bi| format!("B={} {:.0}", batches[bi], median(&mut pp[ci][bi])))
             .collect();
         println!("  {:<10} {}", c.name, v.join(", "));
+    }
+    if device.is_cpu() {
+        let paths: Vec<String> = tandem::model::few_row_paths()
+            .iter()
+            .map(|(elem, rows, n, k, path)| format!("{elem} {rows}x{k}->{n} {path}"))
+            .collect();
+        println!(
+            "\nfew-row f32/f16 linear paths settled (rows x k -> n): {}",
+            paths.join(", ")
+        );
     }
 
     if !device.is_cpu() {

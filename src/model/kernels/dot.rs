@@ -27,6 +27,9 @@
 
 use half::f16;
 
+use std::time::Instant;
+
+use super::few_rows::{self, Path};
 use super::pool::{for_each_range, SharedMut};
 use super::Isa;
 
@@ -36,6 +39,8 @@ pub(crate) trait WElem: Copy + Send + Sync + 'static {
     /// than one tile holds widens each unit of weights once instead of at
     /// every tile.
     const CONVERTS: bool;
+    /// The element's name (few-row path settlement reports it).
+    const NAME: &'static str;
 
     fn to_f32(self) -> f32;
 
@@ -57,6 +62,7 @@ pub(crate) trait WElem: Copy + Send + Sync + 'static {
 
 impl WElem for f32 {
     const CONVERTS: bool = false;
+    const NAME: &'static str = "f32";
 
     #[inline(always)]
     fn to_f32(self) -> f32 {
@@ -90,6 +96,7 @@ impl WElem for f32 {
 
 impl WElem for f16 {
     const CONVERTS: bool = true;
+    const NAME: &'static str = "f16";
 
     #[inline(always)]
     fn to_f32(self) -> f32 {
@@ -178,7 +185,8 @@ struct Job<W> {
     /// its widest tiles prefetch as far as the narrow ones.
     few_rows: bool,
     /// Whether the call streams each group's weight rows one after another
-    /// (a projection of a few rows: `streams`) instead of tiling them.
+    /// (a projection of a few rows: `may_stream`, `few_rows`) instead of
+    /// tiling them.
     streamed: bool,
 }
 
@@ -212,6 +220,40 @@ pub(crate) fn matmul_t<W: WElem>(
     out: &mut [f32],
     accumulate: bool,
 ) {
+    let shape = few_rows::Shape {
+        isa,
+        elem: W::NAME,
+        rows,
+        n,
+        k,
+    };
+    let (path, trial) = if may_stream(isa, rows) && n > 0 && k > 0 {
+        few_rows::choose(shape)
+    } else {
+        (Path::Tile, None)
+    };
+    let start = trial.map(|_| Instant::now());
+    matmul_t_on(isa, path, threads, x, rows, k, w, n, out, accumulate);
+    if let (Some(trial), Some(start)) = (trial, start) {
+        few_rows::record(trial, start.elapsed());
+    }
+}
+
+/// [`matmul_t`] with the few-row path given: `Path::Stream` streams calls
+/// of the rows [`may_stream`] allows and tiles the rest.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_t_on<W: WElem>(
+    isa: Isa,
+    path: Path,
+    threads: usize,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    w: &[W],
+    n: usize,
+    out: &mut [f32],
+    accumulate: bool,
+) {
     assert!(x.len() >= rows * k, "matmul_t: x shorter than rows·k");
     assert!(w.len() >= n * k, "matmul_t: w shorter than n·k");
     assert!(out.len() >= rows * n, "matmul_t: out shorter than rows·n");
@@ -234,7 +276,7 @@ pub(crate) fn matmul_t<W: WElem>(
         ldo: n,
         accumulate,
         few_rows: rows <= FEW_ROWS,
-        streamed: streams(isa, rows),
+        streamed: path == Path::Stream && may_stream(isa, rows),
     };
     let units = n.div_ceil(UNIT);
     let unit_bytes = UNIT * k * std::mem::size_of::<W>();
@@ -287,15 +329,14 @@ fn widens(isa: Isa) -> bool {
     !matches!(isa, Isa::Avx512 | Isa::Avx512Vnni)
 }
 
-/// Whether a projection of `rows` activation rows streams each group of 4
-/// weight rows one after another instead of tiling them. Such calls are
-/// memory-bound, and the tiles' four interleaved weight streams ran 1.2–1.7×
-/// slower than one linear stream at one and two rows, f32 and f16, both
-/// ISAs. With more rows the streamed path's one FMA chain per weight row
-/// becomes the bound (a unit's rows are in cache by then): AVX2 calls of 4
-/// rows ran 0.77–0.93× with their last row streamed. BENCHMARKS.md,
-/// session 21. Either path gives the same sums, bit for bit.
-fn streams(isa: Isa, rows: usize) -> bool {
+/// Whether a projection of `rows` activation rows may stream each group of
+/// 4 weight rows one after another instead of tiling them ([`few_rows`]
+/// measures which is faster per shape). Such calls are memory-bound; with
+/// more rows the streamed path's one FMA chain per weight row becomes the
+/// bound (a unit's rows are in cache by then): AVX2 calls of 4 rows ran
+/// 0.77–0.93× with their last row streamed. BENCHMARKS.md, session 21.
+/// Either path gives the same sums, bit for bit.
+fn may_stream(isa: Isa, rows: usize) -> bool {
     match isa {
         Isa::Avx512 | Isa::Avx512Vnni => rows <= 4,
         Isa::Avx2 => rows <= 2,
@@ -609,7 +650,7 @@ mod x86 {
 
     /// MR activation rows × 4 weight rows, the weight rows one after
     /// another: one linear stream over the group's weights, for calls of a
-    /// few rows ([`streams`]). Each output's sum is the
+    /// few rows ([`may_stream`]). Each output's sum is the
     /// tile's (the same lane-wise FMAs over k, the same reduction), bit
     /// for bit.
     #[inline(always)]

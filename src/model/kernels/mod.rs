@@ -24,6 +24,7 @@
 pub(crate) mod aligned;
 pub(crate) mod attention;
 pub(crate) mod dot;
+pub mod few_rows;
 pub(crate) mod math;
 pub(crate) mod packed;
 pub(crate) mod pool;
@@ -39,7 +40,7 @@ mod tests;
 use std::sync::OnceLock;
 
 /// An instruction-set tier the kernels are compiled for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Isa {
     /// Plain Rust, auto-vectorised for the compile target.
     Portable,

@@ -7,7 +7,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::attention::{attention, Heads, SeqAttn};
-use super::dot::{matmul_t, WElem};
+use super::dot::{matmul_t, matmul_t_on, WElem};
+use super::few_rows::Path;
 use super::math::{exp_shifted_sum, max, rms_norm, silu_mul};
 use super::pool::SharedMut;
 use super::Isa;
@@ -55,13 +56,14 @@ fn check_matmul<W: WElem>(w_of: impl Fn(&[f32]) -> Vec<W>) {
             let x = randn(&mut rng, rows * k);
             let w = w_of(&randn(&mut rng, n * k));
             let want = reference(&x, rows, k, &w, n);
-            for threads in [1, 2] {
+            for (threads, path) in [(1, Path::Stream), (2, Path::Stream), (2, Path::Tile)] {
                 for accumulate in [false, true] {
                     let mut out = vec![0.5f32; rows * n];
-                    matmul_t(isa, threads, &x, rows, k, &w, n, &mut out, accumulate);
+                    matmul_t_on(isa, path, threads, &x, rows, k, &w, n, &mut out, accumulate);
                     for (i, (&g, &(s, a))) in out.iter().zip(&want).enumerate() {
                         let s = if accumulate { s + 0.5 } else { s };
-                        check_rel(g, s, a + 0.5, &format!("{isa:?} {rows}x{k}x{n} [{i}]"));
+                        let what = format!("{isa:?} {path:?} {rows}x{k}x{n} [{i}]");
+                        check_rel(g, s, a + 0.5, &what);
                     }
                 }
             }
@@ -88,31 +90,44 @@ fn matmul_rows_are_batch_invariant() {
     let w = randn(&mut rng, n * k);
     let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
     let x = randn(&mut rng, 23 * k);
-    // A single row streams its weights (`streams`, x86); 23 rows take the
-    // tiles (f16 widened first on AVX2 and the portable tier, converted at
-    // each load on AVX-512: `widens`); 4 rows stream on AVX-512 and take
-    // the tiles on AVX2; 2 rows stream on both.
+    // Calls of a few rows stream their weights or take the tiles
+    // (`may_stream`: up to 4 rows on AVX-512, 2 on AVX2; `few_rows` times
+    // which); 23 rows always take the tiles (f16 widened first on AVX2 and
+    // the portable tier, converted at each load on AVX-512: `widens`).
+    // Every row, by every path and the timed choice, equals the streamed
+    // and the tiled single row.
     for isa in Isa::supported() {
-        for batch in [23, 4, 2] {
-            let mut all = vec![0f32; batch * n];
-            let mut all_h = vec![0f32; batch * n];
-            matmul_t(isa, 2, &x, batch, k, &w, n, &mut all, false);
-            matmul_t(isa, 2, &x, batch, k, &wh, n, &mut all_h, false);
-            for r in [0, 1, batch / 2, batch - 1] {
-                let x = &x[r * k..(r + 1) * k];
-                let mut one = vec![0f32; n];
-                matmul_t(isa, 1, x, 1, k, &w, n, &mut one, false);
-                assert_eq!(
-                    one,
-                    all[r * n..(r + 1) * n],
-                    "{isa:?} f32 row {r} of {batch}"
-                );
-                matmul_t(isa, 1, x, 1, k, &wh, n, &mut one, false);
-                assert_eq!(
-                    one,
-                    all_h[r * n..(r + 1) * n],
-                    "{isa:?} f16 row {r} of {batch}"
-                );
+        for batch in [23, 4, 3, 2, 1] {
+            for path in [Some(Path::Stream), Some(Path::Tile), None] {
+                let call = |x: &[f32], rows: usize, out: &mut [f32], half: bool| match (path, half)
+                {
+                    (Some(p), false) => matmul_t_on(isa, p, 2, x, rows, k, &w, n, out, false),
+                    (Some(p), true) => matmul_t_on(isa, p, 2, x, rows, k, &wh, n, out, false),
+                    (None, false) => matmul_t(isa, 2, x, rows, k, &w, n, out, false),
+                    (None, true) => matmul_t(isa, 2, x, rows, k, &wh, n, out, false),
+                };
+                let mut all = vec![0f32; batch * n];
+                let mut all_h = vec![0f32; batch * n];
+                call(&x, batch, &mut all, false);
+                call(&x, batch, &mut all_h, true);
+                for r in [0, 1.min(batch - 1), batch / 2, batch - 1] {
+                    let x = &x[r * k..(r + 1) * k];
+                    for one_path in [Path::Stream, Path::Tile] {
+                        let mut one = vec![0f32; n];
+                        matmul_t_on(isa, one_path, 1, x, 1, k, &w, n, &mut one, false);
+                        assert_eq!(
+                            one,
+                            all[r * n..(r + 1) * n],
+                            "{isa:?} f32 row {r} of {batch} ({path:?}) against {one_path:?}"
+                        );
+                        matmul_t_on(isa, one_path, 1, x, 1, k, &wh, n, &mut one, false);
+                        assert_eq!(
+                            one,
+                            all_h[r * n..(r + 1) * n],
+                            "{isa:?} f16 row {r} of {batch} ({path:?}) against {one_path:?}"
+                        );
+                    }
+                }
             }
         }
     }
