@@ -42,7 +42,8 @@
 //! The block and the gathered unembedding run where the target's layers
 //! run (the lean CPU kernels on CPU) and are quantised to Q8_0 at load when
 //! the target's projections are quantised, so a draft token costs a fixed
-//! share of a target step whatever the target's format.
+//! share of a target step whatever the target's format. On the lean CPU
+//! path they are Q8_0 over f32 and f16 targets too (`head_q8_on_cpu`).
 //!
 //! # Captured rounds (CUDA)
 //! A round is a handful of small launches (the input projection, one
@@ -124,6 +125,16 @@ pub fn check_draft_vocab(ids: &[u32], vocab: usize) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// Whether a head over an unquantised target runs Q8_0 anyway: on the lean
+/// CPU path a draft round streams the head's weights (one layer, the input
+/// projection and the draft vocabulary's unembedding: 36 MB in f32 for
+/// SmolLM2 with 8 192 draft rows) and Q8_0 streams a quarter of that bytes,
+/// while a draft's exactness never depends on the head (verification
+/// decides). `TANDEM_HEAD_FORMAT=as-compute` keeps the target's format.
+fn head_q8_on_cpu(target: &Model) -> bool {
+    target.is_lean() && std::env::var("TANDEM_HEAD_FORMAT").map_or(true, |v| v != "as-compute")
 }
 
 /// Takes and checks `mtp.draft_vocab` from a checkpoint, when present.
@@ -334,7 +345,7 @@ impl MtpHead {
             tie_word_embeddings: true,
             ..block_config(cfg)
         };
-        let weight_format = if target.quantized_projections() {
+        let weight_format = if target.quantized_projections() || head_q8_on_cpu(target) {
             WeightFormat::Q8_0
         } else {
             WeightFormat::AsCompute
