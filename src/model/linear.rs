@@ -295,7 +295,16 @@ impl Linear {
         };
         match quant {
             Some(q) => {
-                let cpu = w.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+                // A fresh buffer of exactly these weights: `quantize_onto`
+                // reads its source's whole storage from the start, and `w`
+                // may be a view into a larger one (a CPU weight arena: the
+                // target's unembedding under a draft head).
+                let rows = w.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+                let cpu = Tensor::from_vec(
+                    rows.flatten_all()?.to_vec1::<f32>()?,
+                    w.dims(),
+                    &Device::Cpu,
+                )?;
                 let qt = QTensor::quantize_onto(&cpu, q, device)?;
                 if device.is_cpu() && QFormat::of(q).is_none() {
                     // candle repacks quantised weights for its x86 kernels on
@@ -566,6 +575,33 @@ mod tests {
             Linear::from_blocks(&[&qa, &wide]).unwrap().is_none(),
             "different widths do not stack"
         );
+    }
+
+    #[test]
+    fn quantising_a_view_quantises_the_view_not_its_storage() {
+        // Rows 2..5 of a larger tensor: a view at an offset into storage it
+        // shares (as the CPU weight arena hands out). Quantising it must
+        // see those rows (candle's `quantize_onto` reads a source's storage
+        // from its start).
+        let all = super::super::weights::uniform_tensor(&[6, 64], 0.5, 7).unwrap();
+        let view = all.narrow(0, 2, 3).unwrap();
+        let fresh = Tensor::from_vec(
+            view.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            (3, 64),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let q = |w: Tensor| {
+            let l = Linear::new(w, WeightFormat::Q8_0, DType::F32, &Device::Cpu, None).unwrap();
+            l.dense().unwrap().to_vec2::<f32>().unwrap()
+        };
+        let (from_view, want) = (q(view.clone()), q(fresh));
+        assert_eq!(from_view, want);
+        for (row, dense) in from_view.iter().zip(view.to_vec2::<f32>().unwrap()) {
+            for (a, b) in row.iter().zip(dense) {
+                assert!((a - b).abs() < 0.01, "{a} vs {b}: Q8_0 of the view's own rows");
+            }
+        }
     }
 
     #[test]
