@@ -11,8 +11,10 @@
 //! work units are blocks of 16 weight rows; inside a unit, 4 weight rows are
 //! held against 5 (AVX-512; AVX2: 3) input rows in registers, the
 //! activation rows being re-read from cache; calls of 1–4 (AVX2: 1–2)
-//! rows, which are memory-bound, take the 4 weight rows one after another
-//! instead, as one linear stream. 1 row and 128 run the same sums.
+//! rows, which are memory-bound, may take the 4 weight rows one after
+//! another instead, as one linear stream, where that is faster on this CPU
+//! (`few_rows` times both per projection shape). 1 row and 128 run the
+//! same sums.
 //! f16 weights convert as they load. On AVX2 (and the portable tier), a
 //! call with more activation rows than one tile takes widens each unit to
 //! f32 once instead, and the f32 loop nest sweeps it: there the conversion
