@@ -599,7 +599,10 @@ mod tests {
         assert_eq!(from_view, want);
         for (row, dense) in from_view.iter().zip(view.to_vec2::<f32>().unwrap()) {
             for (a, b) in row.iter().zip(dense) {
-                assert!((a - b).abs() < 0.01, "{a} vs {b}: Q8_0 of the view's own rows");
+                assert!(
+                    (a - b).abs() < 0.01,
+                    "{a} vs {b}: Q8_0 of the view's own rows"
+                );
             }
         }
     }

@@ -14,7 +14,8 @@
 //! two paths in turn. After [`WARMUP`] calls of each (first touches of
 //! freshly loaded weights, cold caches) the next [`SAMPLES`] of each are
 //! timed, and the path with the lower median time is kept for the rest of
-//! the process. A decode pass makes one call of each shape per layer, so a
+//! the process; after [`MIN_SAMPLES`] of each, a path whose median is
+//! [`CLEAR_GAP`] times the other's loses at once. A decode pass makes one call of each shape per layer, so a
 //! 30-layer model settles its per-layer shapes within three passes. Calls
 //! of the same shape read different layers' weights of the same size, so
 //! both paths see the same work; alternating call by call puts a shared
@@ -38,6 +39,12 @@ use super::Isa;
 const WARMUP: usize = 8;
 /// Timed calls of each path, per shape, before the faster is kept.
 const SAMPLES: usize = 32;
+/// Timed calls of each path after which a clear winner is kept early.
+const MIN_SAMPLES: usize = 8;
+/// A median this many times the other's is a clear loss (the paths
+/// differ by 1.3–1.5× where they differ at all; a shape of one call a
+/// pass, the unembedding, would otherwise spend 80 passes settling).
+const CLEAR_GAP: f64 = 1.25;
 
 /// A few-row call's path through the linear.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,7 +126,8 @@ pub(crate) fn choose(shape: Shape) -> (Path, Option<Trial>) {
 }
 
 /// Records a timed call; settles the shape once both paths have
-/// [`SAMPLES`] times.
+/// [`SAMPLES`] times, or [`MIN_SAMPLES`] with one median [`CLEAR_GAP`]
+/// times the other.
 pub(crate) fn record(trial: Trial, elapsed: Duration) {
     let mut table = table().lock().unwrap_or_else(|e| e.into_inner());
     let Some(tuning) = table.get_mut(&trial.shape) else {
@@ -132,8 +140,13 @@ pub(crate) fn record(trial: Trial, elapsed: Duration) {
     if nanos.len() < SAMPLES {
         nanos.push(elapsed.as_nanos().min(u64::MAX as u128) as u64);
     }
-    if tuning.nanos.iter().all(|n| n.len() == SAMPLES) {
-        let [stream, tile] = tuning.nanos.each_mut().map(|n| median(n));
+    let fewest = tuning.nanos.iter().map(Vec::len).min().unwrap_or(0);
+    if fewest < MIN_SAMPLES {
+        return;
+    }
+    let [stream, tile] = tuning.nanos.each_ref().map(|n| median(n));
+    let clear = stream.max(tile) as f64 >= CLEAR_GAP * stream.min(tile) as f64;
+    if fewest == SAMPLES || clear {
         let path = if stream <= tile {
             Path::Stream
         } else {
@@ -150,9 +163,10 @@ pub(crate) fn record(trial: Trial, elapsed: Duration) {
     }
 }
 
-fn median(nanos: &mut [u64]) -> u64 {
-    nanos.sort_unstable();
-    nanos[nanos.len() / 2]
+fn median(nanos: &[u64]) -> u64 {
+    let mut sorted = nanos.to_vec();
+    sorted.sort_unstable();
+    sorted[sorted.len() / 2]
 }
 
 /// The settled path of every shape measured so far, as (element, rows, n,
@@ -193,7 +207,8 @@ mod tests {
             let (path, trial) = choose(shape);
             match trial {
                 Some(t) => record(t, Duration::from_nanos(time(path))),
-                None if call > 2 * (WARMUP + SAMPLES) => return (path, call),
+                // Past the warm-up, an untimed call is a settled one.
+                None if call > 2 * WARMUP => return (path, call),
                 None => {}
             }
         }
@@ -214,11 +229,16 @@ mod tests {
             2 * (WARMUP + SAMPLES) + 1,
             "settles as soon as both have their samples"
         );
-        let (path, _) = settle(shape(1_000_002), |p| match p {
+        let (path, call) = settle(shape(1_000_002), |p| match p {
             Path::Stream => 50,
             Path::Tile => 90,
         });
         assert_eq!(path, Path::Stream);
+        assert_eq!(
+            call,
+            2 * (WARMUP + MIN_SAMPLES) + 1,
+            "a clear gap settles early"
+        );
         let seen = std::cell::Cell::new(0u64);
         let (path, _) = settle(shape(1_000_003), |p| {
             seen.set(seen.get() + 1);
