@@ -1136,10 +1136,88 @@ mod x86 {
 
     /// Row groups `groups` against every activation row, 8 rows a tile
     /// (AVX-512's 32 vector registers hold 8 sums and 8 accumulators).
+    /// Q8_0 calls of more than [`PAIR_ROWS_ABOVE`] rows take their groups
+    /// in pairs ([`tile_q8_pair`]); an odd last group takes the 8-lane
+    /// tile, whose sums are the same.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn groups_vnni<const F: u8>(job: &Job<'_>, groups: Range<usize>) {
-        for group in groups {
+        let mut group = groups.start;
+        if F == Q8_0 && job.rows > PAIR_ROWS_ABOVE {
+            while group + 1 < groups.end {
+                tiles!(tile_q8_pair::<F>, 8, job, group);
+                group += 2;
+            }
+        }
+        for group in group..groups.end {
             tiles!(tile_vnni::<F>, 8, job, group);
+        }
+    }
+
+    /// Calls of at most this many rows keep the 8-lane Q8_0 tile: against
+    /// it, the pair measured +2 / 0 / −4 % at 1 / 2 / 4 rows and +3 / +10 /
+    /// +17 % at 8 / 16 / 64, prompts +27 % (SmolLM2, 2 threads, Sapphire
+    /// Rapids class; BENCHMARKS.md, session 28).
+    const PAIR_ROWS_ABOVE: usize = 4;
+
+    /// Q8_0 row groups `group` and `group + 1` against the `R` activation
+    /// rows from `r0`, in 512-bit vectors: the low 8 lanes are `group`'s
+    /// weight rows, the high 8 `group + 1`'s, so each broadcast of 4
+    /// activation bytes and each `vpdpbusd` serves 16 weight rows, half
+    /// the instructions per activation row of two 8-lane tiles (a Q8_0
+    /// pass on a Sapphire Rapids host whose L3 holds the weights costs
+    /// about a millisecond per extra row, all of it these instructions).
+    /// Every lane computes what [`tile_vnni`] computes for its row: the
+    /// same exact integer sums (split into the same chains, which integers
+    /// make order-free), converted, scaled and accumulated by the same
+    /// operations, block by block in order. The bits are the same.
+    #[inline(always)]
+    unsafe fn tile_q8_pair<const F: u8, const R: usize>(job: &Job<'_>, group: usize, r0: usize) {
+        let act = Acts::<R>::new(job, r0);
+        let (lo, hi) = (job.w.group(group), job.w.group(group + 1));
+        let (len, lb) = (record(format_of(F)), level_bytes(format_of(F)));
+        let prefetch = job.rows <= PREFETCH_ROWS;
+        let mut acc = [_mm512_setzero_ps(); R];
+        for g in 0..job.w.k / 32 {
+            let (a, b) = (lo.add(g * len), hi.add(g * len));
+            if prefetch {
+                prefetch_ahead(a, 2);
+                prefetch_ahead(b, 2);
+            }
+            let mut part: [[__m512i; R]; 2] = [
+                std::array::from_fn(|i| _mm512_set1_epi32(*act.qoff[i].add(g))),
+                [_mm512_setzero_si512(); R],
+            ];
+            for v in 0..8 {
+                let w = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(a.add(32 * v) as *const __m256i)),
+                    _mm256_loadu_si256(b.add(32 * v) as *const __m256i),
+                );
+                for (i, s) in part[v % chains(R)].iter_mut().enumerate() {
+                    let quad = std::ptr::read_unaligned(act.q[i].add(32 * g + 4 * v) as *const i32);
+                    *s = _mm512_dpbusd_epi32(*s, w, _mm512_set1_epi32(quad));
+                }
+            }
+            let halves = _mm256_inserti128_si256::<1>(
+                _mm256_castsi128_si256(_mm_loadu_si128(a.add(lb) as *const __m128i)),
+                _mm_loadu_si128(b.add(lb) as *const __m128i),
+            );
+            let dw = _mm512_cvtph_ps(halves);
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let isum = if chains(R) == 2 {
+                    _mm512_add_epi32(part[0][i], part[1][i])
+                } else {
+                    part[0][i]
+                };
+                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*act.d[i].add(g)));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            let mut lanes = [0f32; 2 * ROWS];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
+            let (l, h) = lanes.split_at(ROWS);
+            job.store(r0 + i, group, l.try_into().expect("8 lanes"));
+            job.store(r0 + i, group + 1, h.try_into().expect("8 lanes"));
         }
     }
 
