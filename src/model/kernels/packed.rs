@@ -1136,15 +1136,15 @@ mod x86 {
 
     /// Row groups `groups` against every activation row, 8 rows a tile
     /// (AVX-512's 32 vector registers hold 8 sums and 8 accumulators).
-    /// Q8_0 calls of more than [`PAIR_ROWS_ABOVE`] rows take their groups
-    /// in pairs ([`tile_q8_pair`]); an odd last group takes the 8-lane
-    /// tile, whose sums are the same.
+    /// Q8_0, Q4_0 and Q4_1 calls of more than [`PAIR_ROWS_ABOVE`] rows
+    /// take their groups in pairs ([`tile_pair`]); an odd last group takes
+    /// the 8-lane tile, whose sums are the same.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn groups_vnni<const F: u8>(job: &Job<'_>, groups: Range<usize>) {
         let mut group = groups.start;
-        if F == Q8_0 && job.rows > PAIR_ROWS_ABOVE {
+        if matches!(F, Q8_0 | Q4_0 | Q4_1) && job.rows > PAIR_ROWS_ABOVE {
             while group + 1 < groups.end {
-                tiles!(tile_q8_pair::<F>, 8, job, group);
+                tiles!(tile_pair::<F>, 8, job, group);
                 group += 2;
             }
         }
@@ -1153,29 +1153,49 @@ mod x86 {
         }
     }
 
-    /// Calls of at most this many rows keep the 8-lane Q8_0 tile: against
-    /// it, the pair measured +2 / 0 / −4 % at 1 / 2 / 4 rows and +3 / +10 /
-    /// +17 % at 8 / 16 / 64, prompts +27 % (SmolLM2, 2 threads, Sapphire
-    /// Rapids class; BENCHMARKS.md, session 28).
+    /// Calls of at most this many rows keep the 8-lane tile: against it,
+    /// the Q8_0 pair measured +2 / 0 / −4 % at 1 / 2 / 4 rows and +3 / +10
+    /// / +17 % at 8 / 16 / 64, prompts +27 %; SmolLM2's Q4_1 GGUF +11–13 %
+    /// at 16 and 64 rows, prompts +18 % (2 threads, Sapphire Rapids class;
+    /// BENCHMARKS.md, session 28).
     const PAIR_ROWS_ABOVE: usize = 4;
 
-    /// Q8_0 row groups `group` and `group + 1` against the `R` activation
-    /// rows from `r0`, in 512-bit vectors: the low 8 lanes are `group`'s
-    /// weight rows, the high 8 `group + 1`'s, so each broadcast of 4
-    /// activation bytes and each `vpdpbusd` serves 16 weight rows, half
-    /// the instructions per activation row of two 8-lane tiles (a Q8_0
-    /// pass on a Sapphire Rapids host whose L3 holds the weights costs
-    /// about a millisecond per extra row, all of it these instructions).
-    /// Every lane computes what [`tile_vnni`] computes for its row: the
-    /// same exact integer sums (split into the same chains, which integers
-    /// make order-free), converted, scaled and accumulated by the same
-    /// operations, block by block in order. The bits are the same.
+    /// Row groups `group` and `group + 1` (Q8_0, Q4_0, Q4_1) against the
+    /// `R` activation rows from `r0`, in 512-bit vectors: the low 8 lanes
+    /// are `group`'s weight rows, the high 8 `group + 1`'s, so each
+    /// broadcast of 4 activation bytes and each `vpdpbusd` serves 16
+    /// weight rows, half the instructions per activation row of two 8-lane
+    /// tiles (a Q8_0 pass on a Sapphire Rapids host whose L3 holds the
+    /// weights costs about a millisecond per extra row, most of it these
+    /// instructions). Every lane computes what [`tile_vnni`] computes for
+    /// its row: the same exact integer sums (split into the same chains,
+    /// which integers make order-free), converted, scaled and accumulated
+    /// by the same operations, block by block in order. The bits are the
+    /// same.
     #[inline(always)]
-    unsafe fn tile_q8_pair<const F: u8, const R: usize>(job: &Job<'_>, group: usize, r0: usize) {
+    unsafe fn tile_pair<const F: u8, const R: usize>(job: &Job<'_>, group: usize, r0: usize) {
         let act = Acts::<R>::new(job, r0);
         let (lo, hi) = (job.w.group(group), job.w.group(group + 1));
         let (len, lb) = (record(format_of(F)), level_bytes(format_of(F)));
         let prefetch = job.rows <= PREFETCH_ROWS;
+        // 32 bytes of each group's record at `at`, as one vector.
+        let both = |a: *const u8, b: *const u8, at: usize| {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(a.add(at) as *const __m256i)),
+                _mm256_loadu_si256(b.add(at) as *const __m256i),
+            )
+        };
+        // Each group's 8 f16 values at `at`, as 16 f32 lanes.
+        let halves = |a: *const u8, b: *const u8, at: usize| {
+            _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(
+                _mm256_castsi128_si256(_mm_loadu_si128(a.add(at) as *const __m128i)),
+                _mm_loadu_si128(b.add(at) as *const __m128i),
+            ))
+        };
+        let quad = |i: usize, e: usize| {
+            _mm512_set1_epi32(std::ptr::read_unaligned(act.q[i].add(e) as *const i32))
+        };
+        let m4 = _mm512_set1_epi8(0xF);
         let mut acc = [_mm512_setzero_ps(); R];
         for g in 0..job.w.k / 32 {
             let (a, b) = (lo.add(g * len), hi.add(g * len));
@@ -1183,25 +1203,36 @@ mod x86 {
                 prefetch_ahead(a, 2);
                 prefetch_ahead(b, 2);
             }
+            // As `Acts::start`: the sums end at `Σ w x` for unsigned levels.
             let mut part: [[__m512i; R]; 2] = [
-                std::array::from_fn(|i| _mm512_set1_epi32(*act.qoff[i].add(g))),
+                std::array::from_fn(|i| match F {
+                    Q8_0 => _mm512_set1_epi32(*act.qoff[i].add(g)),
+                    Q4_0 => _mm512_set1_epi32(*act.qoff[i].add(g) >> 4),
+                    _ => _mm512_setzero_si512(),
+                }),
                 [_mm512_setzero_si512(); R],
             ];
-            for v in 0..8 {
-                let w = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm256_loadu_si256(a.add(32 * v) as *const __m256i)),
-                    _mm256_loadu_si256(b.add(32 * v) as *const __m256i),
-                );
+            let mut add = |v: usize, w: __m512i, e: usize| {
                 for (i, s) in part[v % chains(R)].iter_mut().enumerate() {
-                    let quad = std::ptr::read_unaligned(act.q[i].add(32 * g + 4 * v) as *const i32);
-                    *s = _mm512_dpbusd_epi32(*s, w, _mm512_set1_epi32(quad));
+                    *s = _mm512_dpbusd_epi32(*s, w, quad(i, 32 * g + e));
+                }
+            };
+            if F == Q8_0 {
+                for v in 0..8 {
+                    add(v, both(a, b, 32 * v), 4 * v);
+                }
+            } else {
+                for u in 0..4 {
+                    let v = both(a, b, 32 * u);
+                    add(2 * u, _mm512_and_si512(v, m4), 4 * u);
+                    add(
+                        2 * u + 1,
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4),
+                        16 + 4 * u,
+                    );
                 }
             }
-            let halves = _mm256_inserti128_si256::<1>(
-                _mm256_castsi128_si256(_mm_loadu_si128(a.add(lb) as *const __m128i)),
-                _mm_loadu_si128(b.add(lb) as *const __m128i),
-            );
-            let dw = _mm512_cvtph_ps(halves);
+            let dw = halves(a, b, lb);
             for (i, acc) in acc.iter_mut().enumerate() {
                 let isum = if chains(R) == 2 {
                     _mm512_add_epi32(part[0][i], part[1][i])
@@ -1210,6 +1241,12 @@ mod x86 {
                 };
                 let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*act.d[i].add(g)));
                 *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
+            }
+            if F == Q4_1 {
+                let mw = halves(a, b, lb + 2 * ROWS);
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(*act.sum[i].add(g)), *acc);
+                }
             }
         }
         for (i, a) in acc.iter().enumerate() {
