@@ -26,8 +26,9 @@
 //!   member's round 0 at the pairs it has pending (a sequence resuming
 //!   after a long pause pays its catch-up to draft) and later rounds at
 //!   one row. `F` is not a line: kernels change tiling with the row count
-//!   (on a 2-core AVX-512 host an f32 pass of 1–4 rows costs 21–25 ms and
-//!   one of 5 rows 31 ms; BENCHMARKS.md, issue 18), so each pass size keeps
+//!   (on a 2-core AMD EPYC an f32 pass of 1–4 rows cost 21–25 ms and one
+//!   of 5 rows 31 ms; on a 2-core Xeon, where 1–4 rows take the tile,
+//!   1.05–1.18× a 1-row pass; BENCHMARKS.md, issue 18), so each pass size keeps
 //!   its own decayed mean time, as a departure from a decayed
 //!   least-squares line `f0 + f1·T` over all sizes (shrunk while the size
 //!   has few samples); a size never seen takes the line plus its measured
