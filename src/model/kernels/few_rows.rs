@@ -2,9 +2,10 @@
 //! linear (`dot`): the weight rows of a group streamed one after another,
 //! or the register tile that interleaves them. Both give the same sums bit
 //! for bit, so the choice is speed alone, and it differs by CPU: on an AMD
-//! EPYC (Zen 4) host streaming ran one f32 row 1.3–1.5× faster, on a
-//! Sapphire-Rapids-class Xeon the tile ran one to four rows 1.1–1.45×
-//! faster (BENCHMARKS.md, sessions 21 and 28). No rule by ISA or vendor
+//! EPYC (Zen 4) host streaming ran one row 1.3–1.5× faster in f32 and
+//! 1.5–1.7× in f16; on a Sapphire-Rapids-class Xeon the tile ran one to
+//! four rows 1.1–1.4× faster in f32 and 1.5–1.7× in f16 (BENCHMARKS.md,
+//! sessions 21 and 28). No rule by ISA or vendor
 //! covers both, so the path is measured, per projection shape, on the
 //! calls the engine makes anyway (as cuDNN's benchmark mode picks a
 //! convolution algorithm on its first calls).
@@ -42,7 +43,7 @@ const SAMPLES: usize = 32;
 /// Timed calls of each path after which a clear winner is kept early.
 const MIN_SAMPLES: usize = 8;
 /// A median this many times the other's is a clear loss (the paths
-/// differ by 1.3–1.5× where they differ at all; a shape of one call a
+/// differ by 1.1–1.7× on the hosts measured; a shape of one call a
 /// pass, the unembedding, would otherwise spend 80 passes settling).
 const CLEAR_GAP: f64 = 1.25;
 
