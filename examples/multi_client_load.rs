@@ -41,7 +41,7 @@ use tandem::engine::{
 };
 use tandem::model::{LoadOptions, Model, ModelConfig, Weights};
 use tandem::sampler::SamplingOptions;
-use tandem::scheduler::{SchedulerConfig, ShutdownMode};
+use tandem::scheduler::{SchedulerConfig, SchedulerStats, ShutdownMode, StepTimingSnapshot};
 use tandem::server::load::{parse_dtype, parse_kv_dtype, DeviceKind};
 use tandem::server::mtp::MtpMode;
 use tandem::tiny::{tiny_model_cpu, TinyPreset};
@@ -113,6 +113,15 @@ struct Args {
     /// on, …), and report medians: the figures of a noisy machine.
     #[arg(long, default_value_t = 1)]
     repeat: usize,
+    /// Keep one engine per configuration for all `--repeat` runs and send
+    /// the workload through each once, untimed, before them: the figures
+    /// of a server in steady state (CUDA graphs captured, the draft
+    /// policy's costs and acceptance learned), not of fresh engines, whose
+    /// one-offs (on the H200, 10-12 ms a graph capture) are a share of a
+    /// short run. The repeated prompts hit the prefix cache unless
+    /// `--no-prefix-cache`.
+    #[arg(long)]
+    warm: bool,
     /// Multi-turn chat: every client continues its conversation this many
     /// turns (0: the one-shot workload).
     #[arg(long, default_value_t = 0)]
@@ -457,24 +466,34 @@ fn main() -> anyhow_like::Result<()> {
         runs.insert(0, None);
     }
     let mut figures = vec![Vec::new(); runs.len()];
+    let mut warm: Vec<Option<TandemHandle>> = vec![None; runs.len()];
     for _ in 0..args.repeat.max(1) {
         for (run, draft) in runs.iter().enumerate() {
-            let (engine, tokenizer) = build_engine(&args, draft.as_ref(), kv_tokens)?;
+            let handle = match &warm[run] {
+                Some(handle) => handle.clone(),
+                None => {
+                    let (engine, tokenizer) = build_engine(&args, draft.as_ref(), kv_tokens)?;
+                    system.block_on(start(engine, tokenizer, config.clone(), &jobs, &args))?
+                }
+            };
             println!(
-                "--- MTP {}",
+                "--- MTP {}{}",
                 draft.as_ref().map_or("off".to_string(), |d| format!(
                     "{d} (draft max {})",
                     args.draft_max
-                ))
+                )),
+                if args.warm { " (warm engine)" } else { "" }
             );
-            figures[run].push(system.block_on(run_clients(
-                engine,
-                tokenizer,
-                config.clone(),
-                jobs.clone(),
-                args.clone(),
-            ))?);
+            figures[run].push(system.block_on(run_clients(&handle, &jobs, &args))?);
+            if args.warm {
+                warm[run] = Some(handle);
+            } else {
+                system.block_on(handle.shutdown(ShutdownMode::Drain))?;
+            }
         }
+    }
+    for handle in warm.into_iter().flatten() {
+        system.block_on(handle.shutdown(ShutdownMode::Drain))?;
     }
     let medians: Vec<f64> = figures.iter().map(|f| median(f)).collect();
     if figures[0].len() > 1 {
@@ -507,15 +526,35 @@ fn main() -> anyhow_like::Result<()> {
     Ok(())
 }
 
-/// Streams every job concurrently through the actor system; prints the report.
-async fn run_clients(
+/// Starts a scheduler over `engine`; with `--warm`, sends `jobs` through it
+/// once (untimed) first.
+async fn start(
     engine: Engine,
     tokenizer: Tokenizer,
     config: SchedulerConfig,
-    jobs: Vec<Job>,
-    args: Args,
-) -> anyhow_like::Result<f64> {
+    jobs: &[Job],
+    args: &Args,
+) -> anyhow_like::Result<TandemHandle> {
     let handle = TandemHandle::start(engine, tokenizer, config)?;
+    if args.warm {
+        drive(&handle, jobs).await;
+    }
+    Ok(handle)
+}
+
+/// Streams every job concurrently through `handle`; prints the report of
+/// this run (the scheduler's counters since it began).
+async fn run_clients(handle: &TandemHandle, jobs: &[Job], args: &Args) -> anyhow_like::Result<f64> {
+    let before = handle.stats().await?;
+    let (reports, wall) = drive(handle, jobs).await;
+    let stats = RunStats::between(&before, &handle.stats().await?);
+    print_report(jobs, &reports, wall, &stats, args);
+    Ok(reports.iter().map(|r| r.tokens).sum::<usize>() as f64 / wall.as_secs_f64())
+}
+
+/// Streams every job concurrently through `handle`: each client's report
+/// and the wall time of the whole.
+async fn drive(handle: &TandemHandle, jobs: &[Job]) -> (Vec<ClientReport>, Duration) {
     let total_tokens: usize = jobs.iter().map(|j| j.max_tokens).sum();
     let bar = ProgressBar::new(total_tokens as u64);
     bar.set_style(
@@ -572,9 +611,16 @@ async fn run_clients(
     }
     let wall = start.elapsed();
     bar.finish_and_clear();
-    let stats = handle.stats().await?;
-    handle.shutdown(ShutdownMode::Drain).await?;
+    (reports, wall)
+}
 
+fn print_report(
+    jobs: &[Job],
+    reports: &[ClientReport],
+    wall: Duration,
+    stats: &RunStats,
+    args: &Args,
+) {
     let tokens: usize = reports.iter().map(|r| r.tokens).sum();
     let ok = reports.iter().filter(|r| r.ok).count();
     let mut ttft: Vec<f64> = reports
@@ -594,7 +640,6 @@ async fn run_clients(
             *m.entry(j.kind).or_default() += 1;
             m
         });
-    let steps = &stats.metrics.steps;
     println!("clients: {ok}/{} completed; mix: {kinds:?}", args.clients);
     println!("aggregate: {tokens} tokens in {wall:.2?} = {tps:.1} tokens/s");
     println!(
@@ -609,12 +654,13 @@ async fn run_clients(
     );
     println!(
         "sequences per step:  mean {:.1}, max {} over {} steps",
-        stats.mean_seqs_per_step, stats.max_seqs_per_step, stats.steps
+        stats.mean_seqs, stats.max_seqs, stats.steps
     );
     println!(
         "sampler calls:       {} uniform, {} serial",
-        stats.sampler_uniform_calls, stats.sampler_serial_calls
+        stats.uniform_calls, stats.serial_calls
     );
+    let steps = &stats.times;
     if stats.mtp_drafted > 0 {
         println!(
             "MTP: {} drafted, {} accepted (acceptance {:.3}) in {} speculative sequence-steps; drafting took {:.1} % of engine time",
@@ -633,7 +679,7 @@ async fn run_clients(
         100.0 * steps.overhead_fraction()
     );
     if args.prompt_lookup && jobs.iter().any(|j| j.question.is_some()) {
-        let (tokens, steps) = lookup_ceiling(&jobs, &reports, args.draft_max);
+        let (tokens, steps) = lookup_ceiling(jobs, reports, args.draft_max);
         println!(
             "prompt lookup at best: {tokens} tokens in {steps} decode steps = {:.2} tokens per step \
              (every proposal drafted, up to {}, and verified at no cost)",
@@ -643,12 +689,63 @@ async fn run_clients(
     }
     let answered = jobs
         .iter()
-        .zip(&reports)
+        .zip(reports)
         .filter_map(|(j, r)| Some((j.question.as_ref()?, r)));
     for (i, (question, report)) in answered.take(args.show_answers).enumerate() {
         println!("\n[client {i}] {question}\n  → {}", report.text.trim());
     }
-    Ok(tps)
+}
+
+/// What the scheduler counted during one run: the difference of its
+/// cumulative stats after and before (a warm engine's include the runs
+/// before).
+struct RunStats {
+    steps: u64,
+    mean_seqs: f64,
+    max_seqs: usize,
+    uniform_calls: u64,
+    serial_calls: u64,
+    mtp_drafted: u64,
+    mtp_accepted: u64,
+    mtp_speculative_steps: u64,
+    times: StepTimingSnapshot,
+}
+
+impl RunStats {
+    fn between(before: &SchedulerStats, after: &SchedulerStats) -> Self {
+        let (b, a) = (&before.metrics.batch_size, &after.metrics.batch_size);
+        let passes = a.count - b.count;
+        // The batch-size histogram has a bucket per size up to 256.
+        let max_seqs = (0..a.counts.len())
+            .rev()
+            .find(|&i| a.counts[i] > b.counts[i])
+            .map_or(0, |i| {
+                a.bounds
+                    .get(i)
+                    .map_or(after.max_seqs_per_step, |&x| x as usize)
+            });
+        let (tb, ta) = (&before.metrics.steps, &after.metrics.steps);
+        Self {
+            steps: after.steps - before.steps,
+            mean_seqs: (a.sum - b.sum) / passes.max(1) as f64,
+            max_seqs,
+            uniform_calls: after.sampler_uniform_calls - before.sampler_uniform_calls,
+            serial_calls: after.sampler_serial_calls - before.sampler_serial_calls,
+            mtp_drafted: after.mtp_drafted - before.mtp_drafted,
+            mtp_accepted: after.mtp_accepted - before.mtp_accepted,
+            mtp_speculative_steps: after.mtp_speculative_steps - before.mtp_speculative_steps,
+            times: StepTimingSnapshot {
+                steps: ta.steps - tb.steps,
+                engine_total: ta.engine_total - tb.engine_total,
+                forward_total: ta.forward_total - tb.forward_total,
+                sample_total: ta.sample_total - tb.sample_total,
+                draft_total: ta.draft_total - tb.draft_total,
+                busy_wall_total: ta.busy_wall_total - tb.busy_wall_total,
+                busy_engine_total: ta.busy_engine_total - tb.busy_engine_total,
+                ..Default::default()
+            },
+        }
+    }
 }
 
 /// The ceiling of prompt lookup on these answers: decode steps if every step

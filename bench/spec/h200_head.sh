@@ -25,6 +25,7 @@
 # $BIN/device-tests.gz (`cargo test --release --features cuda --test
 # device --no-run`) and stories260k in $BIN/shared/models, the bench runs
 # the GPU tests first. REPEAT sets each row's alternating runs (3);
+# WARM=1 runs the rows on warm engines, WARM=both fresh then warm (below);
 # ROWS=head runs only the head A/B at the end (HEAD_GRAPHS_AB=1 runs it
 # after the other rows).
 # TRAIN_ARGS adds train-mtp options (session 27: `--self-prompts 4096
@@ -58,6 +59,7 @@ if [ "$PHASE" = stage ]; then
     done
   fi
   ls -l /tmp/smollm2 "$HEAD" 2>/dev/null; nvidia-smi -L
+  grep -m1 'model name' /proc/cpuinfo; nproc; grep -o -m1 -w 'avx512_vnni\|avx512f\|avx2' /proc/cpuinfo | sort -u
   exit
 fi
 if [ ! -f "$MODEL" ]; then
@@ -154,8 +156,11 @@ if [ -x /tmp/bin/device-tests ]; then
     /tmp/bin/device-tests --test-threads 1 --nocapture 2>&1 | grep -E '^test |test result|graphs|panicked|assert'
 fi
 
-run() { echo "=== $*"; timeout 150 "$L" --device cuda --dtype bf16 --model "$MODEL" --show-answers 0 "$@" 2>&1 | grep -E 'MTP|medians|aggregate|engine time|ceiling' ; }
-if [ "${ROWS:-all}" = all ]; then
+run() { echo "=== $* $WARM_ARGS"; timeout 150 "$L" --device cuda --dtype bf16 --model "$MODEL" --show-answers 0 "$@" $WARM_ARGS 2>&1 | grep -E 'MTP|medians|aggregate|engine time|ceiling' ; }
+# WARM=1: the rows with warm engines (the load example's --warm: one engine
+# per configuration for all runs, the workload once untimed first, prefix
+# cache off since the prompts repeat); WARM=both: every row fresh, then warm.
+rows() {
   run $CHAT --clients 16 --max-seqs 1 --mtp "head:$HEAD" --mtp-compare --repeat $R
   run $CHAT --clients 16 --max-seqs 1 --mtp early-exit:1 --mtp-compare --repeat $R
   run $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --mtp-compare --repeat $R
@@ -167,7 +172,15 @@ if [ "${ROWS:-all}" = all ]; then
   # first eager verification) weigh less than in 0.2 s runs.
   run $CHAT --clients 128 --max-seqs 16 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
   run $CHAT --clients 256 --max-seqs 64 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+}
+if [ "${ROWS:-all}" = all ]; then
+  case "${WARM:-0}" in
+    0) WARM_ARGS="" rows ;;
+    1) WARM_ARGS="--warm --no-prefix-cache" rows ;;
+    both) WARM_ARGS="" rows; WARM_ARGS="--warm --no-prefix-cache" rows ;;
+  esac
 fi
+WARM_ARGS=""
 # HEAD_GRAPHS_AB=1: the head rows again with the head's rounds captured
 # (TANDEM_HEAD_GRAPHS=1) and eager (0), alternating, two rounds.
 if [ "${HEAD_GRAPHS_AB:-0}" = 1 ] || [ "${ROWS:-all}" = head ]; then
