@@ -24,8 +24,9 @@
 //!   probe; on the H200 a single stream then drafted in fits), both
 //!   measured online from the engine's own steps. The plan prices a
 //!   member's round 0 at the pairs it has pending (a sequence resuming
-//!   after a long pause pays its catch-up to draft) and later rounds at
-//!   one row. `F` is not a line: kernels change tiling with the row count
+//!   after a long pause pays its catch-up to draft; a fresh sequence's
+//!   prompt is spread over the steps it can expect to draft in, see
+//!   [`catch_up_rows`]) and later rounds at one row. `F` is not a line: kernels change tiling with the row count
 //!   (on a 2-core AMD EPYC an f32 pass of 1–4 rows cost 21–25 ms and one
 //!   of 5 rows 31 ms; on a 2-core Xeon, where 1–4 rows take the tile,
 //!   1.05–1.18× a 1-row pass; BENCHMARKS.md, issue 18), so each pass size keeps
@@ -46,7 +47,14 @@
 //!   one: BENCHMARKS.md, issue 18). Until a verification is measured, `F`
 //!   stands in for `V` (on the CPU the two nearly coincide), and a batch
 //!   grants a single draft, to the sequence likeliest to land it: its
-//!   pass measures `V` at the least cost.
+//!   pass measures `V` at the least cost. Verifying costs not measured
+//!   again for [`VERIFY_SHELF_LIFE`] decode passes (doubled each time it
+//!   runs out) are forgotten, and measured again that way: a sequence
+//!   that stops drafting because verification looks dear never revises
+//!   the figure itself, and one early verifying pass (the engine's first,
+//!   with its one-off costs: 5.5 ms where a plain Q8_0 pass took 3.3 ms
+//!   and a two-token one 3.9) kept a lone CPU stream from drafting for
+//!   good (BENCHMARKS.md, issue 18, session 29).
 //!   Prompt-lookup drafts cost no round. Before the first decode pass is
 //!   measured, priors stand in (a token a thirty-second of the fixed cost,
 //!   a round a tenth of a step), and only a lone decode drafts, at most its
@@ -328,7 +336,19 @@ pub(crate) struct CostModel {
     /// Passes that verified drafts (see the module docs).
     verify: PassCost,
     round: LinearFit,
+    /// Decode passes recorded, plain or verifying: the clock `verify` ages by.
+    passes: u64,
+    /// `passes` at the newest verifying pass.
+    verified_at: u64,
+    /// Times `verify` was forgotten: its shelf life is doubled by each.
+    verify_expiries: u32,
 }
+
+/// Decode passes after which verifying costs not measured again are
+/// forgotten (the first time; doubled each time after, up to 64 times
+/// this), so that a stale figure is measured again at the cost of a few
+/// drafts in a long run.
+pub(crate) const VERIFY_SHELF_LIFE: u64 = 256;
 
 /// The costs a step is planned with, in seconds.
 #[derive(Debug, Clone)]
@@ -392,11 +412,19 @@ impl CostModel {
     /// A plain decode pass: every sequence fed one token.
     pub fn record_pass(&mut self, tokens: usize, time: Duration) {
         self.forward.add(tokens, time.as_secs_f64());
+        self.passes += 1;
+        let shelf_life = VERIFY_SHELF_LIFE << self.verify_expiries;
+        if self.verify.passes > 0 && self.passes - self.verified_at > shelf_life {
+            self.verify = PassCost::default();
+            self.verify_expiries = (self.verify_expiries + 1).min(6);
+        }
     }
 
     /// A decode pass that verified drafts.
     pub fn record_verify(&mut self, tokens: usize, time: Duration) {
         self.verify.add(tokens, time.as_secs_f64());
+        self.passes += 1;
+        self.verified_at = self.passes;
     }
 
     /// A draft round that fed the head `rows` rows (pairs) in all.
@@ -465,6 +493,11 @@ pub(crate) struct Candidate {
     /// Rows the head's round 0 feeds if this sequence drafts from it: the
     /// pairs the head has not consumed (its whole history after a pause).
     pub head_rows: usize,
+    /// Whether the head has consumed none of this sequence's pairs: its
+    /// round 0 feeds the prompt, once in the sequence's life.
+    pub head_fresh: bool,
+    /// Tokens the sequence may still write after this step's.
+    pub remaining: usize,
 }
 
 /// The policy's decision for one candidate.
@@ -482,10 +515,38 @@ pub(crate) struct DraftPolicy {
     /// Every sequence's verifications of head drafts, decayed alike: the
     /// prior of a sequence's own acceptance of the head.
     pooled_head: Acceptance,
+    /// How often sequences past their first round draft: see
+    /// [`DraftingShare`].
+    drafting_share: DraftingShare,
     /// Drafters the engine has.
     has_head: bool,
     lookup: Option<PromptLookup>,
 }
+
+/// The decayed share of decode steps in which a sequence the head has
+/// already caught up with drafted: how many of its remaining steps a fresh
+/// sequence's catch-up can expect to serve ([`catch_up_rows`]). A lone
+/// stream drafts in most of its steps; at 16 CPU streams, a few in a
+/// hundred. One pseudo-step that drafted stands in before any is seen.
+#[derive(Debug, Clone, Copy, Default)]
+struct DraftingShare {
+    drafted: f64,
+    steps: f64,
+}
+
+impl DraftingShare {
+    fn record(&mut self, drafted: bool) {
+        self.drafted = self.drafted * FORGET_SHARE + f64::from(u8::from(drafted));
+        self.steps = self.steps * FORGET_SHARE + 1.0;
+    }
+
+    fn share(&self) -> f64 {
+        (self.drafted + 1.0) / (self.steps + 1.0)
+    }
+}
+
+/// Weight kept by older steps in [`DraftingShare`] at each new one.
+const FORGET_SHARE: f64 = 0.99;
 
 impl DraftPolicy {
     pub fn new(has_head: bool, lookup: Option<PromptLookup>) -> Self {
@@ -638,6 +699,11 @@ impl DraftPolicy {
             "draft plan: pass time from the step's tokens on"
         );
         self.update_probes(candidates, &options, &drafts, &plan, &probing);
+        for (c, &d) in candidates.iter().zip(&drafts) {
+            if !c.head_fresh && self.seqs.contains_key(&c.slot) {
+                self.drafting_share.record(d > 0);
+            }
+        }
         for (d, o) in drafts.iter_mut().zip(&options) {
             if let Some(k) = o.constant {
                 *d = k;
@@ -680,13 +746,14 @@ impl DraftPolicy {
         };
         let constant =
             (opts.schedule == DraftSchedule::Constant).then(|| opts.initial_draft.min(reach.len()));
+        let head_rows = catch_up_rows(c, &reach, self.drafting_share.share());
         Choice {
             drafter,
             initial: opts.initial_draft,
             constant,
             probe_due: s.idle >= s.backoff,
             reach,
-            head_rows: c.head_rows,
+            head_rows,
         }
     }
 
@@ -738,8 +805,8 @@ struct Choice {
     /// `reach[j]`: chance that drafts `0..=j` are accepted; its length is
     /// the most drafts this candidate may take.
     reach: Vec<f64>,
-    /// [`Candidate::head_rows`].
-    head_rows: usize,
+    /// The rows round 0 is priced at: [`catch_up_rows`].
+    head_rows: f64,
 }
 
 impl Choice {
@@ -750,9 +817,37 @@ impl Choice {
             constant: None,
             probe_due: false,
             reach: Vec::new(),
-            head_rows: 1,
+            head_rows: 1.0,
         }
     }
+}
+
+/// The rows a candidate's round 0 is priced at: all the pairs the head has
+/// not consumed, but for a fresh sequence, whose prompt's pairs are fed
+/// once in its life and serve every later round: the pairs a drafting
+/// step of `reach` leaves (the tokens it yields), and the rest spread over
+/// the steps the sequence can expect to draft in (its remaining tokens
+/// over the tokens such a step yields, times the share of steps in which
+/// caught-up sequences draft lately; near its end, or where sequences
+/// rarely draft, it pays nearly all).
+/// Charged to one step, a fresh sequence's prompt (50-150 pairs, about
+/// 2 ms of head on a 2-core Xeon) outweighed what a draft earns in a
+/// 3.3 ms Q8_0 step, and a lone Q8_0 stream never drafted (BENCHMARKS.md,
+/// issue 18, session 29). A sequence that resumes drafting after a pause
+/// pays its catch-up in full: it pauses again whenever drafts stop paying,
+/// so that catch-up recurs. Spread over every remaining token, catch-ups
+/// let 16 CPU streams draft more often and lose (0.90-0.97x against
+/// 0.95-0.99x).
+fn catch_up_rows(c: &Candidate, reach: &[f64], drafting_share: f64) -> f64 {
+    let rows = c.head_rows.max(1) as f64;
+    if !c.head_fresh {
+        return rows;
+    }
+    // Pairs a drafting step leaves the head: what recurs every step.
+    let per_step = 1.0 + reach.iter().sum::<f64>();
+    let steady = rows.min(per_step);
+    let steps = (drafting_share * c.remaining as f64 / per_step).max(1.0);
+    steady + (rows - steady) / steps
 }
 
 /// Whether a step is one decode and nothing else: the one shape that
@@ -868,9 +963,9 @@ impl StepModel {
         match o.drafter {
             Drafter::Lookup(_) => 0.0,
             Drafter::Head => {
-                let rows = if r == 0 { o.head_rows.max(1) } else { 1 };
+                let rows = if r == 0 { o.head_rows } else { 1.0 };
                 let opens = self.round_members[r] == 0;
-                self.costs.r1 * rows as f64 + if opens { self.costs.r0 } else { 0.0 }
+                self.costs.r1 * rows + if opens { self.costs.r0 } else { 0.0 }
             }
         }
     }
@@ -963,6 +1058,8 @@ mod tests {
             cap,
             lookup: Proposal::default(),
             head_rows: 1,
+            head_fresh: false,
+            remaining: 64,
         }
     }
 
@@ -974,6 +1071,8 @@ mod tests {
             cap: 6,
             lookup: Proposal { order, tokens },
             head_rows: 1,
+            head_fresh: false,
+            remaining: 64,
         }
     }
 
@@ -1024,15 +1123,48 @@ mod tests {
     /// draft when its round 0 must first feed the head 300 pending pairs
     /// (0.1 ms a row on CPU-like costs: 30 ms against an 11 ms step).
     #[test]
-    fn a_catch_up_is_priced_into_the_first_draft() {
+    fn a_catch_up_is_priced_over_the_steps_it_serves() {
         let mut policy = one_sequence(Drafter::Head, 4, 3);
         let current = policy.assign(&[candidate(1, 6)], 1);
         assert!(current[0].drafts > 0, "{current:?}");
-        let behind = Candidate {
+        // 300 pairs at 0.1 ms: 30 ms against an 11 ms step.
+        let behind = |head_fresh, remaining| Candidate {
             head_rows: 300,
+            head_fresh,
+            remaining,
             ..candidate(1, 6)
         };
-        assert_eq!(policy.assign(&[behind], 1)[0].drafts, 0);
+        let mut drafts = |c| policy.assign(&[c], 1)[0].drafts;
+        assert_eq!(drafts(behind(true, 2)), 0, "a prompt near its end");
+        assert!(
+            drafts(behind(true, 4_000)) > 0,
+            "a prompt, thousands of tokens to go"
+        );
+        assert_eq!(drafts(behind(false, 4_000)), 0, "a resumed sequence");
+    }
+
+    /// Where caught-up sequences rarely draft, a prompt's catch-up serves
+    /// few rounds: it is charged nearly in full.
+    #[test]
+    fn a_prompt_catch_up_is_spread_over_the_steps_sequences_draft() {
+        let mut policy = one_sequence(Drafter::Head, 4, 3);
+        let prompt = Candidate {
+            head_rows: 300,
+            head_fresh: true,
+            remaining: 40,
+            ..candidate(1, 6)
+        };
+        assert!(policy.assign(std::slice::from_ref(&prompt), 1)[0].drafts > 0);
+        // A caught-up sequence that stopped drafting (a useless stretch;
+        // it probes now and then).
+        policy.admit(2, drafting(DraftSchedule::Adaptive));
+        for _ in 0..50 {
+            policy.record(2, Drafter::Head, 1, 0);
+        }
+        for _ in 0..400 {
+            policy.assign(&[candidate(2, 6)], 1);
+        }
+        assert_eq!(policy.assign(&[prompt], 1)[0].drafts, 0);
     }
 
     /// The bound that decides whether a plan is worth filling is one: no
@@ -1368,6 +1500,52 @@ mod tests {
             policy.record(99, Drafter::Head, 6, 6);
         }
         assert_eq!(policy.assign(&[candidate(99, 6)], 1)[0].drafts, 6);
+    }
+
+    /// A lone Q8_0-like stream: plain passes 3.3 ms, a draft round 0.3 ms,
+    /// half of its first drafts accepted, and one verifying pass of two
+    /// tokens measured at 5.5 ms (a cold first one) where it costs 3.6.
+    #[test]
+    fn verifying_costs_not_measured_again_are_forgotten() {
+        let mut policy = DraftPolicy::new(true, None);
+        policy.admit(1, drafting(DraftSchedule::Adaptive));
+        for accepted in [1, 0].repeat(10) {
+            policy.record(1, Drafter::Head, 1, accepted);
+        }
+        policy
+            .cost_mut()
+            .record_round(1, Duration::from_micros(300));
+        let plain = |policy: &mut DraftPolicy, n: u64| {
+            for _ in 0..n {
+                policy
+                    .cost_mut()
+                    .record_pass(1, Duration::from_micros(3_300));
+            }
+        };
+        let drafts = |policy: &mut DraftPolicy| policy.assign(&[candidate(1, 6)], 1)[0].drafts;
+        plain(&mut policy, 20);
+        assert!(
+            drafts(&mut policy) > 0,
+            "unmeasured: the plain curve prices it"
+        );
+        verifying_passes(&mut policy, &[2], 5_480);
+        plain(&mut policy, VERIFY_SHELF_LIFE);
+        assert_eq!(
+            drafts(&mut policy),
+            0,
+            "2.2 ms for half a token does not pay"
+        );
+        plain(&mut policy, 1);
+        assert!(drafts(&mut policy) > 0, "forgotten after its shelf life");
+        // Measured again, as dear: the next shelf life is twice as long.
+        verifying_passes(&mut policy, &[2], 5_480);
+        plain(&mut policy, 2 * VERIFY_SHELF_LIFE);
+        assert_eq!(drafts(&mut policy), 0);
+        plain(&mut policy, 1);
+        assert!(drafts(&mut policy) > 0);
+        // Measured at what it costs, a draft pays.
+        verifying_passes(&mut policy, &[2], 3_580);
+        assert!(drafts(&mut policy) > 0);
     }
 
     #[test]
