@@ -26,7 +26,8 @@
 //!   member's round 0 at the pairs it has pending (a sequence resuming
 //!   after a long pause pays its catch-up to draft; a fresh sequence's
 //!   prompt is spread over the steps it can expect to draft in, see
-//!   [`catch_up_rows`]) and later rounds at one row. `F` is not a line: kernels change tiling with the row count
+//!   [`catch_up_rows`]) and later rounds at one row. `F` is not a line:
+//!   kernels change tiling with the row count
 //!   (on a 2-core AMD EPYC an f32 pass of 1–4 rows cost 21–25 ms and one
 //!   of 5 rows 31 ms; on a 2-core Xeon, where 1–4 rows take the tile,
 //!   1.05–1.18× a 1-row pass; BENCHMARKS.md, issue 18), so each pass size keeps
@@ -526,8 +527,8 @@ pub(crate) struct DraftPolicy {
 /// The decayed share of decode steps in which a sequence the head has
 /// already caught up with drafted: how many of its remaining steps a fresh
 /// sequence's catch-up can expect to serve ([`catch_up_rows`]). A lone
-/// stream drafts in most of its steps; at 16 CPU streams, a few in a
-/// hundred. One pseudo-step that drafted stands in before any is seen.
+/// stream drafts in most of its steps; 16 CPU streams in one in ten or
+/// fewer. One pseudo-step that drafted stands in before any is seen.
 #[derive(Debug, Clone, Copy, Default)]
 struct DraftingShare {
     drafted: f64,

@@ -167,7 +167,7 @@ pub(crate) fn grant_drafts(seqs: &mut Sequences, planned: &mut [Planned]) {
                 cap: p.draft_cap,
                 lookup: proposal,
                 head_rows,
-                head_fresh: seq.is_some_and(|s| s.hidden_from == 0),
+                head_fresh: seqs.head_needs_hidden() && seq.is_some_and(|s| s.hidden_from == 0),
                 remaining: seq.map_or(0, |s| {
                     s.max_new_tokens.saturating_sub(s.generated.len() + 1)
                 }),
