@@ -337,10 +337,8 @@ pub(crate) struct CostModel {
     /// Passes that verified drafts (see the module docs).
     verify: PassCost,
     round: LinearFit,
-    /// Decode passes recorded, plain or verifying: the clock `verify` ages by.
-    passes: u64,
-    /// `passes` at the newest verifying pass.
-    verified_at: u64,
+    /// Plain decode passes since the newest verifying one: `verify`'s age.
+    plain_since_verify: u64,
     /// Times `verify` was forgotten: its shelf life is doubled by each.
     verify_expiries: u32,
 }
@@ -413,9 +411,9 @@ impl CostModel {
     /// A plain decode pass: every sequence fed one token.
     pub fn record_pass(&mut self, tokens: usize, time: Duration) {
         self.forward.add(tokens, time.as_secs_f64());
-        self.passes += 1;
+        self.plain_since_verify += 1;
         let shelf_life = VERIFY_SHELF_LIFE << self.verify_expiries;
-        if self.verify.passes > 0 && self.passes - self.verified_at > shelf_life {
+        if self.verify.passes > 0 && self.plain_since_verify > shelf_life {
             self.verify = PassCost::default();
             self.verify_expiries = (self.verify_expiries + 1).min(6);
         }
@@ -424,8 +422,7 @@ impl CostModel {
     /// A decode pass that verified drafts.
     pub fn record_verify(&mut self, tokens: usize, time: Duration) {
         self.verify.add(tokens, time.as_secs_f64());
-        self.passes += 1;
-        self.verified_at = self.passes;
+        self.plain_since_verify = 0;
     }
 
     /// A draft round that fed the head `rows` rows (pairs) in all.

@@ -5,10 +5,10 @@
 //! EPYC (Zen 4) host streaming ran one row 1.3–1.5× faster in f32 and
 //! 1.5–1.7× in f16; on a Sapphire-Rapids-class Xeon the tile ran one to
 //! four rows 1.1–1.4× faster in f32 and 1.5–1.7× in f16 (BENCHMARKS.md,
-//! sessions 21 and 28). No rule by ISA or vendor
-//! covers both, so the path is measured, per projection shape, on the
-//! calls the engine makes anyway (as cuDNN's benchmark mode picks a
-//! convolution algorithm on its first calls).
+//! sessions 21 and 28). No rule by ISA or vendor covers both, so the path
+//! is measured, per projection shape, on the calls the engine makes anyway
+//! (as cuDNN's benchmark mode picks a convolution algorithm on its first
+//! calls).
 //!
 //! # How a shape is settled
 //! The calls of one shape `(ISA tier, weight element, rows, n, k)` take the
@@ -16,8 +16,9 @@
 //! freshly loaded weights, cold caches) the next [`SAMPLES`] of each are
 //! timed, and the path with the lower median time is kept for the rest of
 //! the process; after [`MIN_SAMPLES`] of each, a path whose median is
-//! [`CLEAR_GAP`] times the other's loses at once. A decode pass makes one call of each shape per layer, so a
-//! 30-layer model settles its per-layer shapes within three passes. Calls
+//! [`CLEAR_GAP`] times the other's loses at once. A decode pass makes one
+//! call of each shape per layer, so a 30-layer model settles its per-layer
+//! shapes within three passes. Calls
 //! of the same shape read different layers' weights of the same size, so
 //! both paths see the same work; alternating call by call puts a shared
 //! host's noise on both alike.
