@@ -156,7 +156,19 @@ if [ -x /tmp/bin/device-tests ]; then
     /tmp/bin/device-tests --test-threads 1 --nocapture 2>&1 | grep -E '^test |test result|graphs|panicked|assert'
 fi
 
-run() { echo "=== $* $WARM_ARGS"; timeout 150 "$L" --device cuda --dtype bf16 --model "$MODEL" --show-answers 0 "$@" $WARM_ARGS 2>&1 | grep -E 'MTP|medians|aggregate|engine time|ceiling' ; }
+# With $BIN/multi_client_load-before.gz (an earlier build), every row runs
+# with it and then with this one: an A/B alternating per row.
+LOADS=$L
+if [ -f "$BIN/multi_client_load-before.gz" ]; then
+  gunzip -c "$BIN/multi_client_load-before.gz" >/tmp/bin/before && chmod +x /tmp/bin/before
+  LOADS="/tmp/bin/before $L"
+fi
+run() {
+  for l in $LOADS; do
+    echo "=== [$(basename "$l")] $* $WARM_ARGS"
+    timeout 150 "$l" --device cuda --dtype bf16 --model "$MODEL" --show-answers 0 "$@" $WARM_ARGS 2>&1 | grep -E 'MTP|medians|aggregate|engine time|ceiling'
+  done
+}
 # WARM=1: the rows with warm engines (the load example's --warm: one engine
 # per configuration for all runs, the workload once untimed first, prefix
 # cache off since the prompts repeat); WARM=both: every row fresh, then warm.
