@@ -34,7 +34,7 @@ use super::kernels::math::{narrow, rms_norm, rope, silu_mul};
 use super::kernels::pool::{for_each_range, threads, SharedMut};
 use super::kernels::qformat::ActivationQuant;
 use super::kernels::Isa;
-use super::linear::CpuCall;
+use super::linear::{CpuCall, Linear};
 use super::llama_weights::{LayerWeights, ModelWeights};
 use super::{Batch, ModelConfig, ModelError};
 use crate::kv::KvCache;
@@ -494,6 +494,27 @@ impl Lean {
             rope(&mut row[..d.qw], d.head_dim, cos, sin, d.scale);
             rope(&mut row[d.qw..d.qw + d.kvw], d.head_dim, cos, sin, 1.0);
         }
+    }
+
+    /// A projection the model's caller owns (an MTP head's input
+    /// projection), for this path: repacked as the model's own are when
+    /// activations are 8-bit.
+    pub(super) fn prepare(&self, w: Linear) -> Result<Linear, ModelError> {
+        Ok(match self.quant {
+            ActivationQuant::Int8 => w.repacked()?,
+            _ => w,
+        })
+    }
+
+    /// `x` (`[rows, k]`) through `w` with this path's kernels: `[rows, n]`
+    /// f32.
+    pub(super) fn project(&self, w: &Linear, x: &Tensor) -> Result<Tensor, ModelError> {
+        let (rows, _) = x.dims2()?;
+        let x: Vec<f32> = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let n = w.dense_dims()?.0;
+        let mut out = vec![0f32; rows * n];
+        w.forward_cpu(self.call(), &x, rows, &mut out, false)?;
+        Ok(Tensor::from_vec(out, (rows, n), &Device::Cpu)?)
     }
 
     /// Final norm and unembedding of `hidden` (`[rows, hidden]`) by

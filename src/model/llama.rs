@@ -38,7 +38,7 @@ use super::candle_step::{CandleStep, GraphPass, ShortSpans};
 use super::decode_graphs::{GraphStats, PassInputs};
 use super::kernels::qformat::ActivationQuant;
 use super::lean::Lean;
-use super::linear::WeightFormat;
+use super::linear::{Linear, WeightFormat};
 use super::llama_weights::{rope_tables, ModelWeights, QScale, WeightLoader};
 use super::{Batch, ModelConfig, ModelError, OutputRows, Weights};
 use crate::kv::{KvCache, KvLayout};
@@ -202,6 +202,27 @@ impl Model {
     /// Whether steps run on the lean CPU path.
     pub fn is_lean(&self) -> bool {
         matches!(self.step, Step::Lean(_))
+    }
+
+    /// `w` (`[n, k]`), a projection the caller owns (an MTP head's input
+    /// projection), in `format` and this model's dtype and device, laid
+    /// out for its path's kernels.
+    pub(super) fn own_linear(&self, w: Tensor, format: WeightFormat) -> Result<Linear, ModelError> {
+        let w = Linear::new(w, format, self.dtype, &self.device, None)?;
+        match &self.step {
+            Step::Lean(l) => l.prepare(w),
+            Step::Candle(_) => Ok(w),
+        }
+    }
+
+    /// `x` (`[rows, k]`) through a projection from
+    /// [`own_linear`](Self::own_linear), with this model's kernels:
+    /// `[rows, n]` (f32 on the lean CPU path, else `x`'s dtype).
+    pub(super) fn project(&self, w: &Linear, x: &Tensor) -> Result<Tensor, ModelError> {
+        match &self.step {
+            Step::Lean(l) => l.project(w, x),
+            Step::Candle(_) => Ok(w.forward(x)?),
+        }
     }
 
     /// Starts (`true`) or stops accumulating per-phase step times; read

@@ -39,11 +39,15 @@
 //! unchanged. Loading checks the ids ([`ModelError::DraftVocab`]).
 //!
 //! # Formats
-//! The block and the gathered unembedding run where the target's layers
-//! run (the lean CPU kernels on CPU) and are quantised to Q8_0 at load when
-//! the target's projections are quantised, so a draft token costs a fixed
-//! share of a target step whatever the target's format. On the lean CPU
-//! path they are Q8_0 over f32 and f16 targets too (`head_q8_on_cpu`).
+//! The input projection, the block and the gathered unembedding run where
+//! the target's layers run (the lean CPU kernels on CPU) and are quantised
+//! to Q8_0 at load when the target's projections are quantised, so a draft
+//! token costs a fixed share of a target step whatever the target's format.
+//! On the lean CPU path they are Q8_0 over f32 and f16 targets too
+//! (`head_q8_on_cpu`). The input projection ran as a candle f32 matmul
+//! until session 30: 0.09 ms of a 0.30 ms one-pair round on a 2-core Xeon,
+//! and 0.25 ms for two pairs, which a step that verified drafts feeds
+//! (`examples/head_round_cost.rs`; BENCHMARKS.md, issue 18).
 //!
 //! # Captured rounds (CUDA)
 //! A round is a handful of small launches (the input projection, one
@@ -72,6 +76,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
+use super::linear::Linear;
 use super::{Batch, LoadOptions, Model, ModelConfig, ModelError, WeightFormat, Weights};
 use crate::kv::KvCache;
 use crate::slot::SlotId;
@@ -255,7 +260,8 @@ pub struct MtpHead {
     embed: Tensor,
     enorm: Tensor,
     hnorm: Tensor,
-    eh_proj: Tensor,
+    /// In the block's weight format, run by the block's kernels.
+    eh_proj: Linear,
     eps: f32,
     /// The decoder block, as a one-layer model sharing the target's
     /// embedding, final norm and unembedding.
@@ -361,6 +367,7 @@ impl MtpHead {
                 ..LoadOptions::default()
             },
         )?;
+        let eh_proj = block.own_linear(eh_proj, weight_format)?;
         // An A/B knob for the captured rounds (see the module docs).
         if std::env::var("TANDEM_HEAD_GRAPHS").is_ok_and(|v| v == "0") {
             block.set_cuda_graphs(false);
@@ -474,7 +481,7 @@ impl MtpHead {
         target.check_tokens(&batch.tokens)?;
         let hidden = hidden.to_dtype(self.embed.dtype())?.contiguous()?;
         let (embed, enorm, hnorm, eps) = (&self.embed, &self.enorm, &self.hnorm, self.eps);
-        let eh_proj = &self.eh_proj;
+        let (eh_proj, block) = (&self.eh_proj, &self.block);
         let project = |ids: &Tensor, hidden: &Tensor| -> Result<Tensor, ModelError> {
             let emb = embed.index_select(ids, 0)?.contiguous()?;
             let x = Tensor::cat(
@@ -484,9 +491,8 @@ impl MtpHead {
                 ],
                 1,
             )?;
-            Ok(x.matmul(&eh_proj.t()?)?)
+            block.project(eh_proj, &x)
         };
-        let block = &self.block;
         // A captured round also takes every row's argmax on the device, so
         // a greedy draft reads back only its id.
         let unembed = |out: Tensor| -> Result<Vec<Tensor>, ModelError> {
