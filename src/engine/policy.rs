@@ -1399,20 +1399,10 @@ mod tests {
                 .cost_mut()
                 .record_round(rows, Duration::from_millis(30));
         }
-        policy.admit(1, drafting(DraftSchedule::Adaptive));
-        for _ in 0..20 {
-            policy.record(1, Drafter::Head, 6, 6);
-            policy.record(1, Drafter::Lookup(2), 2, 2);
-        }
+        admit_with_records(&mut policy, (6, 6), 2, (2, 2));
         let c = lookup_candidate(1, 2, vec![5, 6]);
-        let g = policy.assign(std::slice::from_ref(&c), 1);
-        assert_eq!(
-            g[0],
-            Grant {
-                drafts: 2,
-                drafter: Drafter::Lookup(2)
-            }
-        );
+        let g = &policy.assign(std::slice::from_ref(&c), 1)[0];
+        assert_eq!((g.drafts, g.drafter), (2, Drafter::Lookup(2)), "{g:?}");
         // With cheap rounds the head's longer run wins.
         for rows in [1, 2, 4].repeat(200) {
             policy
@@ -1951,6 +1941,21 @@ mod tests {
         policy
     }
 
+    /// Admits slot 1 with 20 verifications of `(drafted, accepted)` from
+    /// the head and from prompt lookup of order `order`.
+    fn admit_with_records(
+        policy: &mut DraftPolicy,
+        head: (usize, usize),
+        order: usize,
+        lookup: (usize, usize),
+    ) {
+        policy.admit(1, drafting(DraftSchedule::Adaptive));
+        for _ in 0..20 {
+            policy.record(1, Drafter::Head, head.0, head.1);
+            policy.record(1, Drafter::Lookup(order), lookup.0, lookup.1);
+        }
+    }
+
     /// [`one_sequence`], after which sequence 1 left and sequence 2
     /// arrived.
     fn after_one_sequence(drafter: Drafter, drafted: usize, accepted: usize) -> DraftPolicy {
@@ -1997,11 +2002,7 @@ mod tests {
     fn prompt_lookup_is_chosen_when_it_offers_the_longer_run() {
         let mut policy = DraftPolicy::new(true, Some(PromptLookup::default()));
         measured(&mut policy);
-        policy.admit(1, drafting(DraftSchedule::Adaptive));
-        for _ in 0..20 {
-            policy.record(1, Drafter::Lookup(3), 4, 4);
-            policy.record(1, Drafter::Head, 4, 0);
-        }
+        admit_with_records(&mut policy, (4, 0), 3, (4, 4));
         let c = lookup_candidate(1, 3, vec![5, 6, 7, 8]);
         let g = policy.assign(std::slice::from_ref(&c), 1);
         assert_eq!(
