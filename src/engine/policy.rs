@@ -503,6 +503,12 @@ impl CostModel {
         }
     }
 
+    /// The most tokens of any decode pass measured, plain or verifying.
+    fn largest_pass(&self) -> usize {
+        let largest = |p: &PassCost| p.sizes.keys().next_back().copied().unwrap_or(0);
+        largest(&self.forward).max(largest(&self.verify))
+    }
+
     /// A plain decode pass of `tokens` tokens (the line), if any is measured.
     fn mean_pass_at(&self, tokens: f64) -> Option<f64> {
         let (f0, f1) = self.pass_line()?;
@@ -704,9 +710,18 @@ impl DraftPolicy {
     /// sequences (`slots`) over `base_tokens` pass tokens, each allowed up
     /// to `cap` drafts: some sequence has a constant schedule, or a perfect
     /// run (every draft accepted, no round to pay), by one sequence or by
-    /// all of them, would beat the plain step. When not, the engine skips
-    /// the proposals and the plan: at many streams their host time is a
-    /// share of a GPU step (on the H200, 0.6 ms of a 1.4 ms step at 64).
+    /// all of them, would clearly beat the plain step (by the plan's
+    /// margin). When not, the engine skips the proposals and the plan: at
+    /// many streams their host time is a share of a GPU step (on the H200,
+    /// 0.6 ms of a 1.4 ms step at 64; 0.08-0.13 ms after session 26's
+    /// cheap plans, still 6-9 %). For the run by all of them, a pass
+    /// larger than any measured is priced at no less than the largest
+    /// measured one's time per token (one sequence's run stays on the
+    /// fitted curve: its first draft is how verification gets measured):
+    /// extrapolated along the fitted slope, which a GPU's flat small
+    /// passes make nearly zero, 64 sequences drafting 8 each (576 tokens)
+    /// looked nearly free beside one measured verifying pass of 65, and
+    /// every step planned for nothing (BENCHMARKS.md, issue 18, session 30).
     pub fn worth_planning(&self, slots: &[SlotId], base_tokens: usize, cap: usize) -> bool {
         let constant = slots.iter().any(|s| {
             self.seqs
@@ -720,12 +735,22 @@ impl DraftPolicy {
         };
         let plain = costs.pass_time(base_tokens);
         let rate = decodes as f64 / plain;
+        let largest = self.cost.largest_pass().max(1);
+        let per_token = costs.pass_time(largest) / largest as f64;
+        let bounded = |t: usize| {
+            let time = costs.verify_time(t);
+            if t > largest {
+                time.max(per_token * t as f64)
+            } else {
+                time
+            }
+        };
         constant
             || (1..=cap).any(|k| {
                 let one = costs.verify_time(base_tokens + k) - plain;
-                let all = costs.verify_time(base_tokens + decodes * k);
+                let all = bounded(base_tokens + decodes * k);
                 k as f64 / one.max(costs.floor * k as f64) > MARGIN * rate
-                    || (decodes * (1 + k)) as f64 / all > rate
+                    || (decodes * (1 + k)) as f64 / all > MARGIN * rate
             })
     }
 
@@ -1845,6 +1870,18 @@ mod tests {
         let (mut cheap, _) = graph_like();
         verifying_passes(&mut cheap, &[17, 24, 32], 1_100);
         assert!(cheap.worth_planning(&ids, 16, 6));
+        // 64 streams, plain passes flat at 1.4 ms, one verifying pass of 65
+        // measured at 7.3 ms (eager): 576 tokens are no cheaper a token
+        // than 65, and no perfect run of any length pays.
+        let mut wide = DraftPolicy::new(true, None);
+        for t in [61, 62, 63, 64] {
+            wide.cost_mut()
+                .record_pass(t, Duration::from_micros(1_390 + t as u64 / 8));
+        }
+        wide.cost_mut()
+            .record_verify(65, Duration::from_micros(7_300));
+        let many: Vec<SlotId> = (0..64).collect();
+        assert!(!wide.worth_planning(&many, 64, 8));
         // Before any measurement only a lone decode plans.
         let fresh = DraftPolicy::new(true, None);
         assert!(fresh.worth_planning(&[1], 1, 6));
