@@ -847,7 +847,7 @@ impl DraftPolicy {
                 chosen[i] = e;
             }
         }
-        let options: Vec<Choice> = chosen.iter().map(|&e| options[e].clone()).collect();
+        let options: Vec<&Choice> = chosen.iter().map(|&e| &options[e]).collect();
         let mut drafts: Vec<usize> = chosen.iter().map(|&e| drafts[e]).collect();
         let probing: Vec<bool> = chosen.iter().map(|&e| probing[e]).collect();
         self.update_probes(candidates, &options, &drafts, &plan, &probing);
@@ -935,7 +935,7 @@ impl DraftPolicy {
     fn update_probes(
         &mut self,
         candidates: &[Candidate],
-        options: &[Choice],
+        options: &[&Choice],
         drafts: &[usize],
         plan: &StepModel,
         probing: &[bool],
@@ -953,7 +953,7 @@ impl DraftPolicy {
             } else if drafts[i] > 0 {
                 s.idle = 0;
                 s.backoff = MIN_BACKOFF;
-            } else if plan.would_pay(&options[i], PROBE_ACCEPTANCE) {
+            } else if plan.would_pay(options[i], PROBE_ACCEPTANCE) {
                 s.idle += 1;
                 // Only the head's record has a pooled one to fade into.
                 if let (Drafter::Head, Some(a)) =
@@ -1180,12 +1180,13 @@ impl StepModel {
         owner: &[usize],
         drafts: &mut [usize],
     ) {
-        let mut taken: HashMap<usize, usize> = HashMap::new();
+        // `taken[c]`: the offer candidate `c` drafts from, once it does.
+        let mut taken: Vec<Option<usize>> = vec![None; owner.last().map_or(0, |&c| c + 1)];
         loop {
             let now = self.pass_now();
             let mut best: Option<(f64, usize, usize, f64, f64)> = None;
             for (i, r) in reach.iter().enumerate() {
-                if taken.get(&owner[i]).is_some_and(|&e| e != i) {
+                if taken[owner[i]].is_some_and(|e| e != i) {
                     continue;
                 }
                 let from = drafts[i];
@@ -1214,7 +1215,7 @@ impl StepModel {
             self.pass_tokens += to - drafts[i];
             self.verifies = true;
             drafts[i] = to;
-            taken.insert(owner[i], i);
+            taken[owner[i]] = Some(i);
             self.tokens += gain;
             self.time += dt;
         }

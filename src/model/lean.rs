@@ -511,7 +511,7 @@ impl Lean {
     pub(super) fn project(&self, w: &Linear, x: &Tensor) -> Result<Tensor, ModelError> {
         let (rows, _) = x.dims2()?;
         let x: Vec<f32> = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        let n = w.dense_dims()?.0;
+        let n = w.columns()?;
         let mut out = vec![0f32; rows * n];
         w.forward_cpu(self.call(), &x, rows, &mut out, false)?;
         Ok(Tensor::from_vec(out, (rows, n), &Device::Cpu)?)

@@ -224,18 +224,8 @@ impl Linear {
         }
     }
 
-    /// `(n, k)`: output columns and input width.
-    pub(crate) fn dense_dims(&self) -> candle_core::Result<(usize, usize)> {
-        Ok(match self {
-            Self::Dense(w) => w.dims2()?,
-            Self::Quantized(q) => q.shape().dims2()?,
-            Self::Packed(p) => p.dims(),
-            Self::Stacked(parts) => (self.columns()?, parts[0].dense_dims()?.1),
-        })
-    }
-
     /// Output columns (`n`).
-    fn columns(&self) -> candle_core::Result<usize> {
+    pub(crate) fn columns(&self) -> candle_core::Result<usize> {
         Ok(match self {
             Self::Dense(w) => w.dims2()?.0,
             Self::Quantized(q) => q.shape().dims2()?.0,
