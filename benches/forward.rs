@@ -49,7 +49,9 @@
 //!   streaming sum over a buffer as large as what the step reads (weights
 //!   past the embedding table, plus the KV), on 2 MiB pages and the same
 //!   number of threads. Interleaving step by step puts both under the same
-//!   memory conditions, which on a shared host change within seconds.
+//!   memory conditions, which on a shared host change within seconds. The
+//!   lean path's phases follow, each against the streaming time of the
+//!   bytes it reads (its weights, or the KV for attention).
 
 use std::time::{Duration, Instant};
 
@@ -470,6 +472,7 @@ fn roofline(configs: &[Config], steps: usize) {
         let (mut sum_time, mut step_time) = (Duration::ZERO, Duration::ZERO);
         let mut unembed_time = Duration::ZERO;
         let mut ratios = Vec::with_capacity(steps);
+        c.model.set_profiling(true);
         for step in 0..steps {
             let read = stream_sum(&buf);
             let start = Instant::now();
@@ -508,6 +511,50 @@ fn roofline(configs: &[Config], steps: usize) {
             100.0 * head / sum_rate / unembed_time.as_secs_f64(),
             100.0 * (bytes - head) / sum_rate / (step_time - unembed_time).as_secs_f64(),
         );
+        let phases = c.model.take_profile();
+        c.model.set_profiling(false);
+        let kv = (PROMPT + steps / 2) * c.model.kv_layout().bytes_per_token();
+        let phase_bytes = phase_bytes(c.model.config(), per_weight, kv as f64);
+        for (name, time) in phases.iter().filter(|(_, t)| !t.is_zero()) {
+            let per_step = time.as_secs_f64() / steps as f64;
+            let share = 100.0 * time.as_secs_f64() / step_time.as_secs_f64();
+            let bytes = phase_bytes(name);
+            let of_roofline = if bytes > 0.0 {
+                format!(
+                    ", {:5.1} MB: {:5.1} % of the roofline",
+                    bytes / 1e6,
+                    100.0 * bytes / sum_rate / time.as_secs_f64()
+                )
+            } else {
+                String::new()
+            };
+            println!(
+                "  {:<10} {:<10} {:6.3} ms/step ({share:4.1} %){of_roofline}",
+                "",
+                name,
+                1e3 * per_step
+            );
+        }
+    }
+}
+
+/// Bytes a single-stream decode step's phase `name` reads (its weights, or
+/// the KV for attention), for the lean path's phases; 0 for the phases
+/// that read none worth counting.
+fn phase_bytes(cfg: &ModelConfig, per_weight: f64, kv: f64) -> impl Fn(&str) -> f64 + '_ {
+    let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+    let layers = cfg.num_layers as f64;
+    move |name| {
+        let weights = match name {
+            "qkv" => h * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd,
+            "o_proj" => h * cfg.num_heads * hd,
+            "gate_up" => 2 * h * i,
+            "down" => h * i,
+            "lm_head" => return (cfg.vocab_size * h) as f64 * per_weight,
+            "attention" => return kv,
+            _ => 0,
+        };
+        weights as f64 * layers * per_weight
     }
 }
 

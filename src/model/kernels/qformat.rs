@@ -459,13 +459,7 @@ impl QuantisedRows8 {
     /// scale `amax / 127`, levels rounded to nearest, ties to even.
     #[inline(always)]
     pub(crate) fn quantise(&mut self, x: &[f32], rows: usize, k: usize, group: usize) {
-        self.q.resize(rows * k, 0);
-        self.qu.resize(rows * k, 0);
-        self.d.resize(rows * (k / group), 0.0);
-        self.qsum.resize(rows * k / 32, 0);
-        self.sum.resize(rows * k / 32, 0.0);
-        self.qoff.resize(rows * k / 32, 0);
-        self.qsum16.resize(rows * k / 16, 0);
+        self.size(rows, k, group);
         let x = &x[..rows * k];
         let level = |v: f32| v.clamp(-LEVELS8, LEVELS8) as i8;
         quantise_groups(x, &mut self.q, &mut self.d, group, LEVELS8, level);
@@ -478,6 +472,18 @@ impl QuantisedRows8 {
         for (u, &q) in self.qu.iter_mut().zip(&self.q) {
             *u = (q as u8) ^ 0x80;
         }
+    }
+
+    /// Sizes every buffer for `rows` rows of `k` in groups of `group`.
+    #[inline(always)]
+    pub(crate) fn size(&mut self, rows: usize, k: usize, group: usize) {
+        self.q.resize(rows * k, 0);
+        self.qu.resize(rows * k, 0);
+        self.d.resize(rows * (k / group), 0.0);
+        self.qsum.resize(rows * k / 32, 0);
+        self.sum.resize(rows * k / 32, 0.0);
+        self.qoff.resize(rows * k / 32, 0);
+        self.qsum16.resize(rows * k / 16, 0);
     }
 
     /// Fills `qsum16`, the levels' sums per 16 elements, which only Q6_K

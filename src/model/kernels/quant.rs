@@ -185,13 +185,18 @@ pub(super) fn with_acts8<T>(
     f: impl FnOnce(&QuantisedRows8) -> T,
 ) -> T {
     ACTS8.with_borrow_mut(|acts| {
-        let quantise_for = |a: &mut QuantisedRows8| {
-            a.quantise(x, rows, k, format.group());
-            if format == QFormat::Q6K {
-                a.sum_sixteens();
-            }
-        };
-        quantise(isa, quantise_for, acts);
+        let group = format.group();
+        match isa {
+            // SAFETY: the tier was detected on this CPU (AVX2 at least).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni => unsafe {
+                x86::quantise8(acts, x, rows, k, group)
+            },
+            _ => acts.quantise(x, rows, k, group),
+        }
+        if format == QFormat::Q6K {
+            acts.sum_sixteens();
+        }
         f(acts)
     })
 }
@@ -327,7 +332,10 @@ mod avx512;
 pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{k4_scales, min_term, store, ActRows, DecodedRow, Job, QFormat, MR};
+    use super::{
+        k4_scales, min_term, store, ActRows, DecodedRow, Job, QFormat, QuantisedRows8, MR,
+    };
+    use crate::model::kernels::qformat::LEVELS8;
 
     #[inline(always)]
     pub(crate) unsafe fn hsum(v: __m256) -> f32 {
@@ -378,6 +386,69 @@ pub(crate) mod x86 {
                 v += min_term(&w.min, &a.sum[r * k / 32..(r + 1) * k / 32]);
             }
             store(job, r0 + i, j, v);
+        }
+    }
+
+    /// [`QuantisedRows8::quantise`] in AVX2 intrinsics, the same bits: its
+    /// loops did not vectorise (the `f32::max` fold of the group's
+    /// magnitude, the saturating `as i8`), and took 2 ns an element, 3 µs
+    /// for a 1 536-wide row: a fifth of a small projection's call.
+    /// The levels are `v · (1 / d)` clamped to ±127 (NaN to 0, as `as i8` makes
+    /// it) and rounded by `vcvtps2dq`, which rounds to nearest, ties to
+    /// even, as [`super::qformat`]'s scalar rounding does.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn quantise8(
+        a: &mut QuantisedRows8,
+        x: &[f32],
+        rows: usize,
+        k: usize,
+        group: usize,
+    ) {
+        a.size(rows, k, group);
+        let x = &x[..rows * k];
+        let sign = _mm256_set1_ps(-0.0);
+        let (lo, hi) = (_mm256_set1_ps(-LEVELS8), _mm256_set1_ps(LEVELS8));
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        let (flip, zero) = (_mm256_set1_epi8(-128), _mm256_setzero_si256());
+        for (g, xs) in x.chunks_exact(group).enumerate() {
+            let mut m = _mm256_setzero_ps();
+            for c in xs.chunks_exact(8) {
+                // A NaN lane keeps `m` (the second operand), as `f32::max` does.
+                m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(c.as_ptr())), m);
+            }
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
+            let d = amax / LEVELS8;
+            a.d[g] = d;
+            let id = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+            let level = |c: &[f32], i: usize| {
+                let v = _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr().add(8 * i)), id);
+                let v = _mm256_and_ps(v, _mm256_cmp_ps::<_CMP_ORD_Q>(v, v));
+                _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi))
+            };
+            for (b, c) in xs.chunks_exact(32).enumerate() {
+                let block = (g * group) / 32 + b;
+                let words = (
+                    _mm256_packs_epi32(level(c, 0), level(c, 1)),
+                    _mm256_packs_epi32(level(c, 2), level(c, 3)),
+                );
+                // packs interleaves the 128-bit lanes: dwords a0 b0 c0 d0 a1 b1 c1 d1.
+                let q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words.0, words.1), order);
+                let qu = _mm256_xor_si256(q, flip);
+                _mm256_storeu_si256(a.q.as_mut_ptr().add(32 * block) as *mut __m256i, q);
+                _mm256_storeu_si256(a.qu.as_mut_ptr().add(32 * block) as *mut __m256i, qu);
+                // Σ qu over the 32 bytes, less 32 · 128: Σ q.
+                let sad = _mm256_sad_epu8(qu, zero);
+                let pair = _mm_add_epi64(
+                    _mm256_castsi256_si128(sad),
+                    _mm256_extracti128_si256::<1>(sad),
+                );
+                let s = (_mm_cvtsi128_si64(pair) + _mm_extract_epi64::<1>(pair)) as i32 - 32 * 128;
+                a.qsum[block] = s as i16;
+                a.sum[block] = d * s as f32;
+                a.qoff[block] = -128 * s;
+            }
         }
     }
 

@@ -525,3 +525,43 @@ fn packed_products_reach_the_extreme_levels_exactly() {
         }
     }
 }
+
+/// The quantiser the x86 tiers run gives the scalar one's bits: levels,
+/// scales and every per-block sum, for groups of 32 and 256, with ties,
+/// zero groups, extreme magnitudes, infinities and NaN among the inputs.
+#[test]
+fn the_vector_activation_quantiser_gives_the_scalar_ones_bits() {
+    if !Isa::supported().contains(&Isa::Avx2) {
+        eprintln!("skipped: no AVX2 on this CPU");
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    let (rows, k) = (3, 1536);
+    let mut x: Vec<f32> = (0..rows * k)
+        .map(|i| match i % 211 {
+            // Exact ties once scaled: amax 127 makes d 1.
+            0 => 127.0,
+            1..=40 => (i % 9) as f32 - 4.5,
+            _ => rng.random_range(-3.0f32..3.0) * [1e-3, 1.0, 50.0][i / 500 % 3],
+        })
+        .collect();
+    x[64..96].fill(0.0);
+    x[300] = f32::INFINITY;
+    x[700] = f32::NEG_INFINITY;
+    x[1000] = f32::NAN;
+    x[2000..2032].iter_mut().for_each(|v| *v *= 1e-39);
+    for group in [32, 256] {
+        let mut scalar = QuantisedRows8::default();
+        scalar.quantise(&x, rows, k, group);
+        let mut vector = QuantisedRows8::default();
+        // SAFETY: AVX2 was detected above.
+        unsafe { super::quant::x86::quantise8(&mut vector, &x, rows, k, group) };
+        assert_eq!(vector.q, scalar.q, "levels, group {group}");
+        assert_eq!(vector.qu, scalar.qu, "unsigned levels, group {group}");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&vector.d), bits(&scalar.d), "scales, group {group}");
+        assert_eq!(bits(&vector.sum), bits(&scalar.sum), "sums, group {group}");
+        assert_eq!(vector.qsum, scalar.qsum, "level sums, group {group}");
+        assert_eq!(vector.qoff, scalar.qoff, "offsets, group {group}");
+    }
+}
