@@ -7,8 +7,10 @@
 //!   head_dim]` (token-major), divided into blocks of `block_size` rows.
 //!   Position `p` of a slot lives at row `table[p / block_size] *
 //!   block_size + p % block_size`. The buffers grow (geometrically) to the
-//!   highest block in use, so an idle pool costs nothing. Rows past a
-//!   slot's `len` are garbage.
+//!   highest block in use, so an idle pool costs nothing; on CUDA a pool of
+//!   known size is allocated whole the first time it grows
+//!   ([`KvCache::set_whole_pool`]), since every reallocation drops the
+//!   decode graphs captured over it. Rows past a slot's `len` are garbage.
 //! - Who decides the tables:
 //!   - **external** ([`KvCache::paged`], the engine's cache): the
 //!     scheduler's [`BlockPool`] owns the accounting, the prefix cache and
@@ -172,6 +174,9 @@ pub struct KvCache {
     /// whenever they are reallocated, so whoever keeps their device
     /// addresses (a captured CUDA graph) knows they are stale.
     generation: u64,
+    /// Grow a pool of known size straight to all of it (see
+    /// [`KvCache::set_whole_pool`]).
+    whole_pool: bool,
 }
 
 /// Source of [`KvCache::pool_generation`]s.
@@ -237,6 +242,7 @@ impl KvCache {
         assert!(block_size > 0, "KV block size 0: this is a bug");
         Self {
             layout,
+            whole_pool: device.is_cuda(),
             device,
             block_size,
             blocks,
@@ -373,6 +379,18 @@ impl KvCache {
     /// generations mean the same device memory (across all caches).
     pub fn pool_generation(&self) -> u64 {
         self.generation
+    }
+
+    /// Whether a pool of known size (a paged cache's `num_blocks`) grows
+    /// straight to all of it the first time it grows, instead of doubling
+    /// up to the highest block in use. On by default on CUDA: a captured
+    /// decode graph keeps the pool's addresses, and every reallocation (a
+    /// new [`pool_generation`](Self::pool_generation)) drops all of them.
+    /// Lazily grown, a warm engine's pool reached its last size late in
+    /// its first run, and every shape captured before that was captured
+    /// again in the next run.
+    pub fn set_whole_pool(&mut self, on: bool) {
+        self.whole_pool = on;
     }
 
     /// Layer `layer`'s (K, V) buffers `[rows, kv_heads, head_dim]` shared by
@@ -558,15 +576,21 @@ impl KvCache {
             return Ok(());
         }
         let cap_rows = match self.blocks {
-            Blocks::External { num_blocks } | Blocks::Undecided { num_blocks } => {
-                num_blocks * self.block_size
-            }
+            Blocks::External { num_blocks }
+            | Blocks::Undecided { num_blocks }
+            | Blocks::Own {
+                undecided: Some(num_blocks),
+                ..
+            } => num_blocks * self.block_size,
             Blocks::Own { .. } => usize::MAX,
         };
-        let new_rows = rows
-            .max(2 * self.rows)
-            .max(MIN_POOL_BLOCKS * self.block_size)
-            .min(cap_rows.max(rows));
+        let new_rows = if self.whole_pool && cap_rows != usize::MAX {
+            cap_rows.max(rows)
+        } else {
+            rows.max(2 * self.rows)
+                .max(MIN_POOL_BLOCKS * self.block_size)
+                .min(cap_rows.max(rows))
+        };
         let layout = self.layout;
         let shape = (new_rows, layout.num_kv_heads, layout.head_dim);
         let mut layers = Vec::with_capacity(layout.num_layers);

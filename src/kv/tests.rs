@@ -213,3 +213,33 @@ fn a_pass_writes_every_slots_hidden_rows_or_none() {
         values(&hidden_rows(100, 5))
     );
 }
+
+#[test]
+fn a_whole_pool_is_allocated_once_and_keeps_its_generation() {
+    let mut kv = KvCache::paged(layout(), Device::Cpu, 64, 4);
+    kv.set_whole_pool(true);
+    kv.register(1, vec![0], 0).unwrap();
+    let generation = kv.pool_generation();
+    assert_eq!(kv.pool_layer(0).unwrap().0.dim(0).unwrap(), 64 * 4);
+    // Blocks far past any doubling step: no reallocation, so CUDA graphs
+    // captured over the pool stay valid.
+    kv.set_table(1, vec![0, 63], None).unwrap();
+    kv.register(2, vec![40, 41, 42], 0).unwrap();
+    assert_eq!(kv.pool_generation(), generation);
+}
+
+#[test]
+fn a_lazy_pool_doubles_to_the_highest_block_and_renames_itself() {
+    let mut kv = KvCache::paged(layout(), Device::Cpu, 64, 4);
+    kv.set_whole_pool(false);
+    kv.register(1, vec![0], 0).unwrap();
+    let first = kv.pool_generation();
+    assert_eq!(kv.pool_layer(0).unwrap().0.dim(0).unwrap(), 16 * 4);
+    kv.set_table(1, vec![0, 20], None).unwrap();
+    assert_eq!(kv.pool_layer(0).unwrap().0.dim(0).unwrap(), 32 * 4);
+    assert_ne!(
+        kv.pool_generation(),
+        first,
+        "a reallocation names new buffers"
+    );
+}
