@@ -459,7 +459,14 @@ impl StepExecutor for Engine {
             let captures = self.model.cuda_graph_stats().captures;
             let result = self.run_pass(&mut planned, &mut outcome.stats);
             let captured = self.model.cuda_graph_stats().captures != captures;
-            let pass = start.elapsed().saturating_sub(outcome.stats.draft);
+            // The KV phase is no part of what a pass of these tokens
+            // costs: when a CPU pool grows (doubling, copying every layer's
+            // K and V) it took 1.3-1.8 s of a 95 ms step, and those steps,
+            // priced as passes, made a 64-token pass look 2.5 times its
+            // cost and drafting at 64 streams look cheap.
+            let pass = start
+                .elapsed()
+                .saturating_sub(admitted + outcome.stats.draft);
             self.record_pass_cost(&planned, &outcome.stats, pass, captured);
             self.report(&planned, result, &mut outcome.seqs);
         }
@@ -470,9 +477,9 @@ impl StepExecutor for Engine {
 }
 
 impl Engine {
-    /// Gives a decode pass's time (`pass`: the step's, drafting aside) to
-    /// the draft policy's cost model, as a plain or a verifying pass, and
-    /// traces it. Decode steps only: a prompt chunk's tokens are far
+    /// Gives a decode pass's time (`pass`: the step's, its KV phase and
+    /// drafting aside) to the draft policy's cost model, as a plain or a
+    /// verifying pass, and traces it. Decode steps only: a prompt chunk's tokens are far
     /// cheaper at the margin than a decode's, and would skew the slope the
     /// policy prices drafts with. A pass that `captured` a CUDA graph ran
     /// twice (eagerly, then under capture): a one-off, not what its shape
