@@ -55,6 +55,7 @@ pub mod api;
 pub mod engine;
 pub mod gguf;
 pub mod handle;
+mod host_memory;
 pub mod kv;
 pub mod model;
 pub mod request;

@@ -6,11 +6,13 @@
 //! - Storage: one buffer per layer for K and one for V, `[rows, kv_heads,
 //!   head_dim]` (token-major), divided into blocks of `block_size` rows.
 //!   Position `p` of a slot lives at row `table[p / block_size] *
-//!   block_size + p % block_size`. The buffers grow (geometrically) to the
-//!   highest block in use, so an idle pool costs nothing; on CUDA a pool of
-//!   known size is allocated whole the first time it grows
-//!   ([`KvCache::set_whole_pool`]), since every reallocation drops the
-//!   decode graphs captured over it. Rows past a slot's `len` are garbage.
+//!   block_size + p % block_size`. A pool of known size (the engine's) is
+//!   allocated whole the first time it grows ([`KvCache::set_whole_pool`]):
+//!   on CUDA every reallocation would drop the decode graphs captured over
+//!   it, and on the CPU its memory is left untouched until rows are
+//!   written, so an idle pool costs address space, not memory, and no
+//!   step stalls on a copy. A pool of no set size grows geometrically to
+//!   the highest block in use. Rows past a slot's `len` are garbage.
 //! - Who decides the tables:
 //!   - **external** ([`KvCache::paged`], the engine's cache): the
 //!     scheduler's [`BlockPool`] owns the accounting, the prefix cache and
@@ -242,7 +244,7 @@ impl KvCache {
         assert!(block_size > 0, "KV block size 0: this is a bug");
         Self {
             layout,
-            whole_pool: device.is_cuda(),
+            whole_pool: true,
             device,
             block_size,
             blocks,
@@ -383,12 +385,14 @@ impl KvCache {
 
     /// Whether a pool of known size (a paged cache's `num_blocks`) grows
     /// straight to all of it the first time it grows, instead of doubling
-    /// up to the highest block in use. On by default on CUDA: a captured
+    /// up to the highest block in use. On by default. On CUDA a captured
     /// decode graph keeps the pool's addresses, and every reallocation (a
-    /// new [`pool_generation`](Self::pool_generation)) drops all of them.
-    /// Lazily grown, a warm engine's pool reached its last size late in
+    /// new [`pool_generation`](Self::pool_generation)) drops all of them:
+    /// lazily grown, a warm engine's pool reached its last size late in
     /// its first run, and every shape captured before that was captured
-    /// again in the next run.
+    /// again in the next run. On the CPU each doubling copied the pool into
+    /// fresh memory, a step's stall of 1-2 s at 64 streams of SmolLM2 on a
+    /// 2-core VM; the whole pool's pages are only faulted in as written.
     pub fn set_whole_pool(&mut self, on: bool) {
         self.whole_pool = on;
     }
@@ -593,10 +597,10 @@ impl KvCache {
         };
         let layout = self.layout;
         let shape = (new_rows, layout.num_kv_heads, layout.head_dim);
+        let mut buffers = pool_buffers(&self.device, layout, shape)?;
         let mut layers = Vec::with_capacity(layout.num_layers);
         for l in 0..layout.num_layers {
-            let k = Tensor::zeros(shape, layout.dtype, &self.device)?;
-            let v = Tensor::zeros(shape, layout.dtype, &self.device)?;
+            let (k, v) = (buffers(2 * l)?, buffers(2 * l + 1)?);
             if let Some((old_k, old_v)) = self.layers.get(l) {
                 k.slice_set(old_k, 0, 0)?;
                 v.slice_set(old_v, 0, 0)?;
@@ -611,7 +615,7 @@ impl KvCache {
             },
         ) = self.hidden.as_mut()
         {
-            let buffer = Tensor::zeros((new_rows, h.width), h.dtype, &self.device)?;
+            let buffer = zeroed_buffer(&self.device, (new_rows, h.width), h.dtype)?;
             if let Some(old) = &h.buffer {
                 buffer.slice_set(old, 0, 0)?;
             }
@@ -850,3 +854,57 @@ pub fn row_of(table: &[BlockId], block_size: usize, pos: usize) -> Option<usize>
 
 #[cfg(test)]
 mod tests;
+
+/// The pool's `2 · num_layers` zeroed buffers of `shape` (layer `l`'s K is
+/// buffer `2l`, its V `2l + 1`). On the CPU they are views of one buffer
+/// whose pages are faulted in as rows are first written
+/// ([`crate::host_memory::zeroed`]): `Tensor::zeros` writes every element,
+/// and on the VMs this runs on zeroing 60 fresh buffers (a page fault per
+/// 4 KiB) stalled a step for 0.8-1.7 s. 4 KiB pages, not huge ones: a
+/// huge page's first touch (zeroing 2 MiB, compacting memory for it) took
+/// longer still there, and a pool's rows are first written a few at a
+/// time, by decode steps.
+fn pool_buffers(
+    device: &Device,
+    layout: KvLayout,
+    shape: (usize, usize, usize),
+) -> Result<impl FnMut(usize) -> Result<Tensor, KvError>, KvError> {
+    let n = shape.0 * shape.1 * shape.2;
+    let whole = 2 * layout.num_layers * n;
+    let arena = match (device.is_cpu(), layout.dtype) {
+        (true, DType::F32) => Some(host_buffer::<f32>(whole)?),
+        (true, DType::F16) => Some(host_buffer::<half::f16>(whole)?),
+        (true, DType::BF16) => Some(host_buffer::<half::bf16>(whole)?),
+        _ => None,
+    };
+    let device = device.clone();
+    Ok(move |i: usize| -> Result<Tensor, KvError> {
+        Ok(match &arena {
+            Some(buf) => buf.narrow(0, i * n, n)?.reshape(shape)?,
+            None => Tensor::zeros(shape, layout.dtype, &device)?,
+        })
+    })
+}
+
+/// A zeroed buffer of `shape`, untouched on the CPU (see [`pool_buffers`]).
+fn zeroed_buffer(device: &Device, shape: (usize, usize), dtype: DType) -> Result<Tensor, KvError> {
+    let len = shape.0 * shape.1;
+    Ok(match (device.is_cpu(), dtype) {
+        (true, DType::F32) => host_buffer::<f32>(len)?.reshape(shape)?,
+        (true, DType::F16) => host_buffer::<half::f16>(len)?.reshape(shape)?,
+        (true, DType::BF16) => host_buffer::<half::bf16>(len)?.reshape(shape)?,
+        _ => Tensor::zeros(shape, dtype, device)?,
+    })
+}
+
+/// A zeroed, untouched CPU buffer of `len` elements.
+fn host_buffer<T: candle_core::WithDType>(len: usize) -> Result<Tensor, KvError> {
+    let v = crate::host_memory::zeroed::<T>(len).ok_or_else(|| {
+        KvError::Tensor(format!(
+            "KV pool: cannot allocate {len} elements of {:?}",
+            T::DTYPE
+        ))
+    })?;
+    let len = v.len();
+    Ok(Tensor::from_vec(v, len, &Device::Cpu)?)
+}

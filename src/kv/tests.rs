@@ -216,8 +216,8 @@ fn a_pass_writes_every_slots_hidden_rows_or_none() {
 
 #[test]
 fn a_whole_pool_is_allocated_once_and_keeps_its_generation() {
+    // Whole by default, on the CPU as on CUDA.
     let mut kv = KvCache::paged(layout(), Device::Cpu, 64, 4);
-    kv.set_whole_pool(true);
     kv.register(1, vec![0], 0).unwrap();
     let generation = kv.pool_generation();
     assert_eq!(kv.pool_layer(0).unwrap().0.dim(0).unwrap(), 64 * 4);
@@ -226,6 +226,25 @@ fn a_whole_pool_is_allocated_once_and_keeps_its_generation() {
     kv.set_table(1, vec![0, 63], None).unwrap();
     kv.register(2, vec![40, 41, 42], 0).unwrap();
     assert_eq!(kv.pool_generation(), generation);
+    // Every layer's K and V are buffers of their own (on the CPU, views of
+    // one allocation): nothing written to one shows in another.
+    let values = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for layer in 0..2 {
+        let at = 1000 * layer;
+        kv.write(2, layer, 0, &rows(at, 12), &rows(at + 500, 12))
+            .unwrap();
+    }
+    kv.set_len(2, 12).unwrap();
+    for layer in 0..2 {
+        let (k, v) = kv.view(2, layer, 12).unwrap();
+        let at = 1000 * layer;
+        assert_eq!(values(k), values(rows(at, 12)), "layer {layer}'s keys");
+        assert_eq!(
+            values(v),
+            values(rows(at + 500, 12)),
+            "layer {layer}'s values"
+        );
+    }
 }
 
 #[test]

@@ -34,6 +34,7 @@ use super::kernels::packed::{self, Packed};
 use super::kernels::qformat::{ActivationQuant, QFormat};
 use super::kernels::quant::{self, QMatrix};
 use super::kernels::{dot, Isa};
+use crate::host_memory::zeroed_on_huge_pages;
 
 /// How the lean path runs a projection: the kernels' tier, the most
 /// threads, and how the quantised linear quantises activations.
@@ -121,7 +122,6 @@ pub(crate) struct WeightArena {
 
 /// Elements a slot is aligned to (64 bytes of the widest element).
 const SLOT_ALIGN: usize = 16;
-const HUGE_PAGE: usize = 2 << 20;
 
 impl WeightArena {
     /// Room for weights of `elems` elements in total, in at most `slots`
@@ -130,22 +130,8 @@ impl WeightArena {
         /// A zeroed buffer with room for `len` elements from its first
         /// 2 MiB boundary to a later one, and the index of that boundary.
         fn zeroed<T: candle_core::WithDType>(len: usize) -> candle_core::Result<(Tensor, usize)> {
-            let size = std::mem::size_of::<T>();
-            let cap = len + 2 * HUGE_PAGE / size;
-            let layout = std::alloc::Layout::array::<T>(cap)
-                .map_err(|e| candle_core::Error::Msg(format!("weight arena: {e}")))?;
-            // SAFETY: the layout is non-zero-sized; the pointer is checked
-            // below before use.
-            let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut T;
-            if ptr.is_null() {
-                std::alloc::handle_alloc_error(layout);
-            }
-            advise_huge_pages(ptr as usize, cap * size);
-            let base = ((ptr as usize).next_multiple_of(HUGE_PAGE) - ptr as usize) / size;
-            // SAFETY: allocated with the global allocator for exactly
-            // `cap` elements of T's alignment; all bytes are zero, a valid
-            // value of every float type used here.
-            let v = unsafe { Vec::from_raw_parts(ptr, cap, cap) };
+            let (v, base) = zeroed_on_huge_pages::<T>(len);
+            let cap = v.len();
             Ok((Tensor::from_vec(v, cap, &Device::Cpu)?, base))
         }
         let len = elems + slots * SLOT_ALIGN;
@@ -175,27 +161,6 @@ impl WeightArena {
         self.next = self.base + (offset - self.base + len).next_multiple_of(SLOT_ALIGN);
         self.buf.narrow(0, offset, len)?.reshape((n, k))
     }
-}
-
-/// Asks Linux to back the whole 2 MiB pages of `[addr, addr + bytes)` with
-/// huge pages, unless `TANDEM_NO_HUGE_PAGES` is set.
-fn advise_huge_pages(addr: usize, bytes: usize) {
-    #[cfg(target_os = "linux")]
-    {
-        let (first, end) = (
-            addr.next_multiple_of(HUGE_PAGE),
-            (addr + bytes) / HUGE_PAGE * HUGE_PAGE,
-        );
-        if end > first && std::env::var_os("TANDEM_NO_HUGE_PAGES").is_none() {
-            // SAFETY: the range lies inside an allocation nobody has touched
-            // yet; madvise only changes how the kernel backs it.
-            unsafe {
-                libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
-            }
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (addr, bytes);
 }
 
 impl Linear {
@@ -530,6 +495,7 @@ pub(crate) fn qtensor_from_bytes(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host_memory::HUGE_PAGE;
 
     #[test]
     fn stacked_blocks_multiply_like_their_dense_values() {

@@ -1,0 +1,76 @@
+//! Large zeroed host buffers: the model's weight arena (on 2 MiB pages)
+//! and the CPU KV pool (untouched until written).
+//!
+//! Linux's default transparent-huge-page mode (`madvise`) backs only memory
+//! that asks, and only whole, aligned 2 MiB pages of it. A buffer here is
+//! allocated zeroed and untouched (the allocator maps fresh pages for
+//! large sizes, so no byte is written yet), advised, and handed out as a
+//! `Vec`, so its pages are faulted in 2 MiB at a time on first touch. On
+//! 4 KiB pages a streaming read takes a TLB miss every 4 KiB, and
+//! touching fresh memory takes a page fault every 4 KiB: on the VMs this
+//! runs on a fault costs microseconds, and a KV pool's growth of 190 MB
+//! (`candle`'s `Tensor::zeros` writes every element) stalled a step for
+//! 0.8-1.7 s. `TANDEM_NO_HUGE_PAGES=1` skips the advice, for A/B
+//! measurements.
+
+/// Bytes of a huge page.
+pub(crate) const HUGE_PAGE: usize = 2 << 20;
+
+/// A zeroed vector of `len` elements of `T` whose whole 2 MiB pages are
+/// advised for huge pages, padded so that `len` elements fit from the
+/// first 2 MiB boundary inside it; returns it and the index of that
+/// boundary. `T` must be a type whose all-zero bytes are a valid value
+/// (the float and integer types it is used with). Aborts, as `Vec` does,
+/// when the allocation fails.
+pub(crate) fn zeroed_on_huge_pages<T: candle_core::WithDType>(len: usize) -> (Vec<T>, usize) {
+    let size = std::mem::size_of::<T>();
+    let cap = len + 2 * HUGE_PAGE / size;
+    let Some(v) = zeroed::<T>(cap) else {
+        std::alloc::handle_alloc_error(
+            std::alloc::Layout::array::<T>(cap).unwrap_or(std::alloc::Layout::new::<T>()),
+        );
+    };
+    advise_huge_pages(v.as_ptr() as usize, cap * size);
+    let base = ((v.as_ptr() as usize).next_multiple_of(HUGE_PAGE) - v.as_ptr() as usize) / size;
+    (v, base)
+}
+
+/// A vector of `len` zeroed elements of `T` whose pages are left
+/// untouched (fresh pages are zero), or `None` when the allocation fails:
+/// memory is faulted in as it is first written, not all at once. `T`: as
+/// for [`zeroed_on_huge_pages`].
+pub(crate) fn zeroed<T: candle_core::WithDType>(len: usize) -> Option<Vec<T>> {
+    if len == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<T>(len).ok()?;
+    // SAFETY: the layout is non-zero-sized; the pointer is checked below.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut T;
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: allocated by the global allocator for exactly `len` elements
+    // of T's alignment; every byte is zero, a valid value of T.
+    Some(unsafe { Vec::from_raw_parts(ptr, len, len) })
+}
+
+/// Asks Linux to back the whole 2 MiB pages of `[addr, addr + bytes)` with
+/// huge pages, unless `TANDEM_NO_HUGE_PAGES` is set.
+fn advise_huge_pages(addr: usize, bytes: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        let (first, end) = (
+            addr.next_multiple_of(HUGE_PAGE),
+            (addr + bytes) / HUGE_PAGE * HUGE_PAGE,
+        );
+        if end > first && std::env::var_os("TANDEM_NO_HUGE_PAGES").is_none() {
+            // SAFETY: the range lies inside an allocation nobody has touched
+            // yet; madvise only changes how the kernel backs it.
+            unsafe {
+                libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (addr, bytes);
+}
