@@ -6,13 +6,18 @@
 //! - Storage: one buffer per layer for K and one for V, `[rows, kv_heads,
 //!   head_dim]` (token-major), divided into blocks of `block_size` rows.
 //!   Position `p` of a slot lives at row `table[p / block_size] *
-//!   block_size + p % block_size`. A pool of known size (the engine's) is
-//!   allocated whole the first time it grows ([`KvCache::set_whole_pool`]):
-//!   on CUDA every reallocation would drop the decode graphs captured over
-//!   it, and on the CPU its memory is left untouched until rows are
-//!   written, so an idle pool costs address space, not memory, and no
-//!   step stalls on a copy. A pool of no set size grows geometrically to
-//!   the highest block in use. Rows past a slot's `len` are garbage.
+//!   block_size + p % block_size`. A pool of known size (the engine's,
+//!   `num_blocks`) is allocated whole the first time it grows: on CUDA a
+//!   captured decode graph keeps the pool's addresses and every
+//!   reallocation (a new [`pool_generation`](KvCache::pool_generation))
+//!   drops them all (lazily grown, a warm engine's pool reached its last
+//!   size late in its first run, and every shape captured before was
+//!   captured again in the next); on the CPU its memory is left untouched
+//!   until rows are written, so an idle pool costs address space, not
+//!   memory, and no step stalls on a copy (each doubling had copied the
+//!   pool into fresh memory: 1-2 s at 64 streams of SmolLM2 on a 2-core
+//!   VM). A pool of no set size grows geometrically to the highest block
+//!   in use. Rows past a slot's `len` are garbage.
 //! - Who decides the tables:
 //!   - **external** ([`KvCache::paged`], the engine's cache): the
 //!     scheduler's [`BlockPool`] owns the accounting, the prefix cache and
@@ -176,9 +181,6 @@ pub struct KvCache {
     /// whenever they are reallocated, so whoever keeps their device
     /// addresses (a captured CUDA graph) knows they are stale.
     generation: u64,
-    /// Grow a pool of known size straight to all of it (see
-    /// [`KvCache::set_whole_pool`]).
-    whole_pool: bool,
 }
 
 /// Source of [`KvCache::pool_generation`]s.
@@ -244,7 +246,6 @@ impl KvCache {
         assert!(block_size > 0, "KV block size 0: this is a bug");
         Self {
             layout,
-            whole_pool: true,
             device,
             block_size,
             blocks,
@@ -381,20 +382,6 @@ impl KvCache {
     /// generations mean the same device memory (across all caches).
     pub fn pool_generation(&self) -> u64 {
         self.generation
-    }
-
-    /// Whether a pool of known size (a paged cache's `num_blocks`) grows
-    /// straight to all of it the first time it grows, instead of doubling
-    /// up to the highest block in use. On by default. On CUDA a captured
-    /// decode graph keeps the pool's addresses, and every reallocation (a
-    /// new [`pool_generation`](Self::pool_generation)) drops all of them:
-    /// lazily grown, a warm engine's pool reached its last size late in
-    /// its first run, and every shape captured before that was captured
-    /// again in the next run. On the CPU each doubling copied the pool into
-    /// fresh memory, a step's stall of 1-2 s at 64 streams of SmolLM2 on a
-    /// 2-core VM; the whole pool's pages are only faulted in as written.
-    pub fn set_whole_pool(&mut self, on: bool) {
-        self.whole_pool = on;
     }
 
     /// Layer `layer`'s (K, V) buffers `[rows, kv_heads, head_dim]` shared by
@@ -588,12 +575,12 @@ impl KvCache {
             } => num_blocks * self.block_size,
             Blocks::Own { .. } => usize::MAX,
         };
-        let new_rows = if self.whole_pool && cap_rows != usize::MAX {
+        // A pool of known size whole at once (module docs); else doubling.
+        let new_rows = if cap_rows != usize::MAX {
             cap_rows.max(rows)
         } else {
             rows.max(2 * self.rows)
                 .max(MIN_POOL_BLOCKS * self.block_size)
-                .min(cap_rows.max(rows))
         };
         let layout = self.layout;
         let shape = (new_rows, layout.num_kv_heads, layout.head_dim);
@@ -615,7 +602,8 @@ impl KvCache {
             },
         ) = self.hidden.as_mut()
         {
-            let buffer = zeroed_buffer(&self.device, (new_rows, h.width), h.dtype)?;
+            let buffer =
+                zeroed(&self.device, h.dtype, new_rows * h.width)?.reshape((new_rows, h.width))?;
             if let Some(old) = &h.buffer {
                 buffer.slice_set(old, 0, 0)?;
             }
@@ -856,27 +844,18 @@ pub fn row_of(table: &[BlockId], block_size: usize, pos: usize) -> Option<usize>
 mod tests;
 
 /// The pool's `2 · num_layers` zeroed buffers of `shape` (layer `l`'s K is
-/// buffer `2l`, its V `2l + 1`). On the CPU they are views of one buffer
-/// whose pages are faulted in as rows are first written
-/// ([`crate::host_memory::zeroed`]): `Tensor::zeros` writes every element,
-/// and on the VMs this runs on zeroing 60 fresh buffers (a page fault per
-/// 4 KiB) stalled a step for 0.8-1.7 s. 4 KiB pages, not huge ones: a
-/// huge page's first touch (zeroing 2 MiB, compacting memory for it) took
-/// longer still there, and a pool's rows are first written a few at a
-/// time, by decode steps.
+/// buffer `2l`, its V `2l + 1`): on the CPU views of one [`zeroed`]
+/// buffer, on a GPU buffers of their own.
 fn pool_buffers(
     device: &Device,
     layout: KvLayout,
     shape: (usize, usize, usize),
 ) -> Result<impl FnMut(usize) -> Result<Tensor, KvError>, KvError> {
     let n = shape.0 * shape.1 * shape.2;
-    let whole = 2 * layout.num_layers * n;
-    let arena = match (device.is_cpu(), layout.dtype) {
-        (true, DType::F32) => Some(host_buffer::<f32>(whole)?),
-        (true, DType::F16) => Some(host_buffer::<half::f16>(whole)?),
-        (true, DType::BF16) => Some(host_buffer::<half::bf16>(whole)?),
-        _ => None,
-    };
+    let arena = device
+        .is_cpu()
+        .then(|| zeroed(device, layout.dtype, 2 * layout.num_layers * n))
+        .transpose()?;
     let device = device.clone();
     Ok(move |i: usize| -> Result<Tensor, KvError> {
         Ok(match &arena {
@@ -886,25 +865,28 @@ fn pool_buffers(
     })
 }
 
-/// A zeroed buffer of `shape`, untouched on the CPU (see [`pool_buffers`]).
-fn zeroed_buffer(device: &Device, shape: (usize, usize), dtype: DType) -> Result<Tensor, KvError> {
-    let len = shape.0 * shape.1;
-    Ok(match (device.is_cpu(), dtype) {
-        (true, DType::F32) => host_buffer::<f32>(len)?.reshape(shape)?,
-        (true, DType::F16) => host_buffer::<half::f16>(len)?.reshape(shape)?,
-        (true, DType::BF16) => host_buffer::<half::bf16>(len)?.reshape(shape)?,
-        _ => Tensor::zeros(shape, dtype, device)?,
-    })
-}
-
-/// A zeroed, untouched CPU buffer of `len` elements.
-fn host_buffer<T: candle_core::WithDType>(len: usize) -> Result<Tensor, KvError> {
-    let v = crate::host_memory::zeroed::<T>(len).ok_or_else(|| {
-        KvError::Tensor(format!(
-            "KV pool: cannot allocate {len} elements of {:?}",
-            T::DTYPE
-        ))
-    })?;
-    let len = v.len();
-    Ok(Tensor::from_vec(v, len, &Device::Cpu)?)
+/// `len` zeroed elements of `dtype`. On the CPU the pages are left
+/// untouched until written ([`crate::host_memory::zeroed`]):
+/// `Tensor::zeros` writes every element, and on the VMs this runs on
+/// zeroing a pool's 60 fresh buffers (a page fault per 4 KiB) stalled a
+/// step for 0.8-1.7 s. 4 KiB pages, not huge ones: a huge page's first
+/// touch (zeroing 2 MiB, compacting memory for it) took longer still
+/// there, and a pool's rows are first written a few at a time, by decode
+/// steps.
+fn zeroed(device: &Device, dtype: DType, len: usize) -> Result<Tensor, KvError> {
+    fn host<T: candle_core::WithDType>(len: usize) -> Result<Tensor, KvError> {
+        let v = crate::host_memory::zeroed::<T>(len).ok_or_else(|| {
+            KvError::Tensor(format!(
+                "KV pool: cannot allocate {len} elements of {:?}",
+                T::DTYPE
+            ))
+        })?;
+        Ok(Tensor::from_vec(v, len, &Device::Cpu)?)
+    }
+    match (device.is_cpu(), dtype) {
+        (true, DType::F32) => host::<f32>(len),
+        (true, DType::F16) => host::<half::f16>(len),
+        (true, DType::BF16) => host::<half::bf16>(len),
+        _ => Ok(Tensor::zeros(len, dtype, device)?),
+    }
 }

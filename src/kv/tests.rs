@@ -216,7 +216,7 @@ fn a_pass_writes_every_slots_hidden_rows_or_none() {
 
 #[test]
 fn a_whole_pool_is_allocated_once_and_keeps_its_generation() {
-    // Whole by default, on the CPU as on CUDA.
+    // A pool of known size, on the CPU as on CUDA.
     let mut kv = KvCache::paged(layout(), Device::Cpu, 64, 4);
     kv.register(1, vec![0], 0).unwrap();
     let generation = kv.pool_generation();
@@ -248,13 +248,15 @@ fn a_whole_pool_is_allocated_once_and_keeps_its_generation() {
 }
 
 #[test]
-fn a_lazy_pool_doubles_to_the_highest_block_and_renames_itself() {
-    let mut kv = KvCache::paged(layout(), Device::Cpu, 64, 4);
-    kv.set_whole_pool(false);
-    kv.register(1, vec![0], 0).unwrap();
+fn a_pool_of_no_set_size_doubles_to_the_highest_block_and_renames_itself() {
+    let mut kv = KvCache::own(layout(), Device::Cpu, 1 << 12, 4);
+    kv.allocate(1, 4).unwrap();
+    kv.ensure_room(1, 4).unwrap();
     let first = kv.pool_generation();
     assert_eq!(kv.pool_layer(0).unwrap().0.dim(0).unwrap(), 16 * 4);
-    kv.set_table(1, vec![0, 20], None).unwrap();
+    // 21 more blocks (1..=21): the highest, 22 blocks, is under double.
+    kv.allocate(2, 84).unwrap();
+    kv.ensure_room(2, 84).unwrap();
     assert_eq!(kv.pool_layer(0).unwrap().0.dim(0).unwrap(), 32 * 4);
     assert_ne!(
         kv.pool_generation(),
