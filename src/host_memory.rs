@@ -1,17 +1,14 @@
-//! Large zeroed host buffers: the model's weight arena (on 2 MiB pages)
-//! and the CPU KV pool (untouched until written).
+//! Large zeroed host buffers, allocated untouched: the allocator maps
+//! fresh (zero) pages for large sizes, so no byte is written until the
+//! buffer's user writes it, and memory is faulted in as it is touched,
+//! not all at once.
 //!
-//! Linux's default transparent-huge-page mode (`madvise`) backs only memory
-//! that asks, and only whole, aligned 2 MiB pages of it. A buffer here is
-//! allocated zeroed and untouched (the allocator maps fresh pages for
-//! large sizes, so no byte is written yet), advised, and handed out as a
-//! `Vec`, so its pages are faulted in 2 MiB at a time on first touch. On
-//! 4 KiB pages a streaming read takes a TLB miss every 4 KiB, and
-//! touching fresh memory takes a page fault every 4 KiB: on the VMs this
-//! runs on a fault costs microseconds, and a KV pool's growth of 190 MB
-//! (`candle`'s `Tensor::zeros` writes every element) stalled a step for
-//! 0.8-1.7 s. `TANDEM_NO_HUGE_PAGES=1` skips the advice, for A/B
-//! measurements.
+//! The model's weight arena also asks for 2 MiB pages
+//! ([`zeroed_on_huge_pages`]): Linux's default transparent-huge-page mode
+//! (`madvise`) backs only memory that asks, and only whole, aligned 2 MiB
+//! pages of it; on 4 KiB pages decode's weight streams take a TLB miss
+//! every 4 KiB. The CPU KV pool does not ([`zeroed`]; `crate::kv` says
+//! why). `TANDEM_NO_HUGE_PAGES=1` skips the advice, for A/B measurements.
 
 /// Bytes of a huge page.
 pub(crate) const HUGE_PAGE: usize = 2 << 20;
@@ -20,19 +17,17 @@ pub(crate) const HUGE_PAGE: usize = 2 << 20;
 /// advised for huge pages, padded so that `len` elements fit from the
 /// first 2 MiB boundary inside it; returns it and the index of that
 /// boundary. `T` must be a type whose all-zero bytes are a valid value
-/// (the float and integer types it is used with). Aborts, as `Vec` does,
-/// when the allocation fails.
-pub(crate) fn zeroed_on_huge_pages<T: candle_core::WithDType>(len: usize) -> (Vec<T>, usize) {
+/// (the float and integer types it is used with). `None` when the
+/// allocation fails.
+pub(crate) fn zeroed_on_huge_pages<T: candle_core::WithDType>(
+    len: usize,
+) -> Option<(Vec<T>, usize)> {
     let size = std::mem::size_of::<T>();
     let cap = len + 2 * HUGE_PAGE / size;
-    let Some(v) = zeroed::<T>(cap) else {
-        std::alloc::handle_alloc_error(
-            std::alloc::Layout::array::<T>(cap).unwrap_or(std::alloc::Layout::new::<T>()),
-        );
-    };
+    let v = zeroed::<T>(cap)?;
     advise_huge_pages(v.as_ptr() as usize, cap * size);
     let base = ((v.as_ptr() as usize).next_multiple_of(HUGE_PAGE) - v.as_ptr() as usize) / size;
-    (v, base)
+    Some((v, base))
 }
 
 /// A vector of `len` zeroed elements of `T` whose pages are left

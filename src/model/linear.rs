@@ -130,7 +130,9 @@ impl WeightArena {
         /// A zeroed buffer with room for `len` elements from its first
         /// 2 MiB boundary to a later one, and the index of that boundary.
         fn zeroed<T: candle_core::WithDType>(len: usize) -> candle_core::Result<(Tensor, usize)> {
-            let (v, base) = zeroed_on_huge_pages::<T>(len);
+            let (v, base) = zeroed_on_huge_pages::<T>(len).ok_or_else(|| {
+                candle_core::Error::Msg(format!("weight arena: cannot allocate {len} elements"))
+            })?;
             let cap = v.len();
             Ok((Tensor::from_vec(v, cap, &Device::Cpu)?, base))
         }
