@@ -479,9 +479,9 @@ impl StepExecutor for Engine {
 impl Engine {
     /// Gives a decode pass's time (`pass`: the step's, its KV phase and
     /// drafting aside) to the draft policy's cost model, as a plain or a
-    /// verifying pass, and traces it. Decode steps only: a prompt chunk's tokens are far
-    /// cheaper at the margin than a decode's, and would skew the slope the
-    /// policy prices drafts with. A pass that `captured` a CUDA graph ran
+    /// verifying pass, and traces it. Decode steps only: a prompt chunk's
+    /// tokens are far cheaper at the margin than a decode's, and would
+    /// skew the slope the policy prices drafts with. A pass that `captured` a CUDA graph ran
     /// twice (eagerly, then under capture): a one-off, not what its shape
     /// costs.
     fn record_pass_cost(

@@ -90,9 +90,7 @@ impl<T> Rows<T> {
             t += n;
         }
     }
-}
 
-impl<T> Rows<T> {
     /// Prefetches the first `bytes` of every row of keys `t..t + n` (one
     /// run, as [`run`](Self::run) returns it); a hint, never a fault.
     #[inline(always)]
@@ -170,6 +168,7 @@ unsafe fn run_unit<T: WElem>(
     if scores.len() < need {
         scores.resize(need, 0.0);
     }
+    let first_row = rows.start;
     for i in rows {
         let pos = s.offset + i;
         let first = match h.sliding_window {
@@ -187,14 +186,17 @@ unsafe fn run_unit<T: WElem>(
             first,
             keys,
         };
-        // Each run's value rows are asked for while its keys are scored:
-        // the weighted sum then finds them in cache. A decode's keys and
-        // values come from memory, a few rows of each per block, and
+        // The unit's first query row asks for each run's value rows while
+        // it scores the run's keys: its weighted sum then finds them in
+        // cache (the later rows find them there after it). A decode's keys
+        // and values come from memory, a few rows of each per block, and
         // waiting for them was most of its attention (single-stream
         // SmolLM2 Q8_0: 0.36 ms a pass before, 0.33 after; BENCHMARKS.md).
         let values = rows(s.v);
         rows(s.k).runs(|t, k, n| {
-            values.prefetch(t, n, hd * std::mem::size_of::<T>());
+            if i == first_row {
+                values.prefetch(t, n, hd * std::mem::size_of::<T>());
+            }
             dot_rows(isa, q, hd, g, hd, k, ldkv, n, sc.add(t), keys)
         });
         for j in 0..g {
