@@ -83,6 +83,10 @@ pub(crate) struct Lean {
     threads: usize,
     /// How the quantised projections quantise activations.
     quant: ActivationQuant,
+    /// Whether the model's quantised projections were repacked
+    /// (`LoadOptions::repack_quantised` with 8-bit activations): the
+    /// caller's own ([`Lean::prepare`]) are laid out the same way.
+    repack: bool,
     layers: Vec<LayerVecs>,
     final_norm: Vec<f32>,
     /// `[max_positions, head_dim / 2]` rotary tables.
@@ -121,6 +125,7 @@ impl Lean {
         dtype: DType,
         thread_cap: Option<usize>,
         quant: ActivationQuant,
+        repack: bool,
     ) -> candle_core::Result<Self> {
         let mut layers = Vec::with_capacity(weights.layers.len());
         for l in &weights.layers {
@@ -141,6 +146,7 @@ impl Lean {
             isa: Isa::detect(),
             threads: threads(thread_cap),
             quant,
+            repack,
             layers,
             final_norm: to_f32_vec(&weights.norm)?,
             cos: round(&cos)?,
@@ -497,13 +503,9 @@ impl Lean {
     }
 
     /// A projection the model's caller owns (an MTP head's input
-    /// projection), for this path: repacked as the model's own are when
-    /// activations are 8-bit.
+    /// projection), for this path: repacked when the model's own are.
     pub(super) fn prepare(&self, w: Linear) -> Result<Linear, ModelError> {
-        Ok(match self.quant {
-            ActivationQuant::Int8 => w.repacked()?,
-            _ => w,
-        })
+        Ok(if self.repack { w.repacked()? } else { w })
     }
 
     /// `x` (`[rows, k]`) through `w` with this path's kernels: `[rows, n]`

@@ -166,7 +166,9 @@ impl Model {
         };
         let loader = WeightLoader::new(&cfg, w, dtype, dev, opts.weight_format)?;
         let mut weights = ModelWeights::load(&loader, &cfg, q_scale)?;
-        if use_lean && opts.repack_quantised && opts.activation_quant == ActivationQuant::Int8 {
+        let repack =
+            use_lean && opts.repack_quantised && opts.activation_quant == ActivationQuant::Int8;
+        if repack {
             weights = weights.repacked()?;
         }
         let tables = rope_tables(&cfg);
@@ -177,6 +179,7 @@ impl Model {
                 dtype,
                 opts.threads,
                 opts.activation_quant,
+                repack,
             )?))
         } else {
             Step::Candle(Box::new(CandleStep::new(
