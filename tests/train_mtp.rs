@@ -192,6 +192,85 @@ fn training_lowers_heldout_loss_and_raises_agreement() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Soft labels: pair `t`'s teacher is the target's unembedding of the next
+/// pair's hidden state, so its argmax is the greedy label the data holds
+/// (an off-by-one in the shift would agree only by chance); and a head
+/// trained against those distributions learns as one trained on labels.
+#[test]
+fn soft_labels_are_the_distributions_the_greedy_labels_came_from() {
+    let model = target();
+    let cfg = TrainConfig {
+        soft_labels: true,
+        ..config(150)
+    };
+    let prompt_set = prompts(&model, &cfg);
+    let mut trainer = Trainer::new(&model, cfg, &prompt_set).unwrap();
+
+    let f = trainer.heldout();
+    let head = tandem::train::head::TrainableHead::new(&model, 0, None).unwrap();
+    let teacher = head.teacher_logits(f).unwrap();
+    let pairs = teacher.dim(1).unwrap();
+    let picked: Vec<u32> = teacher
+        .argmax(2)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let labels: Vec<u32> = f
+        .labels
+        .narrow(1, 0, pairs)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let mask: Vec<f32> = f
+        .mask
+        .narrow(1, 0, pairs)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let scored: Vec<bool> = picked
+        .iter()
+        .zip(&labels)
+        .zip(&mask)
+        .filter(|(_, &m)| m > 0.0)
+        .map(|((p, l), _)| p == l)
+        .collect();
+    let agree = scored.iter().filter(|&&a| a).count() as f64 / scored.len() as f64;
+    assert!(scored.len() > 100, "{} scored pairs", scored.len());
+    assert!(
+        agree > 0.99,
+        "teacher argmax agrees with the greedy labels on {agree:.3}"
+    );
+
+    let before = trainer.evaluate().unwrap();
+    let dir = out_dir("soft");
+    let report = trainer.run(&dir, |_, _, _| {}).unwrap();
+    let after = report.evals.last().unwrap();
+    eprintln!(
+        "soft labels: held-out loss {:.3} -> {:.3}, top-1 {:.3} -> {:.3}, acceptance {:?}",
+        before.loss, after.loss, before.top1, after.top1, report.acceptance
+    );
+    assert!(
+        after.loss < before.loss - 1.0,
+        "{} -> {}",
+        before.loss,
+        after.loss
+    );
+    assert!(
+        after.top1 > before.top1 + 0.25,
+        "{} -> {}",
+        before.top1,
+        after.top1
+    );
+    assert!(report.acceptance[0] > 0.2, "{:?}", report.acceptance);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn resuming_continues_the_same_loss_curve() {
     let model = target();

@@ -109,6 +109,9 @@ struct TrainArgs {
     /// Unembed the head over the N most frequent training labels only (stored with the head as `mtp.draft_vocab`); 0 = the full vocabulary.
     #[arg(long, default_value_t = 0)]
     draft_vocab: usize,
+    /// Train against the target's whole next-token distribution over the draft vocabulary (distillation), not its greedy label alone.
+    #[arg(long)]
+    soft_labels: bool,
     /// Adam learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
@@ -633,6 +636,7 @@ fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
         checkpoint_every: args.checkpoint_every,
         seed: args.seed,
         draft_vocab: args.draft_vocab,
+        soft_labels: args.soft_labels,
         ..Default::default()
     };
     eprintln!(

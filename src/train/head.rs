@@ -325,9 +325,14 @@ impl TrainableHead {
 
     /// Training loss: cross-entropy of step one, plus step two's when
     /// `second` (so recursive drafts stay accurate), over the masked labels
-    /// inside the draft vocabulary.
-    pub fn train_loss(&self, f: &Features, second: bool) -> Result<Tensor, TrainError> {
+    /// inside the draft vocabulary. Against the greedy labels (`soft`
+    /// false) or against the target's whole distribution over the draft
+    /// vocabulary (`soft`: see [`Self::soft_loss`]).
+    pub fn train_loss(&self, f: &Features, second: bool, soft: bool) -> Result<Tensor, TrainError> {
         let (l1, l2) = self.forward(f, second)?;
+        if soft {
+            return self.soft_loss(f, &l1, l2.as_ref());
+        }
         let (rows, weights) = self.targets(&f.labels, &f.mask)?;
         let mut loss = masked_cross_entropy(&l1, &rows, &weights)?;
         if let Some(l2) = l2 {
@@ -335,6 +340,54 @@ impl TrainableHead {
             let (rows, weights) =
                 self.targets(&f.labels.narrow(1, 1, t - 1)?, &f.mask.narrow(1, 1, t - 1)?)?;
             loss = (loss + masked_cross_entropy(&l2, &rows, &weights)?)?;
+        }
+        Ok(loss)
+    }
+
+    /// The target's logits over the unembedding's rows for the label of
+    /// every pair but the last, `[N, T-2, R]`: pair `t`'s from `h_{t+1}`.
+    pub fn teacher_logits(&self, f: &Features) -> Result<Tensor, TrainError> {
+        let t = f.hidden.dim(1)?;
+        let hidden = f.hidden.narrow(1, 1, t - 1)?.to_device(&self.device)?;
+        self.unembed(&hidden)
+    }
+
+    /// Distillation against the target's own distribution: pair `t`'s label
+    /// is the target's choice after `x_{t+1}`, whose logits are the target's
+    /// unembedding of `h_{t+1}`, the hidden state of the next pair. So the
+    /// features already hold the whole distribution the greedy label was
+    /// taken from; the loss is its cross-entropy with the head's, over the
+    /// draft vocabulary's rows (the target's renormalised there), weighted
+    /// as the greedy loss is. A pair whose next hidden state is not in the
+    /// features (the last) is left out. Step two's pair `t` is scored
+    /// against `h_{t+2}`.
+    fn soft_loss(
+        &self,
+        f: &Features,
+        l1: &Tensor,
+        l2: Option<&Tensor>,
+    ) -> Result<Tensor, TrainError> {
+        let (n, t, _) = f.hidden.dims3()?;
+        let r = self.lm_head.dim(0)?;
+        let teacher = self.teacher_logits(f)?;
+        let score = |logits: &Tensor, pairs: usize, shift: usize| -> Result<Tensor, TrainError> {
+            let own = logits.reshape((n, (), r))?.narrow(1, 0, pairs)?;
+            let target = teacher.narrow(1, shift, pairs)?;
+            let (_, weights) = self.targets(
+                &f.labels.narrow(1, shift, pairs)?,
+                &f.mask.narrow(1, shift, pairs)?,
+            )?;
+            soft_cross_entropy(
+                &own.reshape((n * pairs, r))?,
+                &target.reshape((n * pairs, r))?,
+                &weights,
+            )
+        };
+        let mut loss = score(l1, t - 1, 0)?;
+        if let Some(l2) = l2 {
+            if t > 2 {
+                loss = (loss + score(l2, t - 2, 1)?)?;
+            }
         }
         Ok(loss)
     }
@@ -379,6 +432,20 @@ fn masked_cross_entropy(
     let picked = logp.gather(&rows.unsqueeze(1)?, 1)?.squeeze(1)?;
     let total = weights.sum_all()?.to_scalar::<f32>()?.max(1.0) as f64;
     Ok(((picked * weights)?.sum_all()? * (-1.0 / total))?)
+}
+
+/// Mean cross-entropy of `logits` `[R, C]` against the distributions
+/// `softmax(target)` `[R, C]`, each row weighted by `weights` `[R]`.
+fn soft_cross_entropy(
+    logits: &Tensor,
+    target: &Tensor,
+    weights: &Tensor,
+) -> Result<Tensor, TrainError> {
+    let logp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let p = candle_nn::ops::softmax(target, D::Minus1)?;
+    let per_row = (p * logp)?.sum(D::Minus1)?;
+    let total = weights.sum_all()?.to_scalar::<f32>()?.max(1.0) as f64;
+    Ok(((per_row * weights)?.sum_all()? * (-1.0 / total))?)
 }
 
 /// Softmax attention of `q` `[n, h, tq, d]` over `k`, `v` `[n, h, tk, d]`

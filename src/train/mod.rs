@@ -105,6 +105,10 @@ pub struct TrainConfig {
     /// (0: the full vocabulary).
     #[serde(default)]
     pub draft_vocab: usize,
+    /// Distil the target's whole distribution (over the draft vocabulary)
+    /// instead of its greedy label alone.
+    #[serde(default)]
+    pub soft_labels: bool,
 }
 
 impl Default for TrainConfig {
@@ -123,6 +127,7 @@ impl Default for TrainConfig {
             checkpoint_every: 100,
             seed: 0,
             draft_vocab: 0,
+            soft_labels: false,
         }
     }
 }
@@ -455,7 +460,9 @@ impl<'a> Trainer<'a> {
             .map(|_| rng.random_range(0..self.train.len() as u32))
             .collect();
         let batch = self.train.select(&idx)?;
-        let loss = self.head.train_loss(&batch, self.config.second_step)?;
+        let loss =
+            self.head
+                .train_loss(&batch, self.config.second_step, self.config.soft_labels)?;
         let grads = loss.backward()?;
         let lr = learning_rate(self.config.lr, self.step, self.config.steps);
         self.adam.step(self.head.var_map(), &grads, lr)?;
