@@ -17,7 +17,10 @@
 //!   memory, and no step stalls on a copy (each doubling had copied the
 //!   pool into fresh memory: 1-2 s at 64 streams of SmolLM2 on a 2-core
 //!   VM). A pool of no set size grows geometrically to the highest block
-//!   in use. Rows past a slot's `len` are garbage.
+//!   in use, and so does one whose whole size the device or the host's
+//!   overcommit policy refuses at once (a `--kv-tokens` larger than
+//!   memory serves what fits instead of failing every request). Rows past
+//!   a slot's `len` are garbage.
 //! - Who decides the tables:
 //!   - **external** ([`KvCache::paged`], the engine's cache): the
 //!     scheduler's [`BlockPool`] owns the accounting, the prefix cache and
@@ -575,19 +578,30 @@ impl KvCache {
             } => num_blocks * self.block_size,
             Blocks::Own { .. } => usize::MAX,
         };
-        // A pool of known size whole at once (module docs); else doubling.
-        let new_rows = if cap_rows != usize::MAX {
-            cap_rows.max(rows)
-        } else {
-            rows.max(2 * self.rows)
-                .max(MIN_POOL_BLOCKS * self.block_size)
-        };
+        // A pool of known size whole at once (module docs); else, or when
+        // the host will not give that much at once, doubling.
+        let doubled = rows
+            .max(2 * self.rows)
+            .max(MIN_POOL_BLOCKS * self.block_size);
         let layout = self.layout;
-        let shape = (new_rows, layout.num_kv_heads, layout.head_dim);
-        let mut buffers = pool_buffers(&self.device, layout, shape)?;
+        let (new_rows, buffers) = match (cap_rows != usize::MAX).then(|| cap_rows.max(rows)) {
+            Some(whole) => match pool_buffers(&self.device, layout, whole) {
+                Ok(buffers) => (whole, buffers),
+                Err(e) if whole > doubled => {
+                    tracing::warn!(
+                        rows = whole,
+                        error = %e,
+                        "KV pool: the whole pool could not be allocated at once; growing it as used"
+                    );
+                    (doubled, pool_buffers(&self.device, layout, doubled)?)
+                }
+                Err(e) => return Err(e),
+            },
+            None => (doubled, pool_buffers(&self.device, layout, doubled)?),
+        };
         let mut layers = Vec::with_capacity(layout.num_layers);
-        for l in 0..layout.num_layers {
-            let (k, v) = (buffers(2 * l)?, buffers(2 * l + 1)?);
+        for (l, pair) in buffers.chunks_exact(2).enumerate() {
+            let (k, v) = (pair[0].clone(), pair[1].clone());
             if let Some((old_k, old_v)) = self.layers.get(l) {
                 k.slice_set(old_k, 0, 0)?;
                 v.slice_set(old_v, 0, 0)?;
@@ -843,26 +857,31 @@ pub fn row_of(table: &[BlockId], block_size: usize, pos: usize) -> Option<usize>
 #[cfg(test)]
 mod tests;
 
-/// The pool's `2 · num_layers` zeroed buffers of `shape` (layer `l`'s K is
-/// buffer `2l`, its V `2l + 1`): on the CPU views of one [`zeroed`]
-/// buffer, on a GPU buffers of their own.
-fn pool_buffers(
-    device: &Device,
-    layout: KvLayout,
-    shape: (usize, usize, usize),
-) -> Result<impl FnMut(usize) -> Result<Tensor, KvError>, KvError> {
-    let n = shape.0 * shape.1 * shape.2;
-    let arena = device
-        .is_cpu()
-        .then(|| zeroed(device, layout.dtype, 2 * layout.num_layers * n))
-        .transpose()?;
-    let device = device.clone();
-    Ok(move |i: usize| -> Result<Tensor, KvError> {
-        Ok(match &arena {
-            Some(buf) => buf.narrow(0, i * n, n)?.reshape(shape)?,
-            None => Tensor::zeros(shape, layout.dtype, &device)?,
-        })
-    })
+/// The pool's `2 · num_layers` zeroed buffers of `rows` rows (layer `l`'s
+/// K is buffer `2l`, its V `2l + 1`): on the CPU views of one [`zeroed`]
+/// buffer, on a GPU buffers of their own. All or none: an error when the
+/// device will not give that much.
+fn pool_buffers(device: &Device, layout: KvLayout, rows: usize) -> Result<Vec<Tensor>, KvError> {
+    let shape = (rows, layout.num_kv_heads, layout.head_dim);
+    let too_big = || KvError::Tensor(format!("KV pool: {rows} rows overflow the address space"));
+    let n = rows
+        .checked_mul(layout.num_kv_heads * layout.head_dim)
+        .ok_or_else(too_big)?;
+    let count = 2 * layout.num_layers;
+    if device.is_cpu() {
+        let arena = zeroed(
+            device,
+            layout.dtype,
+            n.checked_mul(count).ok_or_else(too_big)?,
+        )?;
+        (0..count)
+            .map(|i| Ok(arena.narrow(0, i * n, n)?.reshape(shape)?))
+            .collect()
+    } else {
+        (0..count)
+            .map(|_| Ok(Tensor::zeros(shape, layout.dtype, device)?))
+            .collect()
+    }
 }
 
 /// `len` zeroed elements of `dtype`. On the CPU the pages are left

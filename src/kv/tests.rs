@@ -247,6 +247,24 @@ fn a_whole_pool_is_allocated_once_and_keeps_its_generation() {
     }
 }
 
+/// A pool sized past what the host gives at once (here, past the address
+/// space) still serves: it grows as used instead of failing every request.
+#[test]
+fn a_pool_too_big_to_allocate_whole_grows_as_used() {
+    let mut kv = KvCache::paged(layout(), Device::Cpu, 1 << 40, 4);
+    kv.register(1, vec![0, 1], 0).unwrap();
+    assert_eq!(kv.pool_layer(0).unwrap().0.dim(0).unwrap(), 16 * 4);
+    kv.write(1, 0, 0, &rows(0, 6), &rows(500, 6)).unwrap();
+    kv.set_len(1, 6).unwrap();
+    // A block past the first allocation: the pool doubles and keeps rows.
+    kv.register(2, vec![20], 0).unwrap();
+    assert_eq!(kv.pool_layer(0).unwrap().0.dim(0).unwrap(), 32 * 4);
+    let (k, v) = kv.view(1, 0, 6).unwrap();
+    let values = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(values(k), values(rows(0, 6)));
+    assert_eq!(values(v), values(rows(500, 6)));
+}
+
 #[test]
 fn a_pool_of_no_set_size_doubles_to_the_highest_block_and_renames_itself() {
     let mut kv = KvCache::own(layout(), Device::Cpu, 1 << 12, 4);
