@@ -89,17 +89,19 @@ fn acceptance_one_by_one(
         .collect()
 }
 
-#[test]
-fn training_lowers_heldout_loss_and_raises_agreement() {
-    let model = target();
-    let prompt_set = prompts(&model, &config(150));
-    let mut trainer = Trainer::new(&model, config(150), &prompt_set).unwrap();
+/// Runs `trainer` to the end (into a fresh directory named by `tag`) and
+/// checks that the head learned: held-out loss down, agreement and
+/// first-draft acceptance well above an untrained head's.
+fn train_and_check_it_learns(
+    trainer: &mut Trainer<'_>,
+    tag: &str,
+) -> (tandem::train::TrainReport, std::path::PathBuf) {
     let before = trainer.evaluate().unwrap();
-    let dir = out_dir("learn");
+    let dir = out_dir(tag);
     let report = trainer.run(&dir, |_, _, _| {}).unwrap();
     let after = report.evals.last().unwrap();
     eprintln!(
-        "held-out loss {:.3} -> {:.3}, top-1 {:.3} -> {:.3}, acceptance {:?}",
+        "{tag}: held-out loss {:.3} -> {:.3}, top-1 {:.3} -> {:.3}, acceptance {:?}",
         before.loss, after.loss, before.top1, after.top1, report.acceptance
     );
     assert!(
@@ -119,6 +121,15 @@ fn training_lowers_heldout_loss_and_raises_agreement() {
         "first-draft acceptance {:?}",
         report.acceptance
     );
+    (report, dir)
+}
+
+#[test]
+fn training_lowers_heldout_loss_and_raises_agreement() {
+    let model = target();
+    let prompt_set = prompts(&model, &config(150));
+    let mut trainer = Trainer::new(&model, config(150), &prompt_set).unwrap();
+    let (report, dir) = train_and_check_it_learns(&mut trainer, "learn");
     assert!(
         report.acceptance.windows(2).all(|w| w[1] <= w[0]),
         "acceptance by position is non-increasing"
@@ -210,29 +221,12 @@ fn soft_labels_are_the_distributions_the_greedy_labels_came_from() {
     let head = tandem::train::head::TrainableHead::new(&model, 0, None).unwrap();
     let teacher = head.teacher_logits(f).unwrap();
     let pairs = teacher.dim(1).unwrap();
-    let picked: Vec<u32> = teacher
-        .argmax(2)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
+    let flat = |t: Tensor| t.flatten_all().unwrap();
+    let picked: Vec<u32> = flat(teacher.argmax(2).unwrap()).to_vec1().unwrap();
+    let labels: Vec<u32> = flat(f.labels.narrow(1, 0, pairs).unwrap())
         .to_vec1()
         .unwrap();
-    let labels: Vec<u32> = f
-        .labels
-        .narrow(1, 0, pairs)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    let mask: Vec<f32> = f
-        .mask
-        .narrow(1, 0, pairs)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let mask: Vec<f32> = flat(f.mask.narrow(1, 0, pairs).unwrap()).to_vec1().unwrap();
     let scored: Vec<bool> = picked
         .iter()
         .zip(&labels)
@@ -247,27 +241,7 @@ fn soft_labels_are_the_distributions_the_greedy_labels_came_from() {
         "teacher argmax agrees with the greedy labels on {agree:.3}"
     );
 
-    let before = trainer.evaluate().unwrap();
-    let dir = out_dir("soft");
-    let report = trainer.run(&dir, |_, _, _| {}).unwrap();
-    let after = report.evals.last().unwrap();
-    eprintln!(
-        "soft labels: held-out loss {:.3} -> {:.3}, top-1 {:.3} -> {:.3}, acceptance {:?}",
-        before.loss, after.loss, before.top1, after.top1, report.acceptance
-    );
-    assert!(
-        after.loss < before.loss - 1.0,
-        "{} -> {}",
-        before.loss,
-        after.loss
-    );
-    assert!(
-        after.top1 > before.top1 + 0.25,
-        "{} -> {}",
-        before.top1,
-        after.top1
-    );
-    assert!(report.acceptance[0] > 0.2, "{:?}", report.acceptance);
+    let (_, dir) = train_and_check_it_learns(&mut trainer, "soft");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

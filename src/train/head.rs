@@ -430,8 +430,7 @@ fn masked_cross_entropy(
 ) -> Result<Tensor, TrainError> {
     let logp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
     let picked = logp.gather(&rows.unsqueeze(1)?, 1)?.squeeze(1)?;
-    let total = weights.sum_all()?.to_scalar::<f32>()?.max(1.0) as f64;
-    Ok(((picked * weights)?.sum_all()? * (-1.0 / total))?)
+    weighted_negative_mean(&picked, weights)
 }
 
 /// Mean cross-entropy of `logits` `[R, C]` against the distributions
@@ -444,8 +443,13 @@ fn soft_cross_entropy(
     let logp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
     let p = candle_nn::ops::softmax(target, D::Minus1)?;
     let per_row = (p * logp)?.sum(D::Minus1)?;
+    weighted_negative_mean(&per_row, weights)
+}
+
+/// `-Σ logp·w / Σ w` for per-row log-likelihoods `logp` `[R]`.
+fn weighted_negative_mean(logp: &Tensor, weights: &Tensor) -> Result<Tensor, TrainError> {
     let total = weights.sum_all()?.to_scalar::<f32>()?.max(1.0) as f64;
-    Ok(((per_row * weights)?.sum_all()? * (-1.0 / total))?)
+    Ok(((logp * weights)?.sum_all()? * (-1.0 / total))?)
 }
 
 /// Softmax attention of `q` `[n, h, tq, d]` over `k`, `v` `[n, h, tk, d]`
