@@ -180,15 +180,22 @@ impl TrainableHead {
     /// vocabulary) for every pair of the batch (one draft step from the
     /// target's hidden states).
     pub fn logits(&self, f: &Features) -> Result<Tensor, TrainError> {
-        Ok(self.forward(f, false)?.0)
+        let hidden = f.hidden.to_device(&self.device)?;
+        Ok(self.forward(f, &hidden, false)?.0)
     }
 
     /// Step one over every pair and, with `second`, step two: the head's own
     /// output fed back with the next token, as the second draft round runs at
     /// inference (its query sees the real pairs up to its base position and
-    /// itself). Returns logits over the unembedding's rows `R` of step one
-    /// `[N·(T-1), R]` and of step two `[N·(T-2), R]`.
-    fn forward(&self, f: &Features, second: bool) -> Result<(Tensor, Option<Tensor>), TrainError> {
+    /// itself). `hidden` is `f.hidden` on the head's device. Returns logits
+    /// over the unembedding's rows `R` of step one `[N·(T-1), R]` and of
+    /// step two `[N·(T-2), R]`.
+    fn forward(
+        &self,
+        f: &Features,
+        hidden: &Tensor,
+        second: bool,
+    ) -> Result<(Tensor, Option<Tensor>), TrainError> {
         let cfg = &self.cfg;
         let (n, t, h) = f.hidden.dims3()?;
         let v = self.lm_head.dim(0)?;
@@ -196,7 +203,7 @@ impl TrainableHead {
         let emb = self.embed.index_select(&next, 0)?.reshape((n, t, h))?;
         let (cos, sin) = rope_tables(cfg, t, &self.device)?;
 
-        let s1 = self.project(&emb, &f.hidden.to_device(&self.device)?)?;
+        let s1 = self.project(&emb, hidden)?;
         let (q1, k1, v1) = self.qkv(&s1, &cos, &sin)?;
         let mask1: Vec<f32> = (0..t * t)
             .map(|i| {
@@ -329,9 +336,11 @@ impl TrainableHead {
     /// false) or against the target's whole distribution over the draft
     /// vocabulary (`soft`: see [`Self::soft_loss`]).
     pub fn train_loss(&self, f: &Features, second: bool, soft: bool) -> Result<Tensor, TrainError> {
-        let (l1, l2) = self.forward(f, second)?;
+        // Moved to the device once: the soft loss reads it too.
+        let hidden = f.hidden.to_device(&self.device)?;
+        let (l1, l2) = self.forward(f, &hidden, second)?;
         if soft {
-            return self.soft_loss(f, &l1, l2.as_ref());
+            return self.soft_loss(f, &hidden, &l1, l2.as_ref());
         }
         let (rows, weights) = self.targets(&f.labels, &f.mask)?;
         let mut loss = masked_cross_entropy(&l1, &rows, &weights)?;
@@ -347,9 +356,14 @@ impl TrainableHead {
     /// The target's logits over the unembedding's rows for the label of
     /// every pair but the last, `[N, T-2, R]`: pair `t`'s from `h_{t+1}`.
     pub fn teacher_logits(&self, f: &Features) -> Result<Tensor, TrainError> {
-        let t = f.hidden.dim(1)?;
-        let hidden = f.hidden.narrow(1, 1, t - 1)?.to_device(&self.device)?;
-        self.unembed(&hidden)
+        self.teacher_of(&f.hidden.to_device(&self.device)?)
+    }
+
+    /// [`Self::teacher_logits`] of the hidden states `[N, T-1, H]` already
+    /// on the head's device.
+    fn teacher_of(&self, hidden: &Tensor) -> Result<Tensor, TrainError> {
+        let t = hidden.dim(1)?;
+        self.unembed(&hidden.narrow(1, 1, t - 1)?)
     }
 
     /// Distillation against the target's own distribution: pair `t`'s label
@@ -364,12 +378,13 @@ impl TrainableHead {
     fn soft_loss(
         &self,
         f: &Features,
+        hidden: &Tensor,
         l1: &Tensor,
         l2: Option<&Tensor>,
     ) -> Result<Tensor, TrainError> {
-        let (n, t, _) = f.hidden.dims3()?;
+        let (n, t, _) = hidden.dims3()?;
         let r = self.lm_head.dim(0)?;
-        let teacher = self.teacher_logits(f)?;
+        let teacher = self.teacher_of(hidden)?;
         let score = |logits: &Tensor, pairs: usize, shift: usize| -> Result<Tensor, TrainError> {
             let own = logits.reshape((n, (), r))?.narrow(1, 0, pairs)?;
             let target = teacher.narrow(1, shift, pairs)?;
