@@ -288,6 +288,77 @@ fn a_scattered_block_table_gives_the_contiguous_result_bit_for_bit() {
     }
 }
 
+#[test]
+fn a_sequence_attends_to_the_same_bits_alone_or_in_a_batch_on_any_threads() {
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let block = 16;
+    for isa in Isa::supported() {
+        for (nh, nkv, hd, window) in [(9, 3, 64, None), (8, 2, 8, Some(7)), (4, 1, 20, None)] {
+            let h = Heads {
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+                sliding_window: window,
+            };
+            let ld = nh * hd;
+            // A decode, a verifying pass of three rows, and three longer
+            // sequences to batch them with.
+            let shapes = [(40usize, 1usize), (30, 3), (20, 17), (9, 1), (0, 12)];
+            let data: Vec<_> = shapes
+                .iter()
+                .map(|&(offset, len)| {
+                    let n = offset + len;
+                    let q = randn(&mut rng, len * ld);
+                    let k = randn(&mut rng, n * nkv * hd);
+                    let v = randn(&mut rng, n * nkv * hd);
+                    (q, k, v)
+                })
+                .collect();
+            // Outputs of sequences `which`, attended together on `threads`.
+            let run = |which: &[usize], threads: usize| {
+                let mut outs: Vec<Vec<f32>> = which
+                    .iter()
+                    .map(|&s| vec![0f32; shapes[s].1 * ld])
+                    .collect();
+                let seqs: Vec<SeqAttn<f32>> = which
+                    .iter()
+                    .zip(outs.iter_mut())
+                    .map(|(&s, out)| SeqAttn {
+                        q: data[s].0.as_ptr(),
+                        ldq: ld,
+                        out: SharedMut(out.as_mut_ptr()),
+                        ldo: ld,
+                        offset: shapes[s].0,
+                        len: shapes[s].1,
+                        k: data[s].1.as_ptr(),
+                        v: data[s].2.as_ptr(),
+                        table: IDENTITY.as_ptr(),
+                        block,
+                    })
+                    .collect();
+                // SAFETY: contiguous caches of `offset + len` rows each.
+                unsafe { attention(isa, threads, h, &seqs) };
+                outs.iter()
+                    .map(|o| o.iter().map(|f| f.to_bits()).collect::<Vec<_>>())
+                    .collect::<Vec<_>>()
+            };
+            let batched = run(&[2, 0, 3, 1, 4], 2);
+            for (i, s) in [2, 0, 3, 1, 4].into_iter().enumerate() {
+                let alone = run(&[s], 2);
+                let alone_one_thread = run(&[s], 1);
+                assert_eq!(
+                    alone[0], batched[i],
+                    "{isa:?} {h:?} seq {s}: alone vs batch"
+                );
+                assert_eq!(
+                    alone_one_thread[0], batched[i],
+                    "{isa:?} {h:?} seq {s}: 1 thread"
+                );
+            }
+        }
+    }
+}
+
 /// One attention case's inputs per sequence: q, K, V (f32) and an output
 /// buffer, for the (offset, len) `shapes`.
 type AttnCase = Vec<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)>;
