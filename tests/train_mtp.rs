@@ -203,6 +203,75 @@ fn training_lowers_heldout_loss_and_raises_agreement() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Every trained round is what the inference head computes in that draft
+/// round, fed the real next tokens instead of its own drafts: round `r` of
+/// base pair `i` sits at position `i + r - 1` and sees the real pairs
+/// `0..=i` and its own earlier rounds, as the engine's draft rounds do. On
+/// the candle path (the lean one runs the head in Q8_0), so both sides are
+/// f32 and agree to rounding.
+#[test]
+fn each_trained_round_is_the_inference_heads_draft_round() {
+    let model = tandem::tiny::tiny_model(
+        TinyPreset::Test,
+        &tandem::model::LoadOptions {
+            dtype: candle_core::DType::F32,
+            device: candle_core::Device::Cpu,
+            lean_cpu: false,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .0;
+    let cfg = TrainConfig {
+        heldout_seqs: 3,
+        ..config(1)
+    };
+    let trainer = Trainer::new(&model, cfg.clone(), &prompts(&model, &cfg)).unwrap();
+    let f = trainer.heldout();
+    let rounds = 4;
+    let trainable = tandem::train::head::TrainableHead::new(&model, 7, None).unwrap();
+    let trained: Vec<Vec<Vec<f32>>> = trainable
+        .round_logits(f, rounds)
+        .unwrap()
+        .iter()
+        .map(|l| l.to_vec2().unwrap())
+        .collect();
+    let mut head = MtpHead::from_tensors(
+        &model,
+        trainable.tensors().unwrap(),
+        std::path::Path::new("<test>"),
+    )
+    .unwrap();
+    let t = f.hidden.dim(1).unwrap();
+    let mut worst = 0f32;
+    let mut compared = 0;
+    for (n, &len) in f.lens.iter().enumerate() {
+        let slot = n as u32;
+        let next: Vec<u32> = f.next_tokens.get(n).unwrap().to_vec1().unwrap();
+        let hidden = f.hidden.get(n).unwrap();
+        head.admit(slot, t + rounds).unwrap();
+        for i in 0..len.saturating_sub(rounds) {
+            for r in 0..rounds {
+                let mut b = Batch::default();
+                b.push(slot, i + r, &[next[i + r]], OutputRows::Last);
+                let h = hidden.narrow(0, i, 1).unwrap();
+                let got = head.step(&model, &b, (r == 0).then_some(&h)).unwrap();
+                let got: Vec<f32> = got.get(0).unwrap().to_vec1().unwrap();
+                let want = &trained[r][n * (t - r) + i];
+                for (g, w) in got.iter().zip(want) {
+                    worst = worst.max((g - w).abs() / (1.0 + w.abs()));
+                }
+                compared += 1;
+            }
+            head.truncate(slot, i + 1).unwrap();
+        }
+        head.release(slot);
+    }
+    eprintln!("{compared} rounds compared, worst relative difference {worst:e}");
+    assert!(compared >= 3 * rounds * 4, "{compared}");
+    assert!(worst < 1e-4, "trained rounds differ from drafting: {worst}");
+}
+
 /// Soft labels: pair `t`'s teacher is the target's unembedding of the next
 /// pair's hidden state, so its argmax is the greedy label the data holds
 /// (an off-by-one in the shift would agree only by chance); and a head
@@ -341,6 +410,26 @@ fn bad_options_and_models_are_clear_errors() {
     .err()
     .unwrap();
     assert!(err.to_string().contains("context"), "{err}");
+    let err = Trainer::new(
+        &model,
+        TrainConfig {
+            rounds: 0,
+            ..config(1)
+        },
+        &set,
+    )
+    .err()
+    .unwrap();
+    assert!(
+        matches!(
+            err,
+            TrainError::InvalidOption {
+                field: "rounds",
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]

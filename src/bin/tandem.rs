@@ -112,6 +112,9 @@ struct TrainArgs {
     /// Train against the target's whole next-token distribution over the draft vocabulary (distillation), not its greedy label alone.
     #[arg(long)]
     soft_labels: bool,
+    /// Draft rounds trained per position: each round after the first feeds the head its own previous output, as drafting k tokens does (EAGLE-3's training-time test); more rounds make later drafts land more often, at a training step's cost.
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
     /// Adam learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
@@ -637,6 +640,7 @@ fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
         seed: args.seed,
         draft_vocab: args.draft_vocab,
         soft_labels: args.soft_labels,
+        rounds: args.rounds,
         ..Default::default()
     };
     eprintln!(

@@ -180,74 +180,60 @@ impl TrainableHead {
     /// vocabulary) for every pair of the batch (one draft step from the
     /// target's hidden states).
     pub fn logits(&self, f: &Features) -> Result<Tensor, TrainError> {
-        let hidden = f.hidden.to_device(&self.device)?;
-        Ok(self.forward(f, &hidden, false)?.0)
+        Ok(self.round_logits(f, 1)?.swap_remove(0))
     }
 
-    /// Step one over every pair and, with `second`, step two: the head's own
-    /// output fed back with the next token, as the second draft round runs at
-    /// inference (its query sees the real pairs up to its base position and
-    /// itself). `hidden` is `f.hidden` on the head's device. Returns logits
-    /// over the unembedding's rows `R` of step one `[N·(T-1), R]` and of
-    /// step two `[N·(T-2), R]`.
+    /// Logits of draft rounds `1..=rounds` over every pair, as
+    /// [`Self::forward`] computes them for training.
+    pub fn round_logits(&self, f: &Features, rounds: usize) -> Result<Vec<Tensor>, TrainError> {
+        let hidden = f.hidden.to_device(&self.device)?;
+        self.forward(f, &hidden, rounds)
+    }
+
+    /// The head's draft rounds `1..=rounds` over every pair, with the real
+    /// next tokens (teacher forcing). Round 1 reads the target's hidden
+    /// states; round `r > 1` reads round `r - 1`'s output with the next
+    /// token, one position on, as the `r`-th draft round runs at inference
+    /// (EAGLE-3's "training-time test"): base pair `i`'s query sees the
+    /// real pairs `0..=i` and pair `i`'s entries of the earlier rounds.
+    /// `hidden` is `f.hidden` on the head's device. Round `r`'s logits are
+    /// over the unembedding's rows `R`, `[N·(T-r+1), R]` (base pairs
+    /// `0..T-r+1`).
     fn forward(
         &self,
         f: &Features,
         hidden: &Tensor,
-        second: bool,
-    ) -> Result<(Tensor, Option<Tensor>), TrainError> {
-        let cfg = &self.cfg;
+        rounds: usize,
+    ) -> Result<Vec<Tensor>, TrainError> {
         let (n, t, h) = f.hidden.dims3()?;
         let v = self.lm_head.dim(0)?;
         let next = f.next_tokens.flatten_all()?.to_device(&self.device)?;
         let emb = self.embed.index_select(&next, 0)?.reshape((n, t, h))?;
-        let (cos, sin) = rope_tables(cfg, t, &self.device)?;
-
-        let s1 = self.project(&emb, hidden)?;
-        let (q1, k1, v1) = self.qkv(&s1, &cos, &sin)?;
-        let mask1: Vec<f32> = (0..t * t)
-            .map(|i| {
-                if i % t > i / t {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-            .collect();
-        let attn1 = attend(
-            &q1,
-            &k1,
-            &v1,
-            Tensor::from_vec(mask1, (t, t), &self.device)?,
-        )?;
-        let out1 = self.finish_block(&s1, &attn1)?;
-        let logits1 = self.unembed(&out1)?.reshape((n * t, v))?;
-        if !second || t < 2 {
-            return Ok((logits1, None));
+        let (cos, sin) = rope_tables(&self.cfg, t, &self.device)?;
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        let mut logits = Vec::with_capacity(rounds);
+        let mut previous: Option<Tensor> = None;
+        for r in 0..rounds.min(t) {
+            // Round r + 1: base pairs 0..m, the input (out_i, x_{i+r+1}) at position i + r.
+            let m = t - r;
+            let input = match &previous {
+                None => self.project(&emb, hidden)?,
+                Some(out) => self.project(&emb.narrow(1, r, m)?, &out.narrow(1, 0, m)?)?,
+            };
+            let (q, k, v_) = self.qkv(&input, &cos.narrow(0, r, m)?, &sin.narrow(0, r, m)?)?;
+            keys.push(k);
+            values.push(v_);
+            let attn = attend(
+                &q,
+                &Tensor::cat(&keys, 2)?,
+                &Tensor::cat(&values, 2)?,
+                round_mask(t, r, &self.device)?,
+            )?;
+            let out = self.finish_block(&input, &attn)?;
+            logits.push(self.unembed(&out)?.reshape((n * m, v))?);
+            previous = Some(out);
         }
-
-        // Step two for base pairs 0..t-1: (out1_i, x_{i+2}) at position i + 1.
-        let m = t - 1;
-        let emb2 = emb.narrow(1, 1, m)?;
-        let s2 = self.project(&emb2, &out1.narrow(1, 0, m)?)?;
-        let (q2, k2, v2) = self.qkv(&s2, &cos.narrow(0, 1, m)?, &sin.narrow(0, 1, m)?)?;
-        let keys = Tensor::cat(&[&k1, &k2], 2)?;
-        let values = Tensor::cat(&[&v1, &v2], 2)?;
-        let mut mask2 = vec![f32::NEG_INFINITY; m * (t + m)];
-        for i in 0..m {
-            for j in 0..=i {
-                mask2[i * (t + m) + j] = 0.0;
-            }
-            mask2[i * (t + m) + t + i] = 0.0;
-        }
-        let attn2 = attend(
-            &q2,
-            &keys,
-            &values,
-            Tensor::from_vec(mask2, (m, t + m), &self.device)?,
-        )?;
-        let out2 = self.finish_block(&s2, &attn2)?;
-        Ok((logits1, Some(self.unembed(&out2)?.reshape((n * m, v))?)))
+        Ok(logits)
     }
 
     /// `eh_proj([enorm(emb); hnorm(hidden)])`.
@@ -330,27 +316,36 @@ impl TrainableHead {
         Ok(rms_norm(x, &self.norm, self.cfg.rms_norm_eps)?.broadcast_matmul(&self.lm_head.t()?)?)
     }
 
-    /// Training loss: cross-entropy of step one, plus step two's when
-    /// `second` (so recursive drafts stay accurate), over the masked labels
-    /// inside the draft vocabulary. Against the greedy labels (`soft`
-    /// false) or against the target's whole distribution over the draft
-    /// vocabulary (`soft`: see [`Self::soft_loss`]).
-    pub fn train_loss(&self, f: &Features, second: bool, soft: bool) -> Result<Tensor, TrainError> {
+    /// Training loss: the sum over draft rounds `1..=rounds` (later rounds
+    /// keep recursive drafts accurate) of each round's cross-entropy over
+    /// the masked labels inside the draft vocabulary: against the greedy
+    /// labels (`soft` false) or against the target's whole distribution
+    /// over the draft vocabulary (`soft`: see [`Self::soft_loss`]).
+    pub fn train_loss(
+        &self,
+        f: &Features,
+        rounds: usize,
+        soft: bool,
+    ) -> Result<Tensor, TrainError> {
         // Moved to the device once: the soft loss reads it too.
         let hidden = f.hidden.to_device(&self.device)?;
-        let (l1, l2) = self.forward(f, &hidden, second)?;
+        let logits = self.forward(f, &hidden, rounds)?;
         if soft {
-            return self.soft_loss(f, &hidden, &l1, l2.as_ref());
+            return self.soft_loss(f, &hidden, &logits);
         }
-        let (rows, weights) = self.targets(&f.labels, &f.mask)?;
-        let mut loss = masked_cross_entropy(&l1, &rows, &weights)?;
-        if let Some(l2) = l2 {
-            let t = f.labels.dim(1)?;
+        let t = f.labels.dim(1)?;
+        let mut loss: Option<Tensor> = None;
+        for (r, l) in logits.iter().enumerate() {
+            // Round r + 1 of base pair i predicts pair i + r's label.
             let (rows, weights) =
-                self.targets(&f.labels.narrow(1, 1, t - 1)?, &f.mask.narrow(1, 1, t - 1)?)?;
-            loss = (loss + masked_cross_entropy(&l2, &rows, &weights)?)?;
+                self.targets(&f.labels.narrow(1, r, t - r)?, &f.mask.narrow(1, r, t - r)?)?;
+            let term = masked_cross_entropy(l, &rows, &weights)?;
+            loss = Some(match loss {
+                None => term,
+                Some(sum) => (sum + term)?,
+            });
         }
-        Ok(loss)
+        Ok(loss.expect("at least one round"))
     }
 
     /// The target's logits over the unembedding's rows for the label of
@@ -373,14 +368,13 @@ impl TrainableHead {
     /// taken from; the loss is its cross-entropy with the head's, over the
     /// draft vocabulary's rows (the target's renormalised there), weighted
     /// as the greedy loss is. A pair whose next hidden state is not in the
-    /// features (the last) is left out. Step two's pair `t` is scored
-    /// against `h_{t+2}`.
+    /// features (the last) is left out. Round `r + 1`'s base pair `t` is
+    /// scored against `h_{t+r+1}`.
     fn soft_loss(
         &self,
         f: &Features,
         hidden: &Tensor,
-        l1: &Tensor,
-        l2: Option<&Tensor>,
+        logits: &[Tensor],
     ) -> Result<Tensor, TrainError> {
         let (n, t, _) = hidden.dims3()?;
         let r = self.lm_head.dim(0)?;
@@ -398,10 +392,10 @@ impl TrainableHead {
                 &weights,
             )
         };
-        let mut loss = score(l1, t - 1, 0)?;
-        if let Some(l2) = l2 {
-            if t > 2 {
-                loss = (loss + score(l2, t - 2, 1)?)?;
+        let mut loss = score(&logits[0], t - 1, 0)?;
+        for (round, l) in logits.iter().enumerate().skip(1) {
+            if t > round + 1 {
+                loss = (loss + score(l, t - 1 - round, round)?)?;
             }
         }
         Ok(loss)
@@ -465,6 +459,26 @@ fn soft_cross_entropy(
 fn weighted_negative_mean(logp: &Tensor, weights: &Tensor) -> Result<Tensor, TrainError> {
     let total = weights.sum_all()?.to_scalar::<f32>()?.max(1.0) as f64;
     Ok(((logp * weights)?.sum_all()? * (-1.0 / total))?)
+}
+
+/// The additive mask of round `r + 1` (0-based `r`) over the keys of
+/// rounds `1..=r + 1` laid end to end (round `s + 1` holds `t - s` keys):
+/// base pair `i` sees the real pairs `0..=i` and its own entry of every
+/// later round. `[t - r, Σ_{s≤r} (t - s)]`.
+fn round_mask(t: usize, r: usize, device: &Device) -> Result<Tensor, TrainError> {
+    let rows = t - r;
+    let cols: usize = (0..=r).map(|s| t - s).sum();
+    let mut mask = vec![f32::NEG_INFINITY; rows * cols];
+    for i in 0..rows {
+        let row = &mut mask[i * cols..(i + 1) * cols];
+        row[..=i].fill(0.0);
+        let mut start = t;
+        for s in 1..=r {
+            row[start + i] = 0.0;
+            start += t - s;
+        }
+    }
+    Ok(Tensor::from_vec(mask, (rows, cols), device)?)
 }
 
 /// Softmax attention of `q` `[n, h, tq, d]` over `k`, `v` `[n, h, tk, d]`

@@ -93,9 +93,11 @@ pub struct TrainConfig {
     pub temperature: f32,
     /// Draft positions whose acceptance is measured.
     pub draft_positions: usize,
-    /// Also train the second draft step (the head's own output fed back),
-    /// which is what makes drafts beyond the first one land.
-    pub second_step: bool,
+    /// Draft rounds trained per pair: round `r > 1` feeds the head its own
+    /// output of round `r - 1` (EAGLE-3's training-time test), which is what
+    /// makes drafts beyond the first one land. 2 until session 33.
+    #[serde(default = "two_rounds")]
+    pub rounds: usize,
     /// Evaluate every this many steps (and at the end).
     pub eval_every: usize,
     /// Write a resumable checkpoint every this many steps (0: only at the end).
@@ -111,6 +113,10 @@ pub struct TrainConfig {
     pub soft_labels: bool,
 }
 
+fn two_rounds() -> usize {
+    2
+}
+
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
@@ -122,7 +128,7 @@ impl Default for TrainConfig {
             heldout_seqs: 32,
             temperature: 1.0,
             draft_positions: 4,
-            second_step: true,
+            rounds: 2,
             eval_every: 50,
             checkpoint_every: 100,
             seed: 0,
@@ -149,6 +155,7 @@ impl TrainConfig {
         positive("train_seqs", self.train_seqs)?;
         positive("heldout_seqs", self.heldout_seqs)?;
         positive("draft_positions", self.draft_positions)?;
+        positive("rounds", self.rounds)?;
         positive("eval_every", self.eval_every)?;
         if self.seq_len < 8 {
             return Err(TrainError::InvalidOption {
@@ -460,9 +467,9 @@ impl<'a> Trainer<'a> {
             .map(|_| rng.random_range(0..self.train.len() as u32))
             .collect();
         let batch = self.train.select(&idx)?;
-        let loss =
-            self.head
-                .train_loss(&batch, self.config.second_step, self.config.soft_labels)?;
+        let loss = self
+            .head
+            .train_loss(&batch, self.config.rounds, self.config.soft_labels)?;
         let grads = loss.backward()?;
         let lr = learning_rate(self.config.lr, self.step, self.config.steps);
         self.adam.step(self.head.var_map(), &grads, lr)?;
