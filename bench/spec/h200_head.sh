@@ -26,8 +26,11 @@
 # device --no-run`) and stories260k in $BIN/shared/models, the bench runs
 # the GPU tests first. REPEAT sets each row's alternating runs (3);
 # WARM=1 runs the rows on warm engines, WARM=both fresh then warm (below);
+# ROWS=short runs four rows (below), ROWS=none none;
 # ROWS=head runs only the head A/B at the end (HEAD_GRAPHS_AB=1 runs it
 # after the other rows).
+# TRAIN2_ARGS trains a second head beside the first (into $HEAD2, on the
+# same data), saved and evaluated with it; the rows use $HEAD.
 # TRAIN_ARGS adds train-mtp options (session 27: `--self-prompts 4096
 # --heldout-prompts bench/spec/chat_prompts.txt --heldout-seqs 16`); the
 # train phase then also runs `tandem eval-mtp` on the chat and edit prompts
@@ -43,6 +46,7 @@ MODEL=${MODEL:-/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
 MODEL_SHA256=${MODEL_SHA256:-b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53}
 OUT=${OUT:-/tmp/tandem-out}
 HEAD=${HEAD:-/tmp/smollm2-head}
+HEAD2=${HEAD2:-/tmp/smollm2-head2}
 STEPS=${STEPS:-2500}
 TRAIN_SEQS=${TRAIN_SEQS:-10240}
 WAIT=${WAIT:-540}
@@ -75,18 +79,42 @@ for b in tandem multi_client_load device-tests; do
 done
 nvidia-smi -L
 
-# Waits for the detached training (its log /tmp/train.log, /tmp/train.rc at the end), up to $1 seconds.
+# Waits for the detached trainings (logs /tmp/train*.log, /tmp/train*.rc
+# at the end), up to $1 seconds; true when all have ended.
+TRAININGS=(train)
+[ -n "${TRAIN2_ARGS:-}" ] && TRAININGS+=(train2)
+trainings_done() {
+  local t
+  for t in "${TRAININGS[@]}"; do [ -f /tmp/$t.rc ] || return 1; done
+}
 wait_training() {
-  local waited=0
-  while [ ! -f /tmp/train.rc ] && [ "$waited" -lt "$1" ]; do sleep 10; waited=$((waited + 10)); done
-  grep -v '^\s*$' /tmp/train.log | tail -40
-  [ -f /tmp/train.rc ] && echo "train-mtp exit status $(cat /tmp/train.rc)"
+  local waited=0 t
+  while ! trainings_done && [ "$waited" -lt "$1" ]; do sleep 10; waited=$((waited + 10)); done
+  for t in "${TRAININGS[@]}"; do
+    echo "--- $t"
+    grep -v '^\s*$' /tmp/$t.log | tail -40
+    [ -f /tmp/$t.rc ] && echo "train-mtp exit status $(cat /tmp/$t.rc)"
+  done
+  trainings_done
+}
+# Saves each head (gzipped: the output limit is 16 MiB a file) and report to $OUT.
+save_heads() {
+  gzip -c "$HEAD/mtp.safetensors" >"$OUT/mtp.safetensors.gz"
+  cp "$HEAD"/mtp_training.json /tmp/train.log "$OUT/" 2>/dev/null
+  if [ -n "${TRAIN2_ARGS:-}" ]; then
+    mkdir -p "$OUT/head2"
+    gzip -c "$HEAD2/mtp.safetensors" >"$OUT/head2/mtp.safetensors.gz"
+    cp "$HEAD2"/mtp_training.json /tmp/train2.log "$OUT/head2/" 2>/dev/null
+  fi
 }
 
 # Held-out acceptance of the new head and, when .devdata/head brought one,
-# the old head, on the chat and edit prompts.
+# the old head, on the chat and edit prompts; once a machine (the train
+# call's, when training ended in it, or the bench call's).
 eval_heads() {
-  for head in "$HEAD" /tmp/old-head; do
+  [ -f /tmp/heads-evaluated ] && return
+  touch /tmp/heads-evaluated
+  for head in "$HEAD" "$HEAD2" /tmp/old-head; do
     [ -f "$head/mtp.safetensors" ] || continue
     for p in chat edit; do
       echo "=== eval-mtp $head on ${p}_prompts.txt"
@@ -96,28 +124,32 @@ eval_heads() {
   done
 }
 
+# start_training NAME DIR ARGS: train-mtp detached (setsid: it outlives
+# the call), log /tmp/NAME.log, exit status /tmp/NAME.rc.
+start_training() {
+  rm -f /tmp/$1.rc
+  setsid bash -c "{ time /tmp/bin/tandem train-mtp --device cuda --model '$MODEL' \
+    --out '$2' --steps $STEPS --batch 32 --seq-len 256 --train-seqs $TRAIN_SEQS \
+    --heldout-seqs ${HELDOUT_SEQS:-64} --temperature 0.8 --draft-vocab 8192 --eval-every 250 \
+    --checkpoint-every 250 --draft-positions 6 --seed 0 $3; } </dev/null >/tmp/$1.log 2>&1; echo \$? >/tmp/$1.rc" </dev/null >/dev/null 2>&1 &
+}
+
 if [ "$PHASE" = train ] || [ "$PHASE" = all ]; then
   echo "=== train-mtp on cuda: $STEPS steps, $TRAIN_SEQS sequences (detached)"
-  rm -f /tmp/train.rc
-  setsid bash -c "{ time /tmp/bin/tandem train-mtp --device cuda --model '$MODEL' \
-    --out '$HEAD' --steps $STEPS --batch 32 --seq-len 256 --train-seqs $TRAIN_SEQS \
-    --heldout-seqs ${HELDOUT_SEQS:-64} --temperature 0.8 --draft-vocab 8192 --eval-every 250 \
-    --checkpoint-every 250 --draft-positions 6 --seed 0 ${TRAIN_ARGS:-}; } </dev/null >/tmp/train.log 2>&1; echo \$? >/tmp/train.rc" </dev/null >/dev/null 2>&1 &
+  start_training train "$HEAD" "${TRAIN_ARGS:-}"
+  # TRAIN2_ARGS: a second head trained at the same time on the same data
+  # (same prompts and seed), e.g. the same recipe with another option.
+  [ -n "${TRAIN2_ARGS:-}" ] && start_training train2 "$HEAD2" "$TRAIN2_ARGS"
   if [ "$PHASE" = train ]; then
-    wait_training "$WAIT"
-    # Save the head now: the bench call may come after the machine is gone.
-    [ -f /tmp/train.rc ] && gzip -c "$HEAD/mtp.safetensors" >"$OUT/mtp.safetensors.gz" \
-      && cp "$HEAD"/mtp_training.json /tmp/train.log "$OUT/" 2>/dev/null
-    [ -f /tmp/train.rc ] && eval_heads
+    # Save the heads now: the bench call may come after the machine is gone.
+    wait_training "$WAIT" && save_heads && eval_heads
     exit 0
   fi
 fi
 
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
-  wait_training "$WAIT"
-  [ -f /tmp/train.rc ] || { echo "training still running"; exit 1; }
-  gzip -c "$HEAD/mtp.safetensors" >"$OUT/mtp.safetensors.gz"
-  cp "$HEAD"/mtp_training.json /tmp/train.log "$OUT/" 2>/dev/null
+  wait_training "$WAIT" || { echo "training still running"; exit 1; }
+  save_heads
   # A training that outlived the train call is measured here.
   eval_heads
 elif [ ! -f "$HEAD/mtp.safetensors" ] && [ -f "$BIN/mtp.safetensors.gz" ]; then
@@ -193,11 +225,20 @@ rows() {
   run $CHAT --clients 128 --max-seqs 16 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
   run $CHAT --clients 256 --max-seqs 64 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
 }
-if [ "${ROWS:-all}" = all ]; then
+# ROWS=short: the issue's four rows only (one stream chat and edit, 16
+# and 64 streams), for a call that also waits for a training.
+short_rows() {
+  run $CHAT --clients 16 --max-seqs 1 --mtp "head:$HEAD" --mtp-compare --repeat $R
+  run --prompts bench/spec/edit_prompts.txt --clients 8 --max-seqs 1 --max-tokens 96 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+  run $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+  run $CHAT --clients 64 --max-seqs 64 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+}
+case "${ROWS:-all}" in all) ROW_SET=rows ;; short) ROW_SET=short_rows ;; *) ROW_SET="" ;; esac
+if [ -n "$ROW_SET" ]; then
   case "${WARM:-0}" in
-    0) WARM_ARGS="" rows ;;
-    1) WARM_ARGS="--warm --no-prefix-cache" rows ;;
-    both) WARM_ARGS="" rows; WARM_ARGS="--warm --no-prefix-cache" rows ;;
+    0) WARM_ARGS="" $ROW_SET ;;
+    1) WARM_ARGS="--warm --no-prefix-cache" $ROW_SET ;;
+    both) WARM_ARGS="" $ROW_SET; WARM_ARGS="--warm --no-prefix-cache" $ROW_SET ;;
   esac
 fi
 WARM_ARGS=""
