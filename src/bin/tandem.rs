@@ -641,7 +641,6 @@ fn train_mtp(args: TrainArgs) -> Result<(), BoxError> {
         draft_vocab: args.draft_vocab,
         soft_labels: args.soft_labels,
         rounds: args.rounds,
-        ..Default::default()
     };
     eprintln!(
         "{name}: generating {} training and {} held-out sequences of {} tokens from {} + {} prompts",
