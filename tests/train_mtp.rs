@@ -368,68 +368,31 @@ fn resuming_continues_the_same_loss_curve() {
 fn bad_options_and_models_are_clear_errors() {
     let model = target();
     let set = prompts(&model, &config(1));
-    let err = Trainer::new(
-        &model,
-        TrainConfig {
-            seq_len: 4,
-            ..config(1)
-        },
-        &set,
-    )
-    .err()
-    .unwrap();
-    assert!(
-        matches!(
-            err,
-            TrainError::InvalidOption {
-                field: "seq_len",
-                ..
-            }
-        ),
-        "{err}"
-    );
-    let err = Trainer::new(
-        &model,
-        TrainConfig {
-            lr: -1.0,
-            ..config(1)
-        },
-        &set,
-    )
-    .err()
-    .unwrap();
+    let rejected = |cfg: TrainConfig| Trainer::new(&model, cfg, &set).err().unwrap();
+    let option = |err: &TrainError| match err {
+        TrainError::InvalidOption { field, .. } => Some(*field),
+        _ => None,
+    };
+    let err = rejected(TrainConfig {
+        seq_len: 4,
+        ..config(1)
+    });
+    assert_eq!(option(&err), Some("seq_len"), "{err}");
+    let err = rejected(TrainConfig {
+        lr: -1.0,
+        ..config(1)
+    });
     assert!(err.to_string().contains("lr"), "{err}");
-    let err = Trainer::new(
-        &model,
-        TrainConfig {
-            seq_len: 5000,
-            ..config(1)
-        },
-        &set,
-    )
-    .err()
-    .unwrap();
+    let err = rejected(TrainConfig {
+        seq_len: 5000,
+        ..config(1)
+    });
     assert!(err.to_string().contains("context"), "{err}");
-    let err = Trainer::new(
-        &model,
-        TrainConfig {
-            rounds: 0,
-            ..config(1)
-        },
-        &set,
-    )
-    .err()
-    .unwrap();
-    assert!(
-        matches!(
-            err,
-            TrainError::InvalidOption {
-                field: "rounds",
-                ..
-            }
-        ),
-        "{err}"
-    );
+    let err = rejected(TrainConfig {
+        rounds: 0,
+        ..config(1)
+    });
+    assert_eq!(option(&err), Some("rounds"), "{err}");
 }
 
 #[test]
