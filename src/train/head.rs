@@ -206,11 +206,12 @@ impl TrainableHead {
         rounds: usize,
     ) -> Result<Vec<Tensor>, TrainError> {
         let (n, t, h) = f.hidden.dims3()?;
-        let v = self.lm_head.dim(0)?;
+        let rows = self.lm_head.dim(0)?;
         let next = f.next_tokens.flatten_all()?.to_device(&self.device)?;
         let emb = self.embed.index_select(&next, 0)?.reshape((n, t, h))?;
         let (cos, sin) = rope_tables(&self.cfg, t, &self.device)?;
-        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        // Every round's keys and values so far, laid end to end.
+        let mut kv: Option<(Tensor, Tensor)> = None;
         let mut logits = Vec::with_capacity(rounds);
         let mut previous: Option<Tensor> = None;
         for r in 0..rounds.min(t) {
@@ -220,17 +221,18 @@ impl TrainableHead {
                 None => self.project(&emb, hidden)?,
                 Some(out) => self.project(&emb.narrow(1, r, m)?, &out.narrow(1, 0, m)?)?,
             };
-            let (q, k, v_) = self.qkv(&input, &cos.narrow(0, r, m)?, &sin.narrow(0, r, m)?)?;
-            keys.push(k);
-            values.push(v_);
-            let attn = attend(
-                &q,
-                &Tensor::cat(&keys, 2)?,
-                &Tensor::cat(&values, 2)?,
-                round_mask(t, r, &self.device)?,
-            )?;
+            let (q, k, value) = self.qkv(&input, &cos.narrow(0, r, m)?, &sin.narrow(0, r, m)?)?;
+            let (keys, values) = match kv.take() {
+                None => (k, value),
+                Some((keys, values)) => (
+                    Tensor::cat(&[&keys, &k], 2)?,
+                    Tensor::cat(&[&values, &value], 2)?,
+                ),
+            };
+            let attn = attend(&q, &keys, &values, round_mask(t, r, &self.device)?)?;
+            kv = Some((keys, values));
             let out = self.finish_block(&input, &attn)?;
-            logits.push(self.unembed(&out)?.reshape((n * m, v))?);
+            logits.push(self.unembed(&out)?.reshape((n * m, rows))?);
             previous = Some(out);
         }
         Ok(logits)
