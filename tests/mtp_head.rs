@@ -436,3 +436,104 @@ fn draft_cost_vs_target_step() {
         }
     }
 }
+
+/// The drafts of rounds chained on the device (each fed the previous
+/// round's argmax where it lies, read back once) equal the drafts of the
+/// rounds run one by one, each read back and fed as a host token, for
+/// sequences with different budgets (rows leave the chain as their budget
+/// ends), with a draft vocabulary and without, on the lean and the candle
+/// CPU paths. A chain that fed each round the wrong row's draft fails it.
+#[test]
+fn chained_greedy_rounds_draft_what_rounds_one_by_one_draft() {
+    use tandem::engine::{DraftHead, DraftInput, HiddenContext, MtpDraft};
+    let candle = tiny_model(
+        TinyPreset::Test,
+        &LoadOptions {
+            dtype: candle_core::DType::F32,
+            device: Device::Cpu,
+            lean_cpu: false,
+            ..LoadOptions::default()
+        },
+    )
+    .unwrap()
+    .0;
+    let budgets = [3usize, 1, 4];
+    for model in [target(), candle] {
+        let v = model.config().vocab_size as u32;
+        let h = model.config().hidden_size;
+        for reduced in [false, true] {
+            let mut tensors = random_tensors(model.config(), 21).unwrap();
+            if reduced {
+                let kept: Vec<u32> = (0..v).filter(|i| i % 3 != 1).collect();
+                let ids = Tensor::new(kept.as_slice(), &Device::Cpu).unwrap();
+                tensors.insert(DRAFT_VOCAB_TENSOR.into(), ids);
+            }
+            let draft = || {
+                let origin = std::path::Path::new("<chain>");
+                let mut d = MtpDraft {
+                    head: MtpHead::from_tensors(&model, tensors.clone(), origin).unwrap(),
+                };
+                for slot in 0..3 {
+                    d.admit(slot, 16).unwrap();
+                }
+                d
+            };
+            // Slot s has 2 + s pending pairs; its decode token sits at 2 + s.
+            let inputs: Vec<DraftInput> = (0..3u32)
+                .map(|s| {
+                    let m = 2 + s as usize;
+                    let hidden = (Tensor::arange(0f32, (m * h) as f32, &Device::Cpu)
+                        .unwrap()
+                        .reshape((m, h))
+                        .unwrap()
+                        * (0.02 + 0.01 * f64::from(s)))
+                    .unwrap()
+                    .sin()
+                    .unwrap();
+                    let tokens = (0..m as u32 - 1).map(|i| 5 + 7 * i + s).collect();
+                    DraftInput {
+                        slot: s,
+                        token: 40 + s,
+                        position: m,
+                        round: 0,
+                        context: Some(HiddenContext { hidden, tokens }),
+                    }
+                })
+                .collect();
+            let mut kv = tandem::kv::KvCache::new(model.kv_layout(), Device::Cpu, 16);
+
+            let mut one_by_one = draft();
+            let mut want: Vec<Vec<u32>> = vec![Vec::new(); 3];
+            let mut round_inputs = inputs.clone();
+            for round in 0..4 {
+                let members: Vec<usize> = (0..3).filter(|&i| budgets[i] > round).collect();
+                let fed: Vec<DraftInput> =
+                    members.iter().map(|&i| round_inputs[i].clone()).collect();
+                let logits = one_by_one.draft_logits(&model, &mut kv, &fed).unwrap();
+                let rows: Vec<usize> = (0..fed.len()).collect();
+                for (&i, id) in members.iter().zip(logits.argmax(&rows).unwrap()) {
+                    want[i].push(id);
+                    round_inputs[i] = DraftInput {
+                        token: id,
+                        position: round_inputs[i].position + 1,
+                        round: round + 1,
+                        context: None,
+                        ..round_inputs[i].clone()
+                    };
+                }
+            }
+            let mut chained = draft();
+            let got = chained
+                .draft_greedy_rounds(&model, &mut kv, &inputs, &budgets)
+                .unwrap()
+                .expect("an MTP head chains its rounds");
+            assert_eq!(got, want, "lean {} reduced {reduced}", model.is_lean());
+            for (i, drafts) in got.iter().enumerate() {
+                assert_eq!(drafts.len(), budgets[i]);
+                // Round 0 wrote the pending pairs, each later round one more.
+                let head_len = chained.head.len(i as u32).unwrap();
+                assert_eq!(head_len, inputs[i].position + budgets[i] - 1);
+            }
+        }
+    }
+}

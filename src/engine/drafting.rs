@@ -8,10 +8,14 @@
 //! each member's draft from its row: plain greedy members by one argmax
 //! call over all of their rows (only ids leave the device), the others from
 //! the sampler's draft distribution with the keyed uniform of the position
-//! drafted (see [`super::spec`]). Each round's time and the rows it fed
-//! go to the policy's cost model, but for a round whose CUDA graph was
-//! captured (a one-off). Afterwards every drafting slot's target KV length
-//! is back where it was, whatever happened.
+//! drafted (see [`super::spec`]). When every member drafts plain greedy
+//! and the head can, its rounds are chained instead: each fed the
+//! previous round's argmax where it lies, the drafts read back once at
+//! the end, so a GPU runs the rounds without a host round trip each. Each
+//! round's time and the rows it fed go to the policy's cost model, but
+//! for rounds during which a CUDA graph was captured (a one-off).
+//! Afterwards every drafting slot's target KV length is back where it
+//! was, whatever happened.
 
 use std::time::Instant;
 
@@ -37,15 +41,81 @@ pub(crate) fn run_rounds(
         .map(|p| p.draft_budget)
         .max()
         .unwrap_or(0);
-    let mut result = Ok(());
-    for round in 0..rounds {
-        result = run_round(model, seqs, planned, round);
-        if result.is_err() {
-            break;
+    let mut result = Ok(false);
+    if rounds > 0 {
+        result = run_greedy_rounds(model, seqs, planned);
+    }
+    if let Ok(false) = result {
+        result = Ok(true);
+        for round in 0..rounds {
+            if let Err(e) = run_round(model, seqs, planned, round) {
+                result = Err(e);
+                break;
+            }
         }
     }
     let rolled_back = end_rounds(seqs, planned);
-    result.and(rolled_back)
+    result.map(|_| ()).and(rolled_back)
+}
+
+/// Every round at once when every member drafts plain greedy and the head
+/// can chain its rounds ([`DraftHead::draft_greedy_rounds`]); false (nothing
+/// done) otherwise. The rounds are timed as a whole (on a GPU the host
+/// does not wait between them), each recorded at the whole's mean.
+///
+/// [`DraftHead::draft_greedy_rounds`]: super::draft_heads::DraftHead::draft_greedy_rounds
+fn run_greedy_rounds(
+    model: &Model,
+    seqs: &mut Sequences,
+    planned: &mut [Planned],
+) -> Result<bool, EngineError> {
+    let start = Instant::now();
+    let members: Vec<usize> = (0..planned.len())
+        .filter(|&i| by_head(&planned[i]))
+        .collect();
+    if !members
+        .iter()
+        .all(|&i| seqs.sampler.is_plain_greedy(planned[i].slot))
+    {
+        return Ok(false);
+    }
+    let inputs = members
+        .iter()
+        .map(|&i| round_input(seqs, &planned[i], 0))
+        .collect::<Result<Vec<_>, _>>()?;
+    let budgets: Vec<usize> = members.iter().map(|&i| planned[i].draft_budget).collect();
+    let head = seqs.head.as_mut().expect("drafting needs a head");
+    let captures = head.graph_captures();
+    let Some(drafts) = head
+        .draft_greedy_rounds(model, &mut seqs.kv, &inputs, &budgets)
+        .map_err(model_err)?
+    else {
+        return Ok(false);
+    };
+    let captured = head.graph_captures() != captures;
+    for (&i, tokens) in members.iter().zip(drafts) {
+        planned[i].drafts.tokens.extend(tokens);
+    }
+    if seqs.head_needs_hidden() {
+        // Round 0 consumed these pairs into the head's own KV.
+        for &i in &members {
+            let (slot, offset) = (planned[i].slot, planned[i].offset);
+            if let Ok(seq) = seqs.get_mut(slot) {
+                seq.hidden_from = offset;
+            }
+        }
+    }
+    if !captured {
+        let rounds = budgets.iter().copied().max().unwrap_or(1);
+        let mean = start.elapsed() / rounds as u32;
+        let first = inputs.iter().map(DraftInput::rows).sum();
+        seqs.policy.cost_mut().record_round(first, mean);
+        for round in 1..rounds {
+            let rows = budgets.iter().filter(|&&b| b > round).count();
+            seqs.policy.cost_mut().record_round(rows, mean);
+        }
+    }
+    Ok(true)
 }
 
 /// Whether `p` drafts with the head this step.
