@@ -709,7 +709,10 @@ fn mtp_head_round_replays_equal_eager_rounds() {
     };
     let (mut eager, mut graphed, mut chained) = (head(false), head(true), head(true));
     let want = run(&mut eager, false);
-    for (got, what) in [(run(&mut graphed, false), "replayed"), (run(&mut chained, true), "chained")] {
+    for (got, what) in [
+        (run(&mut graphed, false), "replayed"),
+        (run(&mut chained, true), "chained"),
+    ] {
         assert_eq!(got.len(), want.len());
         for (round, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g.0, w.0, "{what}: drafts of round {round}");

@@ -9,9 +9,10 @@
 //! call over all of their rows (only ids leave the device), the others from
 //! the sampler's draft distribution with the keyed uniform of the position
 //! drafted (see [`super::spec`]). When every member drafts plain greedy
-//! and the head can, its rounds are chained instead: each fed the
-//! previous round's argmax where it lies, the drafts read back once at
-//! the end, so a GPU runs the rounds without a host round trip each. Each
+//! and the head can, its rounds are chained instead (by default off the
+//! CPU only): each fed the previous round's argmax where it lies, the
+//! drafts read back once at the end, so a GPU runs the rounds without a
+//! host round trip each. Each
 //! round's time and the rows it fed go to the policy's cost model, but
 //! for rounds during which a CUDA graph was captured (a one-off).
 //! Afterwards every drafting slot's target KV length is back where it
@@ -58,10 +59,13 @@ pub(crate) fn run_rounds(
     result.map(|_| ()).and(rolled_back)
 }
 
-/// Every round at once when every member drafts plain greedy and the head
-/// can chain its rounds ([`DraftHead::draft_greedy_rounds`]); false (nothing
-/// done) otherwise. The rounds are timed as a whole (on a GPU the host
-/// does not wait between them), each recorded at the whole's mean.
+/// Every round at once when chaining is on ([`SpecConfig::chain_rounds`]),
+/// every member drafts plain greedy and the head can chain its rounds
+/// ([`DraftHead::draft_greedy_rounds`]); false (nothing done) otherwise.
+/// The rounds are timed as a whole (on a GPU the host does not wait
+/// between them), each recorded at the whole's mean.
+///
+/// [`SpecConfig::chain_rounds`]: super::spec::SpecConfig::chain_rounds
 ///
 /// [`DraftHead::draft_greedy_rounds`]: super::draft_heads::DraftHead::draft_greedy_rounds
 fn run_greedy_rounds(
@@ -69,6 +73,9 @@ fn run_greedy_rounds(
     seqs: &mut Sequences,
     planned: &mut [Planned],
 ) -> Result<bool, EngineError> {
+    if !seqs.chain_rounds.unwrap_or(!model.device().is_cpu()) {
+        return Ok(false);
+    }
     let start = Instant::now();
     let members: Vec<usize> = (0..planned.len())
         .filter(|&i| by_head(&planned[i]))

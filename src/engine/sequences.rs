@@ -142,6 +142,8 @@ pub(crate) struct Sequences {
     /// The options a request that does not say gets; `Some` iff the
     /// engine has a drafter (a head, prompt lookup, or both).
     pub default_spec: Option<SpecOptions>,
+    /// [`SpecConfig::chain_rounds`].
+    pub chain_rounds: Option<bool>,
     #[cfg(debug_assertions)]
     pub accept_all: bool,
     seqs: HashMap<SlotId, Sequence>,
@@ -155,6 +157,7 @@ impl Sequences {
             head: None,
             policy: DraftPolicy::new(false, None),
             default_spec: None,
+            chain_rounds: None,
             #[cfg(debug_assertions)]
             accept_all: false,
             seqs: HashMap::new(),
@@ -168,6 +171,7 @@ impl Sequences {
         let any = head.is_some() || config.prompt_lookup.is_some();
         self.head = head;
         self.default_spec = any.then_some(config.default);
+        self.chain_rounds = config.chain_rounds;
         #[cfg(debug_assertions)]
         {
             self.accept_all = config.unchecked_accept;
