@@ -20,19 +20,18 @@ fn rows(t: &Tensor) -> Vec<Vec<f32>> {
     t.to_vec2().unwrap()
 }
 
+/// `n` hidden-state rows of width `h`: `sin(scale * i)` over their elements.
+fn hidden_rows(n: usize, h: usize, scale: f64) -> Tensor {
+    let i = Tensor::arange(0f32, (n * h) as f32, &Device::Cpu).unwrap();
+    (i.reshape((n, h)).unwrap() * scale).unwrap().sin().unwrap()
+}
+
 #[test]
 fn pairs_fed_in_chunks_equal_pairs_fed_at_once() {
     let model = target();
     let h = model.config().hidden_size;
     let n = 9;
-    let hidden = (Tensor::arange(0f32, (n * h) as f32, &Device::Cpu)
-        .unwrap()
-        .reshape((n, h))
-        .unwrap()
-        * 0.01)
-        .unwrap()
-        .sin()
-        .unwrap();
+    let hidden = hidden_rows(n, h, 0.01);
     let tokens: Vec<u32> = (0..n as u32).map(|i| 10 + 3 * i).collect();
     let slot: SlotId = 4;
 
@@ -209,14 +208,7 @@ fn greedy_drafts_over_the_draft_vocab_equal_the_widened_logits() {
     let head = || MtpHead::from_tensors(&model, tensors.clone(), std::path::Path::new("<v>"));
     let (mut widened, mut reduced) = (head().unwrap(), head().unwrap());
     let h = model.config().hidden_size;
-    let hidden = (Tensor::arange(0f32, (3 * h) as f32, &Device::Cpu)
-        .unwrap()
-        .reshape((3, h))
-        .unwrap()
-        * 0.03)
-        .unwrap()
-        .sin()
-        .unwrap();
+    let hidden = hidden_rows(3, h, 0.03);
     let mut b = Batch::default();
     for slot in 0..3u32 {
         widened.admit(slot, 4).unwrap();
@@ -482,14 +474,7 @@ fn chained_greedy_rounds_draft_what_rounds_one_by_one_draft() {
             let inputs: Vec<DraftInput> = (0..3u32)
                 .map(|s| {
                     let m = 2 + s as usize;
-                    let hidden = (Tensor::arange(0f32, (m * h) as f32, &Device::Cpu)
-                        .unwrap()
-                        .reshape((m, h))
-                        .unwrap()
-                        * (0.02 + 0.01 * f64::from(s)))
-                    .unwrap()
-                    .sin()
-                    .unwrap();
+                    let hidden = hidden_rows(m, h, 0.02 + 0.01 * f64::from(s));
                     let tokens = (0..m as u32 - 1).map(|i| 5 + 7 * i + s).collect();
                     DraftInput {
                         slot: s,
