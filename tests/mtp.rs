@@ -656,3 +656,89 @@ fn requests_with_logprobs_draft_and_report_the_logprobs_of_speculation_off() {
         }
     }
 }
+
+/// An MTP head whose chained rounds run (writing its KV) and then fail.
+struct FailingChain(MtpDraft, std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl DraftHead for FailingChain {
+    fn name(&self) -> String {
+        "failing chain".into()
+    }
+    fn needs_hidden(&self) -> bool {
+        true
+    }
+    fn admit(&mut self, slot: u32, reserve: usize) -> Result<(), ModelError> {
+        self.0.admit(slot, reserve)
+    }
+    fn release(&mut self, slot: u32) {
+        self.0.release(slot)
+    }
+    fn draft(
+        &mut self,
+        model: &Model,
+        kv: &mut KvCache,
+        inputs: &[DraftInput],
+    ) -> Result<Tensor, ModelError> {
+        self.0.draft(model, kv, inputs)
+    }
+    fn draft_logits(
+        &mut self,
+        model: &Model,
+        kv: &mut KvCache,
+        inputs: &[DraftInput],
+    ) -> Result<tandem::model::DraftLogits, ModelError> {
+        self.0.draft_logits(model, kv, inputs)
+    }
+    fn draft_greedy_rounds(
+        &mut self,
+        model: &Model,
+        kv: &mut KvCache,
+        inputs: &[DraftInput],
+        budgets: &[usize],
+    ) -> Result<Option<Vec<Vec<u32>>>, ModelError> {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.0.draft_greedy_rounds(model, kv, inputs, budgets)?;
+        Err(ModelError::InvalidBatch("the chain failed".into()))
+    }
+    fn end_rounds(&mut self, slot: u32, position: usize) -> Result<(), ModelError> {
+        self.0.end_rounds(slot, position)
+    }
+}
+
+/// A failed chain of draft rounds costs no sequence its drafts: the head
+/// forgets what the chain wrote, the step drafts round by round, chaining
+/// stays off after the first failure, and every request emits what it
+/// does with speculation off and drafts (constant schedules) what it does
+/// with chaining off. Without the head rolled back to its pairs before
+/// round 0, the rounds that follow find it ahead of the pairs they feed,
+/// the step's drafting fails, and its sequences stop drafting.
+#[test]
+fn a_failed_chain_of_rounds_falls_back_to_rounds_one_by_one() {
+    let reqs = mixed_greedy_requests();
+    let plain = run(&mut engine(test_model(), None, vec![]), &reqs, 16);
+    let with_head = |head: Box<dyn DraftHead>, chain: bool| {
+        let config = SpecConfig {
+            chain_rounds: Some(chain),
+            ..Default::default()
+        };
+        let mut e = engine(test_model(), None, vec![]).with_draft(head, config);
+        run(&mut e, &reqs, 16)
+    };
+    let mtp = || MtpDraft {
+        head: MtpHead::random(&test_model(), 5).unwrap(),
+    };
+    let one_by_one = with_head(Box::new(mtp()), false);
+    let tries = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let got = with_head(Box::new(FailingChain(mtp(), tries.clone())), true);
+    for (i, req) in reqs.iter().enumerate() {
+        assert_eq!(got.ids(i), plain.ids(i), "request {i}");
+        if req
+            .spec
+            .is_some_and(|s| s.enabled && s.schedule == DraftSchedule::Constant)
+        {
+            assert!(got.drafted[i] > 0, "request {i} drafts");
+            assert_eq!(got.drafted[i], one_by_one.drafted[i], "request {i}");
+        }
+    }
+    assert_eq!(tries.load(std::sync::atomic::Ordering::Relaxed), 1);
+}

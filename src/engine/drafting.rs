@@ -18,7 +18,7 @@
 //! Afterwards every drafting slot's target KV length is back where it
 //! was, whatever happened.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::draft_heads::{DraftInput, HiddenContext};
 use super::errors::{kv_err, model_err};
@@ -27,7 +27,8 @@ use super::sequences::Sequences;
 use super::spec;
 use super::work::Planned;
 use super::EngineError;
-use crate::model::{DraftLogits, Model};
+use crate::engine::SlotId;
+use crate::model::{DraftLogits, Model, ModelError};
 
 /// Runs every draft round; on return each member's `drafts` holds what was
 /// drafted (all members' rounds complete, or an error).
@@ -91,13 +92,17 @@ fn run_greedy_rounds(
         .map(|&i| round_input(seqs, &planned[i], 0))
         .collect::<Result<Vec<_>, _>>()?;
     let budgets: Vec<usize> = members.iter().map(|&i| planned[i].draft_budget).collect();
+    // What each member's head held before round 0 (its pairs up to here).
+    let held: Vec<(SlotId, usize)> = inputs
+        .iter()
+        .map(|i| (i.slot, seqs.get(i.slot).map_or(0, |s| s.hidden_from)))
+        .collect();
     let head = seqs.head.as_mut().expect("drafting needs a head");
     let captures = head.graph_captures();
-    let Some(drafts) = head
-        .draft_greedy_rounds(model, &mut seqs.kv, &inputs, &budgets)
-        .map_err(model_err)?
-    else {
-        return Ok(false);
+    let drafts = match head.draft_greedy_rounds(model, &mut seqs.kv, &inputs, &budgets) {
+        Ok(Some(drafts)) => drafts,
+        Ok(None) => return Ok(false),
+        Err(e) => return abandon_chain(seqs, &held, e),
     };
     let captured = head.graph_captures() != captures;
     for (&i, tokens) in members.iter().zip(drafts) {
@@ -113,16 +118,39 @@ fn run_greedy_rounds(
         }
     }
     if !captured {
-        let rounds = budgets.iter().copied().max().unwrap_or(1);
-        let mean = start.elapsed() / rounds as u32;
-        let first = inputs.iter().map(DraftInput::rows).sum();
-        seqs.policy.cost_mut().record_round(first, mean);
-        for round in 1..rounds {
-            let rows = budgets.iter().filter(|&&b| b > round).count();
-            seqs.policy.cost_mut().record_round(rows, mean);
-        }
+        record_chain(seqs, &inputs, &budgets, start.elapsed());
     }
     Ok(true)
+}
+
+/// Each round of a chain at the chain's mean time, with the rows it fed.
+fn record_chain(seqs: &mut Sequences, inputs: &[DraftInput], budgets: &[usize], time: Duration) {
+    let rounds = budgets.iter().copied().max().unwrap_or(1);
+    let mean = time / rounds as u32;
+    let first = inputs.iter().map(DraftInput::rows).sum();
+    seqs.policy.cost_mut().record_round(first, mean);
+    for round in 1..rounds {
+        let rows = budgets.iter().filter(|&&b| b > round).count();
+        seqs.policy.cost_mut().record_round(rows, mean);
+    }
+}
+
+/// A chain failed: chaining is an optimisation, never a reason for a step
+/// to fail (as a CUDA graph's capture is not), so the head forgets what
+/// the chain wrote (back to the pairs `held` before round 0), chaining
+/// stays off for this engine, and the rounds run one by one.
+fn abandon_chain(
+    seqs: &mut Sequences,
+    held: &[(SlotId, usize)],
+    error: ModelError,
+) -> Result<bool, EngineError> {
+    tracing::warn!("chained draft rounds off for this engine: {error}");
+    seqs.chain_rounds = Some(false);
+    let head = seqs.head.as_mut().expect("drafting needs a head");
+    for &(slot, len) in held {
+        head.end_rounds(slot, len).map_err(model_err)?;
+    }
+    Ok(false)
 }
 
 /// Whether `p` drafts with the head this step.
