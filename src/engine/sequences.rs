@@ -149,6 +149,15 @@ pub(crate) struct Sequences {
     seqs: HashMap<SlotId, Sequence>,
 }
 
+/// `TANDEM_CHAIN_ROUNDS=0|1` ([`SpecConfig::chain_rounds`]'s default).
+fn chain_rounds_from_env() -> Option<bool> {
+    match std::env::var("TANDEM_CHAIN_ROUNDS").as_deref() {
+        Ok("0") => Some(false),
+        Ok("1") => Some(true),
+        _ => None,
+    }
+}
+
 impl Sequences {
     pub fn new(kv: KvCache, sampler: Sampler) -> Self {
         Self {
@@ -171,7 +180,7 @@ impl Sequences {
         let any = head.is_some() || config.prompt_lookup.is_some();
         self.head = head;
         self.default_spec = any.then_some(config.default);
-        self.chain_rounds = config.chain_rounds;
+        self.chain_rounds = config.chain_rounds.or_else(chain_rounds_from_env);
         #[cfg(debug_assertions)]
         {
             self.accept_all = config.unchecked_accept;

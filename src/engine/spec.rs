@@ -55,7 +55,8 @@ pub struct SpecConfig {
     pub prompt_lookup: Option<PromptLookup>,
     /// Whether a step whose head drafts are all plain greedy chains its
     /// draft rounds where the logits lie, reading the drafts back once
-    /// instead of once a round. `None`: off the CPU only, where a read-back
+    /// instead of once a round. `None`: `TANDEM_CHAIN_ROUNDS=0` or `1` if
+    /// set (an A/B in one build), else off the CPU only, where a read-back
     /// is a round trip to the device; on the CPU it costs nothing, and
     /// rounds run one by one are each timed for what their rows cost (the
     /// policy's price of a round).
