@@ -12,11 +12,10 @@
 //! and the head can, its rounds are chained instead (by default off the
 //! CPU only): each fed the previous round's argmax where it lies, the
 //! drafts read back once at the end, so a GPU runs the rounds without a
-//! host round trip each. Each
-//! round's time and the rows it fed go to the policy's cost model, but
-//! for rounds during which a CUDA graph was captured (a one-off).
-//! Afterwards every drafting slot's target KV length is back where it
-//! was, whatever happened.
+//! host round trip each. Each round's time and the rows it fed go to the
+//! policy's cost model, but for rounds during which a CUDA graph was
+//! captured (a one-off). Afterwards every drafting slot's target KV
+//! length is back where it was, whatever happened.
 
 use std::time::{Duration, Instant};
 
@@ -43,21 +42,17 @@ pub(crate) fn run_rounds(
         .map(|p| p.draft_budget)
         .max()
         .unwrap_or(0);
-    let mut result = Ok(false);
-    if rounds > 0 {
-        result = run_greedy_rounds(model, seqs, planned);
-    }
-    if let Ok(false) = result {
-        result = Ok(true);
-        for round in 0..rounds {
-            if let Err(e) = run_round(model, seqs, planned, round) {
-                result = Err(e);
-                break;
-            }
-        }
-    }
+    let chained = match rounds {
+        0 => Ok(true),
+        _ => run_greedy_rounds(model, seqs, planned),
+    };
+    let result = match chained {
+        Ok(true) => Ok(()),
+        Ok(false) => (0..rounds).try_for_each(|round| run_round(model, seqs, planned, round)),
+        Err(e) => Err(e),
+    };
     let rolled_back = end_rounds(seqs, planned);
-    result.map(|_| ()).and(rolled_back)
+    result.and(rolled_back)
 }
 
 /// Every round at once when chaining is on ([`SpecConfig::chain_rounds`]),
@@ -67,7 +62,6 @@ pub(crate) fn run_rounds(
 /// between them), each recorded at the whole's mean.
 ///
 /// [`SpecConfig::chain_rounds`]: super::spec::SpecConfig::chain_rounds
-///
 /// [`DraftHead::draft_greedy_rounds`]: super::draft_heads::DraftHead::draft_greedy_rounds
 fn run_greedy_rounds(
     model: &Model,
