@@ -681,14 +681,6 @@ impl DraftHead for FailingChain {
     ) -> Result<Tensor, ModelError> {
         self.0.draft(model, kv, inputs)
     }
-    fn draft_logits(
-        &mut self,
-        model: &Model,
-        kv: &mut KvCache,
-        inputs: &[DraftInput],
-    ) -> Result<tandem::model::DraftLogits, ModelError> {
-        self.0.draft_logits(model, kv, inputs)
-    }
     fn draft_greedy_rounds(
         &mut self,
         model: &Model,

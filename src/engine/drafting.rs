@@ -86,30 +86,17 @@ fn run_greedy_rounds(
         .map(|&i| round_input(seqs, &planned[i], 0))
         .collect::<Result<Vec<_>, _>>()?;
     let budgets: Vec<usize> = members.iter().map(|&i| planned[i].draft_budget).collect();
-    // What each member's head held before round 0 (its pairs up to here).
-    let held: Vec<(SlotId, usize)> = inputs
-        .iter()
-        .map(|i| (i.slot, seqs.get(i.slot).map_or(0, |s| s.hidden_from)))
-        .collect();
     let head = seqs.head.as_mut().expect("drafting needs a head");
     let captures = head.graph_captures();
     let drafts = match head.draft_greedy_rounds(model, &mut seqs.kv, &inputs, &budgets) {
         Ok(Some(drafts)) => drafts,
         Ok(None) => return Ok(false),
-        Err(e) => return abandon_chain(seqs, &held, e),
+        Err(e) => return abandon_chain(seqs, &inputs, e),
     };
     let captured = head.graph_captures() != captures;
     for (&i, tokens) in members.iter().zip(drafts) {
         planned[i].drafts.tokens.extend(tokens);
-    }
-    if seqs.head_needs_hidden() {
-        // Round 0 consumed these pairs into the head's own KV.
-        for &i in &members {
-            let (slot, offset) = (planned[i].slot, planned[i].offset);
-            if let Ok(seq) = seqs.get_mut(slot) {
-                seq.hidden_from = offset;
-            }
-        }
+        context_consumed(seqs, &planned[i]);
     }
     if !captured {
         record_chain(seqs, &inputs, &budgets, start.elapsed());
@@ -131,20 +118,35 @@ fn record_chain(seqs: &mut Sequences, inputs: &[DraftInput], budgets: &[usize], 
 
 /// A chain failed: chaining is an optimisation, never a reason for a step
 /// to fail (as a CUDA graph's capture is not), so the head forgets what
-/// the chain wrote (back to the pairs `held` before round 0), chaining
-/// stays off for this engine, and the rounds run one by one.
+/// the chain wrote (back to the pairs it held before round 0, which the
+/// chain's success alone would have marked consumed), chaining stays off
+/// for this engine, and the rounds run one by one.
 fn abandon_chain(
     seqs: &mut Sequences,
-    held: &[(SlotId, usize)],
+    inputs: &[DraftInput],
     error: ModelError,
 ) -> Result<bool, EngineError> {
     tracing::warn!("chained draft rounds off for this engine: {error}");
     seqs.chain_rounds = Some(false);
+    let held: Vec<(SlotId, usize)> = inputs
+        .iter()
+        .map(|i| (i.slot, seqs.get(i.slot).map_or(0, |s| s.hidden_from)))
+        .collect();
     let head = seqs.head.as_mut().expect("drafting needs a head");
-    for &(slot, len) in held {
+    for (slot, len) in held {
         head.end_rounds(slot, len).map_err(model_err)?;
     }
     Ok(false)
+}
+
+/// Round 0 fed `p`'s pending pairs into a head that drafts from hidden
+/// states: its own KV holds them now.
+fn context_consumed(seqs: &mut Sequences, p: &Planned) {
+    if seqs.head_needs_hidden() {
+        if let Ok(seq) = seqs.get_mut(p.slot) {
+            seq.hidden_from = p.offset;
+        }
+    }
 }
 
 /// Whether `p` drafts with the head this step.
@@ -245,11 +247,8 @@ fn pick_drafts(
             let token = spec::pick(&seqs.sampler, p.slot, greedy, &q, round)?;
             p.drafts.tokens.push(token);
         }
-        if round == 0 && seqs.head_needs_hidden() {
-            // The head consumed these pairs into its own KV.
-            if let Ok(seq) = seqs.get_mut(p.slot) {
-                seq.hidden_from = p.offset;
-            }
+        if round == 0 {
+            context_consumed(seqs, p);
         }
     }
     Ok(())
