@@ -39,9 +39,6 @@ fn engine(model: Model, head: Option<Box<dyn DraftHead>>, lookup: bool) -> Engin
         head,
         SpecConfig {
             prompt_lookup: lookup.then(PromptLookup::default),
-            // Greedy rounds chained as on a GPU (the CPU's default runs
-            // them one by one, which `mtp.rs` covers).
-            chain_rounds: Some(true),
             ..Default::default()
         },
     )

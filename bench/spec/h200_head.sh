@@ -26,8 +26,7 @@
 # device --no-run`) and stories260k in $BIN/shared/models, the bench runs
 # the GPU tests first. REPEAT sets each row's alternating runs (3);
 # WARM=1 runs the rows on warm engines, WARM=both fresh then warm (below);
-# ROWS=short runs four rows (below), ROWS=chain the chained-rounds A/B
-# (below), ROWS=none none;
+# ROWS=short runs four rows (below), ROWS=none none;
 # ROWS=head runs only the head A/B at the end (HEAD_GRAPHS_AB=1 runs it
 # after the other rows).
 # TRAIN2_ARGS trains a second head beside the first (into $HEAD2, on the
@@ -234,22 +233,7 @@ short_rows() {
   run $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
   run $CHAT --clients 64 --max-seqs 64 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
 }
-# ROWS=chain: the one-stream rows with the head's greedy rounds chained
-# on the device (TANDEM_CHAIN_ROUNDS=1) and run one by one (0), the two
-# alternating, $ROUNDS rounds (3).
-chain_rows() {
-  local round c
-  for round in $(seq "${ROUNDS:-3}"); do
-    for c in 1 0; do
-      export TANDEM_CHAIN_ROUNDS=$c
-      echo "=== chained rounds $c, round $round"
-      run $CHAT --clients 16 --max-seqs 1 --mtp "head:$HEAD" --mtp-compare --repeat $R
-      run --prompts bench/spec/edit_prompts.txt --clients 8 --max-seqs 1 --max-tokens 96 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
-    done
-  done
-  unset TANDEM_CHAIN_ROUNDS
-}
-case "${ROWS:-all}" in all) ROW_SET=rows ;; short) ROW_SET=short_rows ;; chain) ROW_SET=chain_rows ;; *) ROW_SET="" ;; esac
+case "${ROWS:-all}" in all) ROW_SET=rows ;; short) ROW_SET=short_rows ;; *) ROW_SET="" ;; esac
 if [ -n "$ROW_SET" ]; then
   case "${WARM:-0}" in
     0) WARM_ARGS="" $ROW_SET ;;

@@ -87,24 +87,6 @@ pub trait DraftHead: Send {
         Ok(DraftLogits::full(self.draft(model, kv, inputs)?))
     }
 
-    /// Every draft round of a step at once, for inputs that all draft
-    /// greedily: input `i` drafts `budgets[i]` tokens, each round fed the
-    /// previous round's argmax where the logits lie, and the drafts reach
-    /// the host once, after the last round (on a GPU the rounds then run
-    /// back to back, without a round trip each). The drafts equal what
-    /// [`draft_logits`](Self::draft_logits) and
-    /// [`DraftLogits::argmax`] give round by round. `None` where the head
-    /// has no such path (the engine runs the rounds one by one).
-    fn draft_greedy_rounds(
-        &mut self,
-        _model: &Model,
-        _kv: &mut KvCache,
-        _inputs: &[DraftInput],
-        _budgets: &[usize],
-    ) -> Result<Option<Vec<Vec<u32>>>, ModelError> {
-        Ok(None)
-    }
-
     /// CUDA graphs the head has captured since load: a round that
     /// captured one ran twice (eagerly, then under capture), a one-off the
     /// draft policy does not take as a round's cost.
@@ -224,53 +206,6 @@ impl DraftHead for MtpDraft {
             Some(Tensor::cat(&hidden, 0)?)
         };
         self.head.step_logits(model, &batch, hidden.as_ref())
-    }
-
-    fn draft_greedy_rounds(
-        &mut self,
-        model: &Model,
-        kv: &mut KvCache,
-        inputs: &[DraftInput],
-        budgets: &[usize],
-    ) -> Result<Option<Vec<Vec<u32>>>, ModelError> {
-        let rounds = budgets.iter().copied().max().unwrap_or(0);
-        let mut drafts = vec![Vec::new(); inputs.len()];
-        if rounds == 0 {
-            return Ok(Some(drafts));
-        }
-        // Each round's rows (indices into `inputs`) and drafts, on the device.
-        let mut members: Vec<usize> = (0..inputs.len()).collect();
-        let mut ids = self.draft_logits(model, kv, inputs)?.device_argmax()?;
-        let mut done = vec![(members.clone(), ids.clone())];
-        for round in 1..rounds {
-            let keep: Vec<u32> = (0..members.len())
-                .filter(|&row| budgets[members[row]] > round)
-                .map(|row| row as u32)
-                .collect();
-            if keep.len() < members.len() {
-                ids = ids.index_select(&Tensor::new(keep.as_slice(), ids.device())?, 0)?;
-                members = keep.iter().map(|&row| members[row as usize]).collect();
-            }
-            let mut batch = Batch::default();
-            for &i in &members {
-                let slot = inputs[i].slot;
-                // The id is on the device; the batch's token only counts it.
-                batch.push(slot, self.head.len(slot)?, &[0], OutputRows::Last);
-            }
-            ids = self
-                .head
-                .step_logits_from(model, &batch, &ids)?
-                .device_argmax()?;
-            done.push((members.clone(), ids.clone()));
-        }
-        let all: Vec<Tensor> = done.iter().map(|(_, ids)| ids.clone()).collect();
-        let mut read = Tensor::cat(&all, 0)?.to_vec1::<u32>()?.into_iter();
-        for (members, _) in &done {
-            for &i in members {
-                drafts[i].extend(read.next());
-            }
-        }
-        Ok(Some(drafts))
     }
 
     fn graph_captures(&self) -> u64 {

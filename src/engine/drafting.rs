@@ -8,16 +8,12 @@
 //! each member's draft from its row: plain greedy members by one argmax
 //! call over all of their rows (only ids leave the device), the others from
 //! the sampler's draft distribution with the keyed uniform of the position
-//! drafted (see [`super::spec`]). When every member drafts plain greedy
-//! and the head can, its rounds are chained instead (by default off the
-//! CPU only): each fed the previous round's argmax where it lies, the
-//! drafts read back once at the end, so a GPU runs the rounds without a
-//! host round trip each. Each round's time and the rows it fed go to the
-//! policy's cost model, but for rounds during which a CUDA graph was
-//! captured (a one-off). Afterwards every drafting slot's target KV
-//! length is back where it was, whatever happened.
+//! drafted (see [`super::spec`]). Each round's time and the rows it fed
+//! go to the policy's cost model, but for a round whose CUDA graph was
+//! captured (a one-off). Afterwards every drafting slot's target KV length
+//! is back where it was, whatever happened.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::draft_heads::{DraftInput, HiddenContext};
 use super::errors::{kv_err, model_err};
@@ -26,8 +22,7 @@ use super::sequences::Sequences;
 use super::spec;
 use super::work::Planned;
 use super::EngineError;
-use crate::engine::SlotId;
-use crate::model::{DraftLogits, Model, ModelError};
+use crate::model::{DraftLogits, Model};
 
 /// Runs every draft round; on return each member's `drafts` holds what was
 /// drafted (all members' rounds complete, or an error).
@@ -42,111 +37,15 @@ pub(crate) fn run_rounds(
         .map(|p| p.draft_budget)
         .max()
         .unwrap_or(0);
-    let chained = match rounds {
-        0 => Ok(true),
-        _ => run_greedy_rounds(model, seqs, planned),
-    };
-    let result = match chained {
-        Ok(true) => Ok(()),
-        Ok(false) => (0..rounds).try_for_each(|round| run_round(model, seqs, planned, round)),
-        Err(e) => Err(e),
-    };
-    let rolled_back = end_rounds(seqs, planned);
-    result.and(rolled_back)
-}
-
-/// Every round at once when chaining is on ([`SpecConfig::chain_rounds`]),
-/// every member drafts plain greedy and the head can chain its rounds
-/// ([`DraftHead::draft_greedy_rounds`]); false (nothing done) otherwise.
-/// The rounds are timed as a whole (on a GPU the host does not wait
-/// between them), each recorded at the whole's mean.
-///
-/// [`SpecConfig::chain_rounds`]: super::spec::SpecConfig::chain_rounds
-/// [`DraftHead::draft_greedy_rounds`]: super::draft_heads::DraftHead::draft_greedy_rounds
-fn run_greedy_rounds(
-    model: &Model,
-    seqs: &mut Sequences,
-    planned: &mut [Planned],
-) -> Result<bool, EngineError> {
-    if !seqs.chain_rounds.unwrap_or(!model.device().is_cpu()) {
-        return Ok(false);
-    }
-    let start = Instant::now();
-    let members: Vec<usize> = (0..planned.len())
-        .filter(|&i| by_head(&planned[i]))
-        .collect();
-    if !members
-        .iter()
-        .all(|&i| seqs.sampler.is_plain_greedy(planned[i].slot))
-    {
-        return Ok(false);
-    }
-    let inputs = members
-        .iter()
-        .map(|&i| round_input(seqs, &planned[i], 0))
-        .collect::<Result<Vec<_>, _>>()?;
-    let budgets: Vec<usize> = members.iter().map(|&i| planned[i].draft_budget).collect();
-    let head = seqs.head.as_mut().expect("drafting needs a head");
-    let captures = head.graph_captures();
-    let drafts = match head.draft_greedy_rounds(model, &mut seqs.kv, &inputs, &budgets) {
-        Ok(Some(drafts)) => drafts,
-        Ok(None) => return Ok(false),
-        Err(e) => return abandon_chain(seqs, &inputs, e),
-    };
-    let captured = head.graph_captures() != captures;
-    for (&i, tokens) in members.iter().zip(drafts) {
-        planned[i].drafts.tokens.extend(tokens);
-        context_consumed(seqs, &planned[i]);
-    }
-    if !captured {
-        record_chain(seqs, &inputs, &budgets, start.elapsed());
-    }
-    Ok(true)
-}
-
-/// Each round of a chain at the chain's mean time, with the rows it fed.
-fn record_chain(seqs: &mut Sequences, inputs: &[DraftInput], budgets: &[usize], time: Duration) {
-    let rounds = budgets.iter().copied().max().unwrap_or(1);
-    let mean = time / rounds as u32;
-    let first = inputs.iter().map(DraftInput::rows).sum();
-    seqs.policy.cost_mut().record_round(first, mean);
-    for round in 1..rounds {
-        let rows = budgets.iter().filter(|&&b| b > round).count();
-        seqs.policy.cost_mut().record_round(rows, mean);
-    }
-}
-
-/// A chain failed: chaining is an optimisation, never a reason for a step
-/// to fail (as a CUDA graph's capture is not), so the head forgets what
-/// the chain wrote (back to the pairs it held before round 0, which the
-/// chain's success alone would have marked consumed), chaining stays off
-/// for this engine, and the rounds run one by one.
-fn abandon_chain(
-    seqs: &mut Sequences,
-    inputs: &[DraftInput],
-    error: ModelError,
-) -> Result<bool, EngineError> {
-    tracing::warn!("chained draft rounds off for this engine: {error}");
-    seqs.chain_rounds = Some(false);
-    let held: Vec<(SlotId, usize)> = inputs
-        .iter()
-        .map(|i| (i.slot, seqs.get(i.slot).map_or(0, |s| s.hidden_from)))
-        .collect();
-    let head = seqs.head.as_mut().expect("drafting needs a head");
-    for (slot, len) in held {
-        head.end_rounds(slot, len).map_err(model_err)?;
-    }
-    Ok(false)
-}
-
-/// Round 0 fed `p`'s pending pairs into a head that drafts from hidden
-/// states: its own KV holds them now.
-fn context_consumed(seqs: &mut Sequences, p: &Planned) {
-    if seqs.head_needs_hidden() {
-        if let Ok(seq) = seqs.get_mut(p.slot) {
-            seq.hidden_from = p.offset;
+    let mut result = Ok(());
+    for round in 0..rounds {
+        result = run_round(model, seqs, planned, round);
+        if result.is_err() {
+            break;
         }
     }
+    let rolled_back = end_rounds(seqs, planned);
+    result.and(rolled_back)
 }
 
 /// Whether `p` drafts with the head this step.
@@ -247,8 +146,11 @@ fn pick_drafts(
             let token = spec::pick(&seqs.sampler, p.slot, greedy, &q, round)?;
             p.drafts.tokens.push(token);
         }
-        if round == 0 {
-            context_consumed(seqs, p);
+        if round == 0 && seqs.head_needs_hidden() {
+            // The head consumed these pairs into its own KV.
+            if let Ok(seq) = seqs.get_mut(p.slot) {
+                seq.hidden_from = p.offset;
+            }
         }
     }
     Ok(())

@@ -142,20 +142,9 @@ pub(crate) struct Sequences {
     /// The options a request that does not say gets; `Some` iff the
     /// engine has a drafter (a head, prompt lookup, or both).
     pub default_spec: Option<SpecOptions>,
-    /// [`SpecConfig::chain_rounds`].
-    pub chain_rounds: Option<bool>,
     #[cfg(debug_assertions)]
     pub accept_all: bool,
     seqs: HashMap<SlotId, Sequence>,
-}
-
-/// `TANDEM_CHAIN_ROUNDS=0|1` ([`SpecConfig::chain_rounds`]'s default).
-fn chain_rounds_from_env() -> Option<bool> {
-    match std::env::var("TANDEM_CHAIN_ROUNDS").as_deref() {
-        Ok("0") => Some(false),
-        Ok("1") => Some(true),
-        _ => None,
-    }
 }
 
 impl Sequences {
@@ -166,7 +155,6 @@ impl Sequences {
             head: None,
             policy: DraftPolicy::new(false, None),
             default_spec: None,
-            chain_rounds: None,
             #[cfg(debug_assertions)]
             accept_all: false,
             seqs: HashMap::new(),
@@ -180,7 +168,6 @@ impl Sequences {
         let any = head.is_some() || config.prompt_lookup.is_some();
         self.head = head;
         self.default_spec = any.then_some(config.default);
-        self.chain_rounds = config.chain_rounds.or_else(chain_rounds_from_env);
         #[cfg(debug_assertions)]
         {
             self.accept_all = config.unchecked_accept;

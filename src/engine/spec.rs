@@ -53,14 +53,6 @@ pub struct SpecConfig {
     pub default: SpecOptions,
     /// Prompt lookup (n-gram drafts) beside the draft head, or alone.
     pub prompt_lookup: Option<PromptLookup>,
-    /// Whether a step whose head drafts are all plain greedy chains its
-    /// draft rounds where the logits lie, reading the drafts back once
-    /// instead of once a round. `None`: `TANDEM_CHAIN_ROUNDS=0` or `1` if
-    /// set (an A/B in one build), else off the CPU only, where a read-back
-    /// is a round trip to the device; on the CPU it costs nothing, and
-    /// rounds run one by one are each timed for what their rows cost (the
-    /// policy's price of a round).
-    pub chain_rounds: Option<bool>,
     /// Test-only: accept every draft unchecked. This is a deliberately wrong
     /// rule; the distribution test uses it to show that it can fail. Debug
     /// builds only, so no release build carries the branch.

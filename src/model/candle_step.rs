@@ -72,9 +72,6 @@ pub(super) struct GraphPass<'a> {
     /// Input rows copied into the graph before a replay (see
     /// [`GraphInputs::rows`]).
     pub rows: Option<&'a Tensor>,
-    /// The batch's token ids on the device, when they are there already
-    /// ([`GraphInputs::device_ids`]).
-    pub ids: Option<&'a Tensor>,
     pub num_layers: usize,
 }
 
@@ -273,7 +270,6 @@ impl CandleStep {
             batch,
             spans: ShortSpans::EveryRow,
             rows: None,
-            ids: None,
             num_layers,
         };
         let embed = |inputs: &PassInputs| Ok(weights.embed.index_select(&inputs.ids, 0)?);
@@ -335,7 +331,6 @@ impl CandleStep {
         };
         let inputs = GraphInputs {
             ids: &batch.tokens,
-            device_ids: pass.ids,
             meta: &host.meta,
             picks: if picks.len() == n { &[] } else { &picks },
             rows: pass.rows,

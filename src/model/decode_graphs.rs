@@ -114,10 +114,6 @@ impl GraphKey {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(super) struct GraphInputs<'a> {
     pub ids: &'a [u32],
-    /// The token ids already on the device (`[ids.len()]` u32: a chained
-    /// draft round's, the previous round's argmax), copied into the
-    /// graph's buffer instead of uploading `ids`.
-    pub device_ids: Option<&'a Tensor>,
     pub meta: &'a [u32],
     /// The rows the pass returns, when not every row (empty: every row).
     pub picks: &'a [u32],
@@ -318,10 +314,7 @@ mod cuda {
     impl Captured {
         pub(super) fn replay(&self, inputs: &GraphInputs<'_>) -> Result<Vec<Tensor>, ModelError> {
             let own = &self.inputs;
-            match inputs.device_ids {
-                Some(ids) => own.ids.slice_set(ids, 0, 0)?,
-                None => own.ids.inplace_op1(&Upload(inputs.ids))?,
-            }
+            own.ids.inplace_op1(&Upload(inputs.ids))?;
             own.meta.inplace_op1(&Upload(inputs.meta))?;
             if let Some(picks) = &own.picks {
                 picks.inplace_op1(&Upload(inputs.picks))?;
@@ -385,10 +378,7 @@ mod cuda {
     ) -> Result<(Vec<Tensor>, Result<Captured, ModelError>), ModelError> {
         let words = |w: &[u32]| Tensor::from_slice(w, w.len(), device);
         let own = PassInputs {
-            ids: match inputs.device_ids {
-                Some(ids) => ids.copy()?,
-                None => words(inputs.ids)?,
-            },
+            ids: words(inputs.ids)?,
             meta: words(inputs.meta)?,
             picks: match inputs.picks {
                 [] => None,

@@ -402,15 +402,12 @@ impl Model {
     /// for to the outputs. `None` where no graph runs (the CPU, graphs off,
     /// other shapes): the caller then runs the same ops eagerly. The token
     /// ids are the caller's to check (they need not index this model's
-    /// vocabulary); `ids`, when given, holds them on the device already
-    /// (`batch.tokens` then only counts them). Writes each sequence's K/V
-    /// as a forward pass does.
+    /// vocabulary). Writes each sequence's K/V as a forward pass does.
     pub(super) fn captured_pass(
         &self,
         batch: &Batch,
         kv: &mut KvCache,
         rows: Option<&Tensor>,
-        ids: Option<&Tensor>,
         prologue: impl Fn(&PassInputs) -> Result<Tensor, ModelError>,
         epilogue: impl Fn(Tensor) -> Result<Vec<Tensor>, ModelError>,
     ) -> Result<Option<Vec<Tensor>>, ModelError> {
@@ -425,7 +422,6 @@ impl Model {
             batch,
             spans: ShortSpans::EveryOrLastRow,
             rows,
-            ids,
             num_layers: self.cfg.num_layers,
         };
         let out = c.graph_pass(&self.cfg, &self.weights, kv, pass, prologue, epilogue)?;

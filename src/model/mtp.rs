@@ -60,11 +60,7 @@
 //! read and the hidden rows go in; the projected hidden, the logits and
 //! every row's argmax come out, so a greedy draft reads back only its id.
 //! The graph runs the eager round's ops in order over the same inputs, so
-//! it computes what the eager round does. Rounds after the first may also
-//! take their token ids from the device ([`MtpHead::step_logits_from`]:
-//! the previous round's [`DraftLogits::device_argmax`], copied into the
-//! graph's ids buffer), so greedy rounds follow one another without the
-//! host reading a draft in between. `TANDEM_HEAD_GRAPHS=0` keeps the
+//! it computes what the eager round does. `TANDEM_HEAD_GRAPHS=0` keeps the
 //! rounds eager (`TANDEM_CUDA_GRAPHS=0` turns every graph off).
 //!
 //! # KV
@@ -231,23 +227,6 @@ impl DraftLogits {
         };
         Ok(match &self.vocab {
             Some(v) => best.iter().map(|&i| v.host_ids[i as usize]).collect(),
-            None => best,
-        })
-    }
-
-    /// Every row's greedy draft as token ids on the device (`[rows]` u32):
-    /// what [`argmax`](Self::argmax) returns, left where the logits lie, to
-    /// feed the next round without the host reading it.
-    pub fn device_argmax(&self) -> Result<Tensor, ModelError> {
-        let best = match &self.best {
-            Some(best) => best.clone(),
-            None => self
-                .logits
-                .to_dtype(DType::F32)?
-                .argmax(candle_core::D::Minus1)?,
-        };
-        Ok(match &self.vocab {
-            Some(v) => v.ids.index_select(&best, 0)?,
             None => best,
         })
     }
@@ -481,38 +460,6 @@ impl MtpHead {
         batch: &Batch,
         hidden: Option<&Tensor>,
     ) -> Result<DraftLogits, ModelError> {
-        target.check_tokens(&batch.tokens)?;
-        self.round(target, batch, hidden, None)
-    }
-
-    /// [`step_logits`](Self::step_logits) for one token a slot whose ids
-    /// are on the device already (`[slots]` u32, e.g. the previous round's
-    /// [`DraftLogits::device_argmax`]; `batch.tokens` only counts them): a
-    /// round that follows another without the host reading its drafts.
-    pub fn step_logits_from(
-        &mut self,
-        target: &Model,
-        batch: &Batch,
-        ids: &Tensor,
-    ) -> Result<DraftLogits, ModelError> {
-        if ids.dims() != [batch.tokens.len()] || batch.seqs.iter().any(|s| s.len != 1) {
-            return Err(ModelError::InvalidBatch(format!(
-                "a chained head round takes one token a slot: ids {:?} for {} slots and {} tokens",
-                ids.dims(),
-                batch.seqs.len(),
-                batch.tokens.len()
-            )));
-        }
-        self.round(target, batch, None, Some(ids))
-    }
-
-    fn round(
-        &mut self,
-        target: &Model,
-        batch: &Batch,
-        hidden: Option<&Tensor>,
-        device_ids: Option<&Tensor>,
-    ) -> Result<DraftLogits, ModelError> {
         let hidden = match hidden {
             Some(h) => h.clone(),
             None => {
@@ -531,6 +478,7 @@ impl MtpHead {
                 Tensor::cat(&rows, 0)?
             }
         };
+        target.check_tokens(&batch.tokens)?;
         let hidden = hidden.to_dtype(self.embed.dtype())?.contiguous()?;
         let (embed, enorm, hnorm, eps) = (&self.embed, &self.enorm, &self.hnorm, self.eps);
         let (eh_proj, block) = (&self.eh_proj, &self.block);
@@ -556,7 +504,6 @@ impl MtpHead {
             batch,
             &mut self.kv,
             Some(&hidden),
-            device_ids,
             |inputs| match &inputs.rows {
                 Some(rows) => project(&inputs.ids, rows),
                 None => Err(ModelError::InvalidBatch(
@@ -578,10 +525,7 @@ impl MtpHead {
                 )))
             }
             None => {
-                let ids = match device_ids {
-                    Some(ids) => ids.clone(),
-                    None => Tensor::new(batch.tokens.as_slice(), target.device())?,
-                };
+                let ids = Tensor::new(batch.tokens.as_slice(), target.device())?;
                 let u = project(&ids, &hidden)?;
                 let out = self.block.forward_embeddings(batch, u, &mut self.kv)?; // [slots, H] (Last rows)
                 let logits = self.block.unembed(&out)?;
