@@ -37,14 +37,12 @@ pub(crate) fn run_rounds(
         .map(|p| p.draft_budget)
         .max()
         .unwrap_or(0);
-    let mut result = Ok(());
-    for round in 0..rounds {
-        result = run_round(model, seqs, planned, round);
-        if result.is_err() {
-            break;
-        }
-    }
+    let result = (0..rounds).try_for_each(|round| run_round(model, seqs, planned, round));
+    let start = Instant::now();
     let rolled_back = end_rounds(seqs, planned);
+    if rounds > 0 {
+        tracing::debug!(end_us = micros(start.elapsed()), "draft rounds ended");
+    }
     result.and(rolled_back)
 }
 
@@ -67,16 +65,30 @@ fn run_round(
         .iter()
         .map(|&i| round_input(seqs, &planned[i], round))
         .collect::<Result<Vec<_>, _>>()?;
+    let prepared = start.elapsed();
     let head = seqs.head.as_mut().expect("drafting needs a head");
     let captures = head.graph_captures();
     let logits = head
         .draft_logits(model, &mut seqs.kv, &inputs)
         .map_err(model_err)?;
     let captured = head.graph_captures() != captures;
+    let ran = start.elapsed();
     pick_drafts(seqs, planned, &members, round, &logits)?;
+    let rows = inputs.iter().map(DraftInput::rows).sum();
+    let time = start.elapsed();
+    // Where a round's time goes: on a GPU the host waits for the device
+    // only in `pick_us` (the drafts' read-back).
+    tracing::debug!(
+        round,
+        rows,
+        captured,
+        inputs_us = micros(prepared),
+        head_us = micros(ran - prepared),
+        pick_us = micros(time - ran),
+        "draft round"
+    );
     if !captured {
-        let rows = inputs.iter().map(DraftInput::rows).sum();
-        seqs.policy.cost_mut().record_round(rows, start.elapsed());
+        seqs.policy.cost_mut().record_round(rows, time);
     }
     Ok(())
 }
@@ -168,4 +180,8 @@ fn end_rounds(seqs: &mut Sequences, planned: &[Planned]) -> Result<(), EngineErr
         }
     }
     Ok(())
+}
+
+fn micros(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e6
 }

@@ -73,6 +73,9 @@ pub(super) struct GraphPass<'a> {
     /// [`GraphInputs::rows`]).
     pub rows: Option<&'a Tensor>,
     pub num_layers: usize,
+    /// A replay's outputs are the graph's own buffers (see
+    /// [`GraphInputs::lend_outputs`]).
+    pub lend_outputs: bool,
 }
 
 /// Whether `batch` is a pass a CUDA graph may capture: each sequence
@@ -219,6 +222,23 @@ impl CandleStep {
         Ok(weights.lm_head.forward(&x)?.to_dtype(DType::F32)?)
     }
 
+    /// [`unembed`](Self::unembed) in the compute dtype, the final norm
+    /// folded into the GEMV's launch where the kernel takes the rows.
+    pub(super) fn unembed_compute(
+        &self,
+        cfg: &ModelConfig,
+        weights: &ModelWeights,
+        hidden: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let input = Normed {
+            x: hidden.contiguous()?,
+            addend: None,
+            norm: &weights.norm,
+            eps: cfg.rms_norm_eps as f32,
+        };
+        Ok(input.project(&weights.lm_head, None)?.0)
+    }
+
     /// The factor the queries still need (1 when folded into the weights).
     fn query_scale(&self, cfg: &ModelConfig) -> f64 {
         match self.q_scale {
@@ -271,6 +291,7 @@ impl CandleStep {
             spans: ShortSpans::EveryRow,
             rows: None,
             num_layers,
+            lend_outputs: false,
         };
         let embed = |inputs: &PassInputs| Ok(weights.embed.index_select(&inputs.ids, 0)?);
         let out = self.graph_pass(cfg, weights, kv, pass, embed, |h| Ok(vec![h]))?;
@@ -293,6 +314,7 @@ impl CandleStep {
         prologue: impl Fn(&PassInputs) -> Result<Tensor, ModelError>,
         epilogue: impl Fn(Tensor) -> Result<Vec<Tensor>, ModelError>,
     ) -> Result<Option<Vec<Tensor>>, ModelError> {
+        let start = std::time::Instant::now();
         let batch = pass.batch;
         let n = batch.tokens.len();
         if !graph_shaped(batch, pass.spans)
@@ -334,8 +356,15 @@ impl CandleStep {
             meta: &host.meta,
             picks: if picks.len() == n { &[] } else { &picks },
             rows: pass.rows,
+            lend_outputs: pass.lend_outputs,
         };
         let pool = kv.pool_generation();
+        tracing::debug!(
+            rows = n,
+            layers,
+            plan_us = start.elapsed().as_secs_f64() * 1e6,
+            "graph pass planned"
+        );
         self.graphs.run(&self.device, key, pool, inputs, |inputs| {
             let x = prologue(inputs)?;
             let write_own = !key.verifies();

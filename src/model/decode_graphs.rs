@@ -120,9 +120,25 @@ pub(super) struct GraphInputs<'a> {
     /// Input rows the pass reads besides the token ids (an MTP head's
     /// hidden states), copied into the graph's own buffer before a replay.
     pub rows: Option<&'a Tensor>,
+    /// A replay hands out the graph's own output buffers, valid until its
+    /// next replay, instead of copies: for a caller that reads every
+    /// output before the graph can run again (an MTP head's draft round,
+    /// where three copies were a fifth of the round).
+    pub lend_outputs: bool,
 }
 
-/// What a pass reads, on the device: the graph's buffers under capture.
+impl GraphInputs<'_> {
+    /// The words one upload writes before a replay: the ids, the
+    /// metadata, then the picks ([`PassInputs`] are views of them).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn words(&self) -> Vec<u32> {
+        [self.ids, self.meta, self.picks].concat()
+    }
+}
+
+/// What a pass reads, on the device: the graph's buffers under capture
+/// (`ids`, `meta` and `picks` are views of one buffer, written by one
+/// upload).
 #[derive(Clone)]
 pub(super) struct PassInputs {
     pub ids: Tensor,
@@ -249,7 +265,7 @@ impl DecodeGraphs {
         #[cfg(feature = "cuda")]
         {
             if let Some(g) = s.graphs.get(&key) {
-                let out = g.replay(&inputs)?;
+                let out = g.replay(&inputs, key.layers)?;
                 s.stats.replays += 1;
                 s.stats.verify_replays += u64::from(key.verifies());
                 return Ok(Some(out));
@@ -302,6 +318,8 @@ mod cuda {
     /// graph has not allocated).
     pub(super) struct Captured {
         graph: CudaGraph,
+        /// The buffer `inputs.ids`, `inputs.meta` and `inputs.picks` view.
+        words: Tensor,
         inputs: PassInputs,
         outputs: Vec<Tensor>,
     }
@@ -312,13 +330,16 @@ mod cuda {
     unsafe impl Send for Captured {}
 
     impl Captured {
-        pub(super) fn replay(&self, inputs: &GraphInputs<'_>) -> Result<Vec<Tensor>, ModelError> {
+        /// Replays the graph over `inputs`; `layers` only names the pass in
+        /// the trace.
+        pub(super) fn replay(
+            &self,
+            inputs: &GraphInputs<'_>,
+            layers: usize,
+        ) -> Result<Vec<Tensor>, ModelError> {
+            let start = std::time::Instant::now();
             let own = &self.inputs;
-            own.ids.inplace_op1(&Upload(inputs.ids))?;
-            own.meta.inplace_op1(&Upload(inputs.meta))?;
-            if let Some(picks) = &own.picks {
-                picks.inplace_op1(&Upload(inputs.picks))?;
-            }
+            self.words.inplace_op1(&Upload(&inputs.words()))?;
             match (&own.rows, inputs.rows) {
                 (Some(buffer), Some(rows)) => buffer.slice_set(rows, 0, 0)?,
                 (None, None) => {}
@@ -329,13 +350,29 @@ mod cuda {
                     ))
                 }
             }
+            let uploaded = start.elapsed();
             self.graph.launch().map_err(|e| driver("graph launch", e))?;
-            // The next replay overwrites the outputs in place: hand out copies.
-            Ok(self
-                .outputs
-                .iter()
-                .map(Tensor::copy)
-                .collect::<candle_core::Result<_>>()?)
+            let launched = start.elapsed();
+            // The next replay overwrites the outputs in place: hand out
+            // copies unless the caller borrows them.
+            let outputs = match inputs.lend_outputs {
+                true => self.outputs.clone(),
+                false => self
+                    .outputs
+                    .iter()
+                    .map(Tensor::copy)
+                    .collect::<candle_core::Result<_>>()?,
+            };
+            let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+            tracing::debug!(
+                rows = inputs.ids.len(),
+                layers,
+                upload_us = us(uploaded),
+                launch_us = us(launched - uploaded),
+                copy_us = us(start.elapsed() - launched),
+                "graph replay"
+            );
+            Ok(outputs)
         }
 
         /// (kernel nodes, all nodes) of the graph.
@@ -376,13 +413,15 @@ mod cuda {
         inputs: &GraphInputs<'_>,
         mut pass: impl FnMut(&PassInputs) -> Result<Vec<Tensor>, ModelError>,
     ) -> Result<(Vec<Tensor>, Result<Captured, ModelError>), ModelError> {
-        let words = |w: &[u32]| Tensor::from_slice(w, w.len(), device);
+        let host = inputs.words();
+        let words = Tensor::from_slice(&host, host.len(), device)?;
+        let (n, m) = (inputs.ids.len(), inputs.meta.len());
         let own = PassInputs {
-            ids: words(inputs.ids)?,
-            meta: words(inputs.meta)?,
+            ids: words.narrow(0, 0, n)?,
+            meta: words.narrow(0, n, m)?,
             picks: match inputs.picks {
                 [] => None,
-                p => Some(words(p)?),
+                p => Some(words.narrow(0, n + m, p.len())?),
             },
             rows: inputs.rows.map(Tensor::copy).transpose()?,
         };
@@ -423,6 +462,7 @@ mod cuda {
             graph.upload().map_err(|e| driver("graph upload", e))?;
             Ok(Captured {
                 graph,
+                words: words.clone(),
                 inputs: own.clone(),
                 outputs,
             })

@@ -58,6 +58,49 @@ pub(super) fn silu_mul(gu: &Tensor, inter: usize) -> candle_core::Result<Tensor>
     candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)? * gu.narrow(1, inter, inter)?
 }
 
+/// An MTP head's input rows: `[rms_norm(embed[ids]) · enorm,
+/// rms_norm(hidden) · hnorm]` (`[n, 2·d]` for `hidden: [n, d]`), one launch
+/// of Tandem's kernel on CUDA instead of candle's gather, two norms and
+/// concatenation; `None` elsewhere (the caller runs those ops).
+pub(super) fn mtp_input(
+    ids: &Tensor,
+    embed: &Tensor,
+    hidden: &Tensor,
+    (enorm, hnorm): (&Tensor, &Tensor),
+    eps: f32,
+) -> candle_core::Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if hidden.device().is_cuda()
+        && hidden.rank() == 2
+        && hidden.dim(0)? > 0
+        && hidden.dim(1)? <= MAX_NORM_WIDTH
+        && ids.dims() == [hidden.dim(0)?]
+        && ids.dtype() == candle_core::DType::U32
+        && [embed, enorm, hnorm]
+            .iter()
+            .all(|t| t.dtype() == hidden.dtype())
+        && embed.rank() == 2
+        && embed.dim(1)? == hidden.dim(1)?
+        && [enorm, hnorm]
+            .iter()
+            .all(|t| t.dims() == [hidden.dim(1).unwrap_or(0)])
+    {
+        let op = kernel::MtpInput {
+            embed,
+            enorm,
+            hnorm,
+            eps,
+        };
+        return Ok(Some(
+            hidden
+                .contiguous()?
+                .apply_op2_no_bwd(&ids.contiguous()?, &op)?,
+        ));
+    }
+    let _ = (ids, embed, hidden, enorm, hnorm, eps);
+    Ok(None)
+}
+
 /// A projection's input still to be normed: `rms_norm(x + addend) · norm`
 /// (no add without `addend`). Deferring the norm lets a small-batch GPU
 /// projection fold the residual add and the norm into its own launch.
@@ -116,7 +159,11 @@ mod kernel {
         CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp3, DType, Layout, Shape};
+    use candle_core::{
+        CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor,
+    };
+
+    use super::super::cuda_view::with_view;
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
     const MODULE: &str = "tandem_fused";
@@ -127,6 +174,15 @@ mod kernel {
 
     pub(super) struct SiluMul {
         pub(super) inter: usize,
+    }
+
+    /// [`super::mtp_input`]'s operands beside its candle ones (the hidden
+    /// rows and the ids).
+    pub(super) struct MtpInput<'a> {
+        pub(super) embed: &'a Tensor,
+        pub(super) enorm: &'a Tensor,
+        pub(super) hnorm: &'a Tensor,
+        pub(super) eps: f32,
     }
 
     fn view<'a, T: CudaDType + DeviceRepr>(
@@ -285,6 +341,84 @@ mod kernel {
                 DType::F16 => self.launch::<half::f16>(gu, gl),
                 DType::BF16 => self.launch::<half::bf16>(gu, gl),
                 other => candle_core::bail!("silu_mul has no {other:?} kernel"),
+            }
+        }
+    }
+
+    impl MtpInput<'_> {
+        fn launch<T: CudaDType + DeviceRepr>(
+            &self,
+            (h, hl): (&CudaStorage, &Layout),
+            (ids, il): (&CudaStorage, &Layout),
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
+            let (n, d) = hl.shape().dims2()?;
+            let dev = h.device().clone();
+            let name = format!("mtp_input_{}", suffix(h.dtype())?);
+            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            let hv = view::<T>(h, hl)?;
+            let iv = view::<u32>(ids, il)?;
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(2 * n * d)? };
+            let cfg = LaunchConfig {
+                grid_dim: (n as u32, 1, 1),
+                block_dim: (super::norm_threads(d) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let d32 = d as u32;
+            with_view::<T, _>(self.embed, "mtp_input", |ev| {
+                with_view::<T, _>(self.enorm, "mtp_input", |env| {
+                    with_view::<T, _>(self.hnorm, "mtp_input", |hnv| {
+                        let mut b = func.builder();
+                        b.arg(&iv);
+                        b.arg(&ev);
+                        b.arg(&hv);
+                        b.arg(&env);
+                        b.arg(&hnv);
+                        b.arg(&out);
+                        b.arg(&d32);
+                        b.arg(&self.eps);
+                        // SAFETY: argument types match the kernel; one
+                        // block per row, every id checked against the
+                        // vocabulary before the pass.
+                        unsafe { b.launch(cfg) }.w()?;
+                        Ok(())
+                    })
+                })
+            })?;
+            Ok((
+                CudaStorage::wrap_cuda_slice(out, dev),
+                Shape::from((n, 2 * d)),
+            ))
+        }
+    }
+
+    impl CustomOp2 for MtpInput<'_> {
+        fn name(&self) -> &'static str {
+            "mtp-input"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(CpuStorage, Shape)> {
+            candle_core::bail!("mtp_input's kernel runs on CUDA only")
+        }
+
+        fn cuda_fwd(
+            &self,
+            h: &CudaStorage,
+            hl: &Layout,
+            ids: &CudaStorage,
+            il: &Layout,
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
+            match h.dtype() {
+                DType::F32 => self.launch::<f32>((h, hl), (ids, il)),
+                DType::F16 => self.launch::<half::f16>((h, hl), (ids, il)),
+                DType::BF16 => self.launch::<half::bf16>((h, hl), (ids, il)),
+                other => candle_core::bail!("mtp_input has no {other:?} kernel"),
             }
         }
     }

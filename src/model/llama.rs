@@ -333,6 +333,17 @@ impl Model {
         }
     }
 
+    /// [`unembed`](Self::unembed) in the compute dtype (f32 on the lean CPU
+    /// path): on CUDA the final norm folds into the projection's launch
+    /// where the GEMV kernel takes the rows, and no conversion launch
+    /// follows (an MTP head's draft rounds, bound by launches).
+    pub fn unembed_compute(&self, hidden: &Tensor) -> Result<Tensor, ModelError> {
+        match &self.step {
+            Step::Lean(l) => l.unembed(&self.cfg, &self.weights, hidden),
+            Step::Candle(c) => c.unembed_compute(&self.cfg, &self.weights, hidden),
+        }
+    }
+
     /// Runs every layer over the batch; returns the (pre-final-norm) hidden
     /// states of the rows each sequence asked for, `[batch.num_outputs(), hidden]`.
     /// Appends each sequence's K/V to its slot at `offset..offset + len`.
@@ -402,7 +413,9 @@ impl Model {
     /// for to the outputs. `None` where no graph runs (the CPU, graphs off,
     /// other shapes): the caller then runs the same ops eagerly. The token
     /// ids are the caller's to check (they need not index this model's
-    /// vocabulary). Writes each sequence's K/V as a forward pass does.
+    /// vocabulary). Writes each sequence's K/V as a forward pass does. A
+    /// replay's outputs are the graph's own buffers, valid until the same
+    /// shape's next pass: the caller reads (or copies) them before that.
     pub(super) fn captured_pass(
         &self,
         batch: &Batch,
@@ -423,6 +436,7 @@ impl Model {
             spans: ShortSpans::EveryOrLastRow,
             rows,
             num_layers: self.cfg.num_layers,
+            lend_outputs: true,
         };
         let out = c.graph_pass(&self.cfg, &self.weights, kv, pass, prologue, epilogue)?;
         if out.is_some() {

@@ -184,7 +184,10 @@ struct DraftVocab {
 /// constrained drafts) are widened to the whole vocabulary.
 #[derive(Debug, Clone)]
 pub struct DraftLogits {
-    /// `[rows, N]`.
+    /// `[rows, N]` in the head's compute dtype. On a GPU it and `best` may
+    /// be a captured graph's output buffers, valid until the head's next
+    /// round (see `Model::captured_pass`): every accessor reads them into
+    /// a fresh tensor or the host.
     logits: Tensor,
     vocab: Option<Arc<DraftVocab>>,
     /// `[rows]` u32: every row's argmax (into the `N` columns), when the
@@ -243,7 +246,13 @@ impl DraftLogits {
     }
 
     fn widen(&self, small: &Tensor) -> Result<Tensor, ModelError> {
-        let small = small.to_dtype(DType::F32)?.contiguous()?;
+        // f32 logits on a GPU may be a captured graph's own buffer: a copy
+        // outlives the head's next round.
+        let small = match small.dtype() {
+            DType::F32 if small.device().is_cuda() => small.copy()?,
+            _ => small.to_dtype(DType::F32)?,
+        }
+        .contiguous()?;
         let Some(v) = &self.vocab else {
             return Ok(small);
         };
@@ -460,6 +469,7 @@ impl MtpHead {
         batch: &Batch,
         hidden: Option<&Tensor>,
     ) -> Result<DraftLogits, ModelError> {
+        let start = std::time::Instant::now();
         let hidden = match hidden {
             Some(h) => h.clone(),
             None => {
@@ -483,23 +493,29 @@ impl MtpHead {
         let (embed, enorm, hnorm, eps) = (&self.embed, &self.enorm, &self.hnorm, self.eps);
         let (eh_proj, block) = (&self.eh_proj, &self.block);
         let project = |ids: &Tensor, hidden: &Tensor| -> Result<Tensor, ModelError> {
-            let emb = embed.index_select(ids, 0)?.contiguous()?;
-            let x = Tensor::cat(
-                &[
-                    candle_nn::ops::rms_norm(&emb, enorm, eps)?,
-                    candle_nn::ops::rms_norm(hidden, hnorm, eps)?,
-                ],
-                1,
-            )?;
+            let x = match super::fused::mtp_input(ids, embed, hidden, (enorm, hnorm), eps)? {
+                Some(x) => x,
+                None => {
+                    let emb = embed.index_select(ids, 0)?.contiguous()?;
+                    Tensor::cat(
+                        &[
+                            candle_nn::ops::rms_norm(&emb, enorm, eps)?,
+                            candle_nn::ops::rms_norm(hidden, hnorm, eps)?,
+                        ],
+                        1,
+                    )?
+                }
+            };
             block.project(eh_proj, &x)
         };
         // A captured round also takes every row's argmax on the device, so
         // a greedy draft reads back only its id.
         let unembed = |out: Tensor| -> Result<Vec<Tensor>, ModelError> {
-            let logits = block.unembed(&out)?;
+            let logits = block.unembed_compute(&out)?;
             let best = logits.argmax(candle_core::D::Minus1)?;
             Ok(vec![out, logits, best])
         };
+        let prepared = start.elapsed();
         let captured = self.block.captured_pass(
             batch,
             &mut self.kv,
@@ -528,13 +544,28 @@ impl MtpHead {
                 let ids = Tensor::new(batch.tokens.as_slice(), target.device())?;
                 let u = project(&ids, &hidden)?;
                 let out = self.block.forward_embeddings(batch, u, &mut self.kv)?; // [slots, H] (Last rows)
-                let logits = self.block.unembed(&out)?;
+                let logits = self.block.unembed_compute(&out)?;
                 (out, logits, None)
             }
         };
+        let passed = start.elapsed();
+        // `out` may view the graph's output buffer, overwritten when the
+        // same shape next runs. It is read first: the next round's members
+        // are among this round's, and it copies their rows into its own
+        // graph's input (ordered on the stream before that graph runs); a
+        // step's first round starts from hidden states, not from these.
         for (i, s) in batch.seqs.iter().enumerate() {
             self.projected.insert(s.slot, out.narrow(0, i, 1)?);
         }
+        let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+        tracing::debug!(
+            rows = batch.tokens.len(),
+            graph = best.is_some(),
+            prep_us = us(prepared),
+            pass_us = us(passed - prepared),
+            rest_us = us(start.elapsed() - passed),
+            "head round"
+        );
         Ok(DraftLogits {
             logits,
             vocab: self.draft_vocab.clone(),

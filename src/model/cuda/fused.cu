@@ -71,6 +71,41 @@ __device__ void silu_mul(const T *gu, T *out, uint32_t n, uint32_t inter) {
     }
 }
 
+// One block per row: an MTP head's input row [rms_norm(embed[ids[row]]) *
+// enorm, rms_norm(hidden[row]) * hnorm] (2d wide), with candle's rms_norm
+// arithmetic as add_rms_norm has it: the gather, both norms and the
+// concatenation in one launch instead of five.
+template <typename T>
+__device__ void mtp_input(const uint32_t *ids, const T *embed, const T *hidden, const T *enorm,
+                          const T *hnorm, T *out, uint32_t d, float eps) {
+    __shared__ float red_e[32], red_h[32];
+    const size_t row = blockIdx.x;
+    const T *er = embed + (size_t)ids[row] * d, *hr = hidden + row * d;
+    T *o = out + row * 2 * (size_t)d;
+    float e[ITEMS], h[ITEMS];
+    float se = 0.f, sh = 0.f;
+#pragma unroll
+    for (uint32_t j = 0; j < ITEMS; ++j) {
+        const uint32_t i = threadIdx.x + j * blockDim.x;
+        if (i < d) {
+            e[j] = to_f32(er[i]);
+            h[j] = to_f32(hr[i]);
+            se += e[j] * e[j];
+            sh += h[j] * h[j];
+        }
+    }
+    const float scale_e = rsqrtf(block_sum(se, red_e) / (float)d + eps);
+    const float scale_h = rsqrtf(block_sum(sh, red_h) / (float)d + eps);
+#pragma unroll
+    for (uint32_t j = 0; j < ITEMS; ++j) {
+        const uint32_t i = threadIdx.x + j * blockDim.x;
+        if (i < d) {
+            o[i] = from_f32<T>(scale_e * e[j] * to_f32(enorm[i]));
+            o[d + i] = from_f32<T>(scale_h * h[j] * to_f32(hnorm[i]));
+        }
+    }
+}
+
 #define FUSED_KERNELS(SUFFIX, T)                                                               \
     extern "C" __global__ void add_rms_norm_##SUFFIX(const T *x, const T *y, const T *w,       \
                                                      T *out, uint32_t n, uint32_t d,           \
@@ -80,6 +115,12 @@ __device__ void silu_mul(const T *gu, T *out, uint32_t n, uint32_t inter) {
     extern "C" __global__ void silu_mul_##SUFFIX(const T *gu, T *out, uint32_t n,              \
                                                  uint32_t inter) {                             \
         silu_mul<T>(gu, out, n, inter);                                                        \
+    }                                                                                          \
+    extern "C" __global__ void mtp_input_##SUFFIX(const uint32_t *ids, const T *embed,         \
+                                                  const T *hidden, const T *enorm,             \
+                                                  const T *hnorm, T *out, uint32_t d,          \
+                                                  float eps) {                                 \
+        mtp_input<T>(ids, embed, hidden, enorm, hnorm, out, d, eps);                           \
     }
 
 FUSED_KERNELS(f32, float)
