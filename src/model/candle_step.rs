@@ -34,7 +34,10 @@ use super::decode_graphs::{
 };
 use super::fused::Normed;
 use super::llama_weights::{ModelWeights, QScale};
-use super::pooled_attention::{PooledAttention, TableLayout};
+use super::pooled_attention::{PooledAttention, TableLayout, OWN_ROWS};
+
+// A verifying graph's attention launch writes its rows' K and V itself.
+const _: () = assert!(MAX_GRAPH_SPAN <= OWN_ROWS);
 use super::{Batch, ModelConfig, ModelError, OutputRows, SeqSpan};
 use crate::kv::KvCache;
 
@@ -367,9 +370,11 @@ impl CandleStep {
         );
         self.graphs.run(&self.device, key, pool, inputs, |inputs| {
             let x = prologue(inputs)?;
-            let write_own = !key.verifies();
+            // Spans of a verifying shape vary between replays: size for
+            // the longest its rows allow.
+            let own_rows = (key.rows - key.seqs + 1).min(OWN_ROWS);
             let meta = inputs.meta.clone();
-            let pooled = PooledAttention::over(meta, kv, cfg, n, key_bound, write_own)?;
+            let pooled = PooledAttention::over(meta, kv, cfg, n, key_bound, own_rows)?;
             let plan = AttentionPlan::Pooled(pooled);
             let x = self.layers(cfg, weights, x, kv, layers, &plan)?;
             epilogue(match &inputs.picks {

@@ -15,20 +15,21 @@
 //! pass does), the key bound its attention's shared memory is sized for,
 //! and the layers run; every kept graph reads one KV pool
 //! ([`KvCache::pool_generation`]). A pass with more rows than sequences
-//! verifies drafts: its K/V rows are written by a launch of their own
-//! before attention (a draft's query reads the keys of the rows before it),
-//! as the eager pass does. A plain decode shape is captured the first time
-//! it runs, and so is a verifying one of at most [`FEW_SEQS`] sequences
-//! (their draft counts make few shapes); a verifying shape of more only
+//! verifies drafts: a draft's query reads the keys of the rows before it,
+//! which its attention launch reads from their projection rows (sized for
+//! the longest span the shape allows), as the eager pass does. A plain
+//! decode shape is captured the first time it runs, and so is a verifying
+//! one of at most [`FEW_SEQS`] sequences (their draft counts make few
+//! shapes); a verifying shape of more only
 //! on its [`CAPTURE_VERIFY_AFTER`]th run: there the draft counts combine
 //! into many shapes, most of which never recur, and a capture costs about
 //! two eager passes. Capturing at once where shapes recur also keeps the
 //! draft policy's cost of verification honest: it never sees a captured
 //! pass's cost (a one-off), and eager runs of a shape that will replay
 //! would teach it that verifying costs several plain passes. Everything a
-//! pass reads that changes from step to step lives in two device buffers
-//! owned by the graph and rewritten before each replay: the token ids and
-//! the attention plan's metadata (per query: its table, first and own
+//! pass reads that changes from step to step lives in device buffers
+//! owned by the graph and rewritten before each replay (one upload): the
+//! token ids and the attention plan's metadata (per query: its table, first and own
 //! position; then each sequence's block table at a fixed place,
 //! [`TableLayout::Fixed`]). So a replay after sequences grew, left, joined
 //! or were preempted reads the new positions and tables. Weights, rotary
@@ -100,6 +101,7 @@ pub(super) struct GraphKey {
 
 impl GraphKey {
     /// Whether the pass verifies drafts (some sequence has several rows).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub fn verifies(&self) -> bool {
         self.rows > self.seqs
     }

@@ -1,6 +1,6 @@
-//! Attention over pooled KV in one kernel launch per layer for a decode
-//! pass and two for others (CUDA builds), straight from the fused q/k/v
-//! projection.
+//! Attention over pooled KV in one kernel launch per layer for a decode or
+//! verifying pass and two for others (CUDA builds), straight from the
+//! fused q/k/v projection.
 //!
 //! Tandem's own kernels (`cuda/attention.cu`, compiled to PTX by
 //! `build.rs`): one writes the batch's new K rows (rotated by RoPE on the
@@ -20,12 +20,13 @@
 //! the candle path do not exist here: two launches per layer instead of
 //! the dozen of [`super::batched_attention`] (which stays the path of
 //! other devices). candle's own scatter could do the write, but it walks
-//! a batch's rows one after the other. When every sequence has one row in
-//! the pass ([`PooledAttention::write_own`]: a decode pass), a query's only
-//! new key is its own, which it reads from its projection row (rotated and
-//! rounded as the pool holds it), so the attention launch writes the rows
-//! into the pool itself: one launch. A key's bits are the same whichever
-//! kernel wrote it.
+//! a batch's rows one after the other. When every sequence has at most
+//! [`OWN_ROWS`] rows in the pass ([`PooledAttention::own_rows`]: a decode
+//! pass, or a draft verification), a query's new keys are its own and
+//! those of its sequence's rows before it, which it reads from their
+//! projection rows (rotated and rounded as the pool holds them), so the
+//! attention launch writes the rows into the pool itself: one launch. A
+//! key's bits are the same whichever kernel wrote it.
 //!
 //! The per-pass plan (per query token: where its sequence's block table
 //! starts and its visible positions; the tables themselves) is built on
@@ -51,6 +52,11 @@ const WARPS: usize = 4;
 /// Largest head dimension the kernel covers (two 16-byte packs per lane),
 /// which must be a multiple of 8 (whole packs in every dtype).
 const MAX_HEAD_DIM: usize = 256;
+
+/// The most rows of one sequence a pass may hold for its attention launch
+/// to write their K and V itself (a decode token and up to eight drafts:
+/// the decode graphs' longest span).
+pub(super) const OWN_ROWS: usize = 9;
 
 /// The most splits of one query's keys (the kernel's `MAX_SPLITS`: split-K
 /// attention, see `cuda/attention.cu`).
@@ -89,9 +95,15 @@ fn split_bound(keys: usize) -> usize {
 
 /// Shared bytes a block needs for a split of at most `keys` keys in blocks
 /// of `block_size`: the query, reduction scratch, one partial output row
-/// per warp, one score per key and the table entries the keys span.
-fn shared_bytes(cfg: &ModelConfig, keys: usize, block_size: usize) -> usize {
-    4 * (cfg.head_dim + 32 + WARPS * cfg.head_dim + keys + keys / block_size + 2)
+/// per warp, one score per key and the table entries the keys span; then,
+/// 16-byte aligned, the K and V of up to `own_rows` rows read from the
+/// projection (f32 at most).
+fn shared_bytes(cfg: &ModelConfig, keys: usize, block_size: usize, own_rows: usize) -> usize {
+    let own = match own_rows {
+        0 => 0,
+        rows => 16 + 4 * 2 * rows * cfg.head_dim,
+    };
+    4 * (cfg.head_dim + 32 + WARPS * cfg.head_dim + keys + keys / block_size + 2) + own
 }
 
 /// The per-pass part: where each query token's keys are.
@@ -113,16 +125,23 @@ pub(super) struct PooledAttention {
     /// query's splits have finished, so the last one merges them.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     arrivals: Tensor,
-    /// Every sequence has (at most) one row in the pass, so the attention
-    /// launch writes the rows' K and V itself.
+    /// Nonzero when every sequence has at most this many rows in the pass
+    /// (at most [`OWN_ROWS`]): the attention launch then reads the pass's
+    /// keys from the projection rows and writes the rows' K and V itself.
+    /// Zero: a launch before it writes them (prompt chunks).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    write_own: bool,
+    own_rows: usize,
 }
 
-/// Whether the attention launch of `batch`'s pass writes the rows' K and
-/// V (see [`PooledAttention::write_own`]).
-fn writes_own(batch: &Batch) -> bool {
-    batch.seqs.iter().all(|s| s.len <= 1)
+/// [`PooledAttention::own_rows`] for `batch`'s pass: its longest span,
+/// or 0 past [`OWN_ROWS`].
+fn own_rows(batch: &Batch) -> usize {
+    let longest = batch.seqs.iter().map(|s| s.len).max().unwrap_or(0);
+    if longest <= OWN_ROWS {
+        longest.max(1)
+    } else {
+        0
+    }
 }
 
 /// The zeroed arrival counts of `rows` query tokens (see
@@ -173,14 +192,14 @@ impl PooledAttention {
             block_shift: kv.block_size().trailing_zeros(),
             max_keys: host.max_keys,
             arrivals: arrivals(batch.tokens.len(), cfg, device)?,
-            write_own: writes_own(batch),
+            own_rows: own_rows(batch),
         }))
     }
 
     /// A plan for a pass of `rows` query tokens over metadata already on
     /// the device (`meta`, laid out by [`Self::host_plan`]), sized for
-    /// queries of at most `max_keys` keys; `write_own` when every sequence
-    /// has one row (see [`PooledAttention::write_own`]).
+    /// queries of at most `max_keys` keys and sequences of at most
+    /// `own_rows` rows (see [`PooledAttention::own_rows`]).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(super) fn over(
         meta: Tensor,
@@ -188,14 +207,14 @@ impl PooledAttention {
         cfg: &ModelConfig,
         rows: usize,
         max_keys: usize,
-        write_own: bool,
+        own_rows: usize,
     ) -> Result<Self, ModelError> {
         Ok(Self {
             arrivals: arrivals(rows, cfg, meta.device())?,
             meta,
             block_shift: kv.block_size().trailing_zeros(),
             max_keys,
-            write_own,
+            own_rows,
         })
     }
 
@@ -206,9 +225,10 @@ impl PooledAttention {
     }
 
     /// Whether the splits of a query that sees `keys` keys fit a block's
-    /// shared memory.
+    /// shared memory, beside the most rows a launch reads from the
+    /// projection.
     pub(super) fn fits(cfg: &ModelConfig, keys: usize, block_size: usize) -> bool {
-        shared_bytes(cfg, split_bound(keys), block_size) <= SHARED_BYTES
+        shared_bytes(cfg, split_bound(keys), block_size, OWN_ROWS) <= SHARED_BYTES
     }
 
     /// The metadata of `batch`'s queries (see [`PooledAttention::meta`]) in
@@ -304,7 +324,7 @@ fn run_kernels(
     cfg: &ModelConfig,
 ) -> Result<Tensor, ModelError> {
     let qkv = qkv.contiguous()?;
-    if !plan.write_own {
+    if plan.own_rows == 0 {
         let write = kernel::PoolWriteOp {
             meta: &plan.meta,
             cos,
@@ -319,13 +339,18 @@ fn run_kernels(
         cos,
         sin,
         q_scale,
-        shared_bytes: shared_bytes(cfg, split_bound(plan.max_keys), 1 << plan.block_shift),
+        shared_bytes: shared_bytes(
+            cfg,
+            split_bound(plan.max_keys),
+            1 << plan.block_shift,
+            plan.own_rows,
+        ),
         splits: key_splits(plan.max_keys),
         heads: cfg.num_heads,
         kv_heads: cfg.num_kv_heads,
         block_shift: plan.block_shift,
         arrivals: &plan.arrivals,
-        write_own: plan.write_own,
+        own_rows: plan.own_rows,
     };
     Ok(qkv.apply_op3_no_bwd(k_pool, v_pool, &op)?)
 }
@@ -376,10 +401,11 @@ mod kernel {
         pub(super) block_shift: u32,
         /// The plan's arrival counts: the last split of a query merges.
         pub(super) arrivals: &'a Tensor,
-        /// Whether the launch writes the rows' K and V into the pools
-        /// (written through their storages' device pointers, as
-        /// [`PoolWriteOp`] writes the V pool).
-        pub(super) write_own: bool,
+        /// Nonzero: the launch reads the pass's keys from the projection
+        /// rows of sequences of at most this many rows and writes the rows'
+        /// K and V into the pools (through their storages' device
+        /// pointers, as [`PoolWriteOp`] writes the V pool).
+        pub(super) own_rows: usize,
     }
 
     /// The K (rotated) and V heads of the projection rows into a layer's
@@ -560,7 +586,7 @@ mod kernel {
                 shared_mem_bytes: self.shared_bytes as u32,
             };
             let split_keys = super::split_keys() as u32;
-            let write_own = u32::from(self.write_own);
+            let own_rows = self.own_rows as u32;
             if self.arrivals.elem_count() < n * heads {
                 candle_core::bail!("pooled attention: arrival counts for fewer rows");
             }
@@ -581,14 +607,14 @@ mod kernel {
                     b.arg(&dims[4]);
                     b.arg(&split_keys);
                     b.arg(&lanes);
-                    b.arg(&write_own);
+                    b.arg(&own_rows);
                     b.arg(&arrivals);
                     b.arg(&out);
                     // SAFETY: argument types and counts match the kernel's
                     // signature; the metadata keeps every read and write
-                    // inside the pools (with `write_own`, each row at its
+                    // inside the pools (with `own_rows`, each row at its
                     // own position, which no other block of the launch
-                    // reads); the arrival counts hold one word per (token,
+                    // reads from the pool); the arrival counts hold one word per (token,
                     // head), zero on entry; `partial` holds `splits` rows
                     // per (token, head), the first `key_splits` of each
                     // written before the last split reads them.
@@ -715,17 +741,19 @@ mod tests {
             .is_none());
     }
 
-    /// Only a pass whose every sequence has one row lets the attention
-    /// launch write the rows' K and V: in a chunk, later rows read earlier
-    /// rows' keys from the pool, so those must be written by a launch before.
+    /// A pass whose sequences have at most [`OWN_ROWS`] rows (decodes, draft
+    /// verifications) lets the attention launch write the rows' K and V,
+    /// sized by its longest span; a longer chunk needs a launch before.
     #[test]
-    fn only_decode_passes_write_in_the_attention_launch() {
+    fn decode_and_verifying_passes_write_in_the_attention_launch() {
         let (_, mut batch) = cache_and_batch();
-        assert!(writes_own(&batch), "three decoding sequences");
+        assert_eq!(own_rows(&batch), 1, "three decoding sequences");
         batch.push(4, 0, &[], OutputRows::None);
-        assert!(writes_own(&batch), "an empty span adds no key");
+        assert_eq!(own_rows(&batch), 1, "an empty span adds no key");
         batch.push(5, 8, &[1, 2], OutputRows::All);
-        assert!(!writes_own(&batch), "a two-row chunk");
+        assert_eq!(own_rows(&batch), 2, "a decode token and one draft");
+        batch.push(6, 8, &[3; OWN_ROWS + 1], OutputRows::All);
+        assert_eq!(own_rows(&batch), 0, "a ten-row chunk");
     }
 
     /// Split counts depend on a query's own keys, never exceed the kernel's

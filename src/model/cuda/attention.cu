@@ -19,11 +19,13 @@
 // heads): K is rotated (RoPE, half-split layout, tables [positions,
 // head_dim / 2]) on its way into the pool, and the attention rotates and
 // scales q as it loads it, so no split, copy or separate RoPE launch exists.
-// In a pass where every sequence has one row (a decode pass: `write_own`)
-// a query's own key and value (at its own position) are the only new ones
-// it reads: it reads them from its projection row, rotated and rounded as
-// the pool holds them, and the attention launch writes the rows' K and V
-// into the pool itself. Other passes write them with pooled_write first.
+// In a pass where every sequence has at most `own_rows` rows (a decode
+// pass: one; a draft verification: its decode token and drafts), the new
+// keys and values a query reads are its own and those of its sequence's
+// rows before it in the pass: it reads them from their projection rows,
+// rotated and rounded as the pool holds them (staged in shared memory),
+// and the attention launch writes each row's K and V into the pool
+// itself. Other passes (prompt chunks) write them with pooled_write first.
 
 #include <stdint.h>
 
@@ -153,7 +155,7 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
                                  const T *sin, float *partial, uint32_t n, uint32_t heads,
                                  uint32_t kv_heads, uint32_t head_dim, float q_scale,
                                  uint32_t shift, uint32_t split_keys, uint32_t lanes,
-                                 uint32_t write_own, uint32_t *arrivals, T *out) {
+                                 uint32_t own_rows, uint32_t *arrivals, T *out) {
     constexpr uint32_t N = Pack<T>::N;
     constexpr uint32_t D = MAX_PACKS_PER_LANE * N;  // dimensions a lane holds
     extern __shared__ float smem[];
@@ -180,6 +182,14 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
     float *scores = wpart + warps * G * head_dim;  // G * keys
     // The table entries of blocks first >> shift ..= (first + keys - 1) >> shift.
     uint32_t *blocks = (uint32_t *)(scores + G * keys);
+    // Then, 16-byte aligned, the pass's rows of this query's sequence up to
+    // its own (keys, then values: own_rows rows each at most).
+    // (An offset from `smem`, so the compiler keeps shared-space pointers.)
+    const uint32_t span_at =
+        ((uint32_t)((G * head_dim + 32 + warps * G * head_dim + G * keys) * sizeof(float) +
+                    ((keys >> shift) + 2) * sizeof(uint32_t)) + 15u) & ~15u;
+    T *span_k = (T *)((char *)smem + span_at);
+    T *span_v = span_k + own_rows * head_dim;
     const uint32_t first_block = first >> shift;
     const uint32_t last_key = first + keys - 1;
     for (uint32_t b = threadIdx.x; b <= (last_key >> shift) - first_block; b += blockDim.x) {
@@ -196,23 +206,37 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
         qs[g * head_dim + d] = o1 * q_scale;
         qs[g * head_dim + d + half] = o2 * q_scale;
     }
-    // In a decode pass, the row's own K and V (the last split holds its
-    // position), which the first block of each (row, KV head) writes into
-    // the pool; other passes wrote them before this launch.
-    __shared__ __align__(16) T own_k[MAX_HEAD_DIM];
-    __shared__ __align__(16) T own_v[MAX_HEAD_DIM];
-    const bool writes = write_own && split == 0 && blockIdx.y % chunks == 0;
-    const bool reads_own = write_own && split == splits - 1;
-    if (reads_own || writes) {
-        const T *krow = qkv + (size_t)tok * width + (size_t)(heads + kvh) * head_dim;
-        for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
-            own_k[d] = rotated_key(krow, cos, sin, last, half, d);
-            own_v[d] = krow[(size_t)kv_heads * head_dim + d];
+    // With own_rows, the pass's rows of this sequence before this one
+    // (consecutive rows of the same table at consecutive positions, at
+    // most own_rows - 1) and its own hold the keys from `span_first` on:
+    // staged from their projection rows where this split reads them, and
+    // the row's own written into the pool by the first block of each
+    // (row, KV head). Without, the pool holds every key already.
+    uint32_t before = 0;
+    if (own_rows) {
+        while (before + 1 < own_rows && before < tok && meta[tok - before - 1] == meta[tok] &&
+               meta[2 * n + tok - before - 1] + before + 1 == last) {
+            ++before;
+        }
+    }
+    const uint32_t span_first = last - before;
+    const bool writes = own_rows && split == 0 && blockIdx.y % chunks == 0;
+    const bool reads_span = own_rows && first + keys > span_first;
+    // Positions from here on come from the staged rows (none without).
+    const uint32_t staged_from = reads_span ? span_first : 0xffffffffu;
+    if (reads_span || writes) {
+        for (uint32_t i = threadIdx.x; i <= before * head_dim + head_dim - 1; i += blockDim.x) {
+            const uint32_t j = i / head_dim, d = i % head_dim;
+            const T *krow =
+                qkv + (size_t)(tok - before + j) * width + (size_t)(heads + kvh) * head_dim;
+            span_k[i] = rotated_key(krow, cos, sin, span_first + j, half, d);
+            span_v[i] = krow[(size_t)kv_heads * head_dim + d];
         }
     }
     __syncthreads();
     if (writes) {
         const size_t at = pool_row(table, last, shift) * kv_heads * head_dim + (size_t)kvh * head_dim;
+        const T *own_k = span_k + (size_t)before * head_dim, *own_v = span_v + (size_t)before * head_dim;
         for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
             k[at + d] = own_k[d];
             v[at + d] = own_v[d];
@@ -248,7 +272,7 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
 #pragma unroll
         for (uint32_t g = 0; g < G; ++g) acc[g] = 0.f;
         if (c < keys) {
-            const bool own = reads_own && first + c == last;
+            const bool staged = first + c >= staged_from;
             const T *krow =
                 kbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
 #pragma unroll
@@ -256,8 +280,8 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
                 const uint32_t d = (j * lanes + sub) * N;
                 if (d < head_dim) {
                     float x[N];
-                    if (own) {
-                        Pack<T>::load(own_k + d, x);
+                    if (staged) {
+                        Pack<T>::load(span_k + (first + c - staged_from) * head_dim + d, x);
                     } else {
                         Pack<T>::load(krow + d, x);
                     }
@@ -307,7 +331,7 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
     }
 #pragma unroll 2
     for (uint32_t c = group; c < keys; c += groups) {
-        const bool own = reads_own && first + c == last;
+        const bool staged = first + c >= staged_from;
         const T *vrow = vbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
         float p[G];
 #pragma unroll
@@ -317,8 +341,8 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
             const uint32_t d = (j * lanes + sub) * N;
             if (d < head_dim) {
                 float x[N];
-                if (own) {
-                    Pack<T>::load(own_v + d, x);
+                if (staged) {
+                    Pack<T>::load(span_v + (first + c - staged_from) * head_dim + d, x);
                 } else {
                     Pack<T>::load(vrow + d, x);
                 }
@@ -409,7 +433,8 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
 // Writes the batch's new K (rotated) and V rows into their pools ([rows,
 // kv_heads, head_dim] each) at the row of each token's position (meta as
 // above), from the K and V heads of each qkv row: one launch, one thread
-// per pair of dimensions. A decode pass does not need it (write_own).
+// per pair of dimensions. A decode or verifying pass does not need it
+// (own_rows).
 template <typename T>
 __device__ void pooled_write(T *k_pool, T *v_pool, const T *qkv, const uint32_t *meta,
                              const T *cos, const T *sin, uint32_t n, uint32_t heads,
@@ -448,9 +473,9 @@ __device__ void pooled_write(T *k_pool, T *v_pool, const T *qkv, const uint32_t 
         const T *qkv, T *k, T *v, const uint32_t *meta, const T *cos, const T *sin,           \
         float *partial, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim,     \
         float q_scale, uint32_t shift, uint32_t split_keys, uint32_t lanes,                   \
-        uint32_t write_own, uint32_t *arrivals, T *out) {                                     \
+        uint32_t own_rows, uint32_t *arrivals, T *out) {                                      \
         pooled_attention<T, 1>(qkv, k, v, meta, cos, sin, partial, n, heads, kv_heads,        \
-                               head_dim, q_scale, shift, split_keys, lanes, write_own,        \
+                               head_dim, q_scale, shift, split_keys, lanes, own_rows,         \
                                arrivals, out);                                                \
     }                                                                                         \
     extern "C" __global__ void pooled_write_##SUFFIX(                                         \
