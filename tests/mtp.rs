@@ -272,9 +272,16 @@ fn second_third_tokens(
             .collect();
         seed += batch.len() as u64;
         let head: Box<dyn DraftHead> = Box::new(EarlyExitDraft { layers: 1 });
+        // The deliberately wrong rule exists in debug builds only.
+        #[cfg(debug_assertions)]
         let config = SpecConfig {
             unchecked_accept: unchecked,
             ..Default::default()
+        };
+        #[cfg(not(debug_assertions))]
+        let config = {
+            assert!(!unchecked, "accept-all is a debug-build switch");
+            SpecConfig::default()
         };
         let mut e = Engine::new(
             micro_model(),
@@ -341,7 +348,11 @@ fn sampled_mtp_preserves_the_target_distribution() {
         chi < crit,
         "MTP changed the distribution: chi2 {chi:.1} > {crit:.1}"
     );
-    // The same test rejects a wrong rule (accept every draft).
+    // The same test rejects a wrong rule (accept every draft; debug
+    // builds carry it).
+    if !cfg!(debug_assertions) {
+        return;
+    }
     let wrong = second_third_tokens(spec, true, n, 2_000_000);
     let (chi, dof) = chi_square_two_sample(&off, &wrong);
     eprintln!("accept-all vs off: chi2 {chi:.1} on {dof} dof");
