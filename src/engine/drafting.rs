@@ -38,11 +38,7 @@ pub(crate) fn run_rounds(
         .max()
         .unwrap_or(0);
     let result = (0..rounds).try_for_each(|round| run_round(model, seqs, planned, round));
-    let start = Instant::now();
     let rolled_back = end_rounds(seqs, planned);
-    if rounds > 0 {
-        tracing::debug!(end_us = micros(start.elapsed()), "draft rounds ended");
-    }
     result.and(rolled_back)
 }
 

@@ -125,7 +125,8 @@ pub(super) struct GraphInputs<'a> {
     /// A replay hands out the graph's own output buffers, valid until its
     /// next replay, instead of copies: for a caller that reads every
     /// output before the graph can run again (an MTP head's draft round,
-    /// where three copies were a fifth of the round).
+    /// where the three copies cost three launches and about 12 µs of host
+    /// time in a round of 130 µs).
     pub lend_outputs: bool,
 }
 
