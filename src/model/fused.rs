@@ -84,6 +84,7 @@ pub(super) fn mtp_input(
         && [enorm, hnorm]
             .iter()
             .all(|t| t.dims() == [hidden.dim(1).unwrap_or(0)])
+        && [embed, enorm, hnorm].iter().all(|t| t.is_contiguous())
     {
         let op = kernel::MtpInput {
             embed,
