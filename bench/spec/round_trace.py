@@ -1,16 +1,16 @@
 #!/usr/bin/env python3
 """Where a draft round's time goes: reads a load-example log run with
 RUST_LOG=tandem::engine::drafting=debug,tandem::model=debug on stdin and
-prints, per event ("draft round", "head round", "graph replay", "graph
-pass planned") and per value of its flags, the count and the median of
-every *_us field (session 35's first traces also had "draft rounds ended",
-since dropped: it cost nothing)."""
+prints, per event ("draft round", "head round", "graph replay") and per
+value of its flags, the count and the median of every *_us field
+(session 35's traces also had "graph pass planned" and "draft rounds
+ended", which measured 0.1-1.5 us and were dropped; they are still read)."""
 import re
 import statistics
 import sys
 from collections import defaultdict
 
-EVENTS = ("draft round", "head round", "graph replay", "graph pass planned")
+EVENTS = ("draft round", "head round", "graph replay", "graph pass planned", "draft rounds ended")
 FIELD = re.compile(r"(\w+)=([-\d.]+|true|false)")
 groups = defaultdict(lambda: defaultdict(list))
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -35,11 +35,11 @@ use super::decode_graphs::{
 use super::fused::Normed;
 use super::llama_weights::{ModelWeights, QScale};
 use super::pooled_attention::{PooledAttention, TableLayout, OWN_ROWS};
+use super::{Batch, ModelConfig, ModelError, OutputRows, SeqSpan};
+use crate::kv::KvCache;
 
 // A verifying graph's attention launch writes its rows' K and V itself.
 const _: () = assert!(MAX_GRAPH_SPAN <= OWN_ROWS);
-use super::{Batch, ModelConfig, ModelError, OutputRows, SeqSpan};
-use crate::kv::KvCache;
 
 /// Phases of the candle path's profile, in step order.
 const CANDLE_PHASES: [&str; 5] = [
@@ -317,7 +317,6 @@ impl CandleStep {
         prologue: impl Fn(&PassInputs) -> Result<Tensor, ModelError>,
         epilogue: impl Fn(Tensor) -> Result<Vec<Tensor>, ModelError>,
     ) -> Result<Option<Vec<Tensor>>, ModelError> {
-        let start = std::time::Instant::now();
         let batch = pass.batch;
         let n = batch.tokens.len();
         if !graph_shaped(batch, pass.spans)
@@ -362,12 +361,6 @@ impl CandleStep {
             lend_outputs: pass.lend_outputs,
         };
         let pool = kv.pool_generation();
-        tracing::debug!(
-            rows = n,
-            layers,
-            plan_us = start.elapsed().as_secs_f64() * 1e6,
-            "graph pass planned"
-        );
         self.graphs.run(&self.device, key, pool, inputs, |inputs| {
             let x = prologue(inputs)?;
             // Spans of a verifying shape vary between replays: size for

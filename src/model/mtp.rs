@@ -246,15 +246,14 @@ impl DraftLogits {
     }
 
     fn widen(&self, small: &Tensor) -> Result<Tensor, ModelError> {
-        // f32 logits on a GPU may be a captured graph's own buffer: a copy
-        // outlives the head's next round.
-        let small = match small.dtype() {
-            DType::F32 if small.device().is_cuda() => small.copy()?,
-            _ => small.to_dtype(DType::F32)?,
-        }
-        .contiguous()?;
+        let small = small.to_dtype(DType::F32)?.contiguous()?;
         let Some(v) = &self.vocab else {
-            return Ok(small);
+            // f32 logits on a GPU may still be a captured graph's own
+            // buffer: a copy outlives the head's next round.
+            return Ok(match small.device().is_cuda() {
+                true => small.copy()?,
+                false => small,
+            });
         };
         let (rows, n) = small.dims2()?;
         let idx = v.ids.unsqueeze(0)?.expand((rows, n))?.contiguous()?;
