@@ -354,34 +354,106 @@ fn sampler_cost(device: &Device, vocab: usize, batches: &[usize]) {
     }
 }
 
-/// Bytes one weight takes in the configuration `name` (its format, on the
-/// lean or the candle path); `None` for a name it does not know.
-fn bytes_per_weight(name: &str) -> Option<f64> {
-    match name.trim_start_matches("candle-") {
-        "as-stored" => STORED_BYTES_PER_WEIGHT.get().copied(),
-        "f32" => Some(4.0),
-        "f16" | "bf16" => Some(2.0),
-        "q8_0" => Some(34.0 / 32.0),
-        "q4_k" => Some(144.0 / 256.0),
-        _ => None,
+/// What a single-stream decode step reads per phase: a projection's
+/// weights (in every layer), the unembedding's, or the KV for attention.
+#[derive(Clone, Copy)]
+enum PhaseBytes {
+    /// Every weight in one format: bytes per weight.
+    Uniform(f64),
+    /// A GGUF's own blocks, each tensor in its stored format (a Q4_1 file
+    /// keeps its embedding in Q8_0, say).
+    Stored(&'static StoredBytes),
+}
+
+/// A GGUF's tensor bytes summed per phase.
+#[derive(Default)]
+struct StoredBytes {
+    qkv: f64,
+    o_proj: f64,
+    gate_up: f64,
+    down: f64,
+    lm_head: f64,
+}
+
+static STORED_BYTES: std::sync::OnceLock<StoredBytes> = std::sync::OnceLock::new();
+
+impl StoredBytes {
+    /// Sums `tensors` by phase. The token embedding counts as the
+    /// unembedding only when the file has no `output.weight` (tied): else
+    /// a step gathers one row of it.
+    fn of(tensors: &[tandem::gguf::TensorInfo]) -> Self {
+        let mut b = Self::default();
+        let tied = !tensors.iter().any(|t| t.name == "output.weight");
+        for t in tensors {
+            let part = t.name.split('.').nth(2).unwrap_or("");
+            let slot = match (t.name.as_str(), part) {
+                ("output.weight", _) => &mut b.lm_head,
+                ("token_embd.weight", _) if tied => &mut b.lm_head,
+                (_, "attn_q" | "attn_k" | "attn_v") => &mut b.qkv,
+                (_, "attn_output") => &mut b.o_proj,
+                (_, "ffn_gate" | "ffn_up") => &mut b.gate_up,
+                (_, "ffn_down") => &mut b.down,
+                _ => continue,
+            };
+            *slot += t.size as f64;
+        }
+        b
     }
 }
 
-/// A GGUF's mean bytes per weight as stored (all its tensors' bytes over
-/// their elements): what `as-stored` reads per weight.
-static STORED_BYTES_PER_WEIGHT: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+/// The phase bytes of the configuration `name` (its format, on the lean
+/// or the candle path); `None` for a name it does not know.
+fn phase_bytes_of(name: &str) -> Option<PhaseBytes> {
+    let per_weight = match name.trim_start_matches("candle-") {
+        "as-stored" => return STORED_BYTES.get().map(PhaseBytes::Stored),
+        "f32" => 4.0,
+        "f16" | "bf16" => 2.0,
+        "q8_0" => 34.0 / 32.0,
+        "q4_k" => 144.0 / 256.0,
+        _ => return None,
+    };
+    Some(PhaseBytes::Uniform(per_weight))
+}
+
+impl PhaseBytes {
+    /// Bytes phase `name` of a step reads (`kv` for attention); 0 for the
+    /// phases that read none worth counting.
+    fn of(self, cfg: &ModelConfig, kv: f64, name: &str) -> f64 {
+        let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+        let weights = match name {
+            "qkv" => h * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd * cfg.num_layers,
+            "o_proj" => h * cfg.num_heads * hd * cfg.num_layers,
+            "gate_up" => 2 * h * i * cfg.num_layers,
+            "down" => h * i * cfg.num_layers,
+            "lm_head" => cfg.vocab_size * h,
+            "attention" => return kv,
+            _ => 0,
+        };
+        match self {
+            Self::Uniform(per_weight) => weights as f64 * per_weight,
+            Self::Stored(s) => match name {
+                "qkv" => s.qkv,
+                "o_proj" => s.o_proj,
+                "gate_up" => s.gate_up,
+                "down" => s.down,
+                "lm_head" => s.lm_head,
+                _ => 0.0,
+            },
+        }
+    }
+}
+
+/// The phases that read weights or KV, in a step's order.
+const READING_PHASES: [&str; 6] = ["qkv", "attention", "o_proj", "gate_up", "down", "lm_head"];
 
 /// Bytes of the unembedding, and of everything one single-stream decode
-/// step at position `pos` reads: every projection weight once (the
-/// embedding table only when it is also the unembedding), and the KV of
-/// `pos` positions.
-fn bytes_per_step(per_weight: f64, model: &Model, pos: usize) -> (f64, f64) {
-    let cfg = model.config();
-    let head = (cfg.vocab_size * cfg.hidden_size) as f64;
-    let embedding = if cfg.tie_word_embeddings { 0.0 } else { head };
-    let weights = cfg.num_parameters() as f64 - embedding;
+/// step at position `pos` reads: every projection weight once and the KV
+/// of `pos` positions.
+fn bytes_per_step(phases: PhaseBytes, model: &Model, pos: usize) -> (f64, f64) {
     let kv = (pos * model.kv_layout().bytes_per_token()) as f64;
-    (head * per_weight, weights * per_weight + kv)
+    let cfg = model.config();
+    let all = READING_PHASES.iter().map(|p| phases.of(cfg, kv, p)).sum();
+    (phases.of(cfg, kv, "lm_head"), all)
 }
 
 /// A streaming read of `buf` on the kernels' thread pool, the way a plain
@@ -456,10 +528,10 @@ fn huge_page_buffer(bytes: f64) -> Vec<f32> {
 fn roofline(configs: &[Config], steps: usize) {
     println!("\nsingle-stream decode vs the memory roofline (a streaming sum of the same bytes before each step):");
     for c in configs {
-        let Some(per_weight) = bytes_per_weight(&c.name) else {
+        let Some(phase_bytes) = phase_bytes_of(&c.name) else {
             continue;
         };
-        let (head, bytes) = bytes_per_step(per_weight, &c.model, PROMPT + steps / 2);
+        let (head, bytes) = bytes_per_step(phase_bytes, &c.model, PROMPT + steps / 2);
         let buf = huge_page_buffer(bytes);
         stream_sum(&buf);
         let mut kv = KvCache::new(c.model.kv_layout(), Device::Cpu, PROMPT + steps);
@@ -513,12 +585,11 @@ fn roofline(configs: &[Config], steps: usize) {
         );
         let phases = c.model.take_profile();
         c.model.set_profiling(false);
-        let kv = (PROMPT + steps / 2) * c.model.kv_layout().bytes_per_token();
-        let phase_bytes = phase_bytes(c.model.config(), per_weight, kv as f64);
+        let kv = ((PROMPT + steps / 2) * c.model.kv_layout().bytes_per_token()) as f64;
         for (name, time) in phases.iter().filter(|(_, t)| !t.is_zero()) {
             let per_step = time.as_secs_f64() / steps as f64;
             let share = 100.0 * time.as_secs_f64() / step_time.as_secs_f64();
-            let bytes = phase_bytes(name);
+            let bytes = phase_bytes.of(c.model.config(), kv, name);
             let of_roofline = if bytes > 0.0 {
                 format!(
                     ", {:5.1} MB: {:5.1} % of the roofline",
@@ -535,26 +606,6 @@ fn roofline(configs: &[Config], steps: usize) {
                 1e3 * per_step
             );
         }
-    }
-}
-
-/// Bytes a single-stream decode step's phase `name` reads (its weights, or
-/// the KV for attention), for the lean path's phases; 0 for the phases
-/// that read none worth counting.
-fn phase_bytes(cfg: &ModelConfig, per_weight: f64, kv: f64) -> impl Fn(&str) -> f64 + '_ {
-    let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
-    let layers = cfg.num_layers as f64;
-    move |name| {
-        let weights = match name {
-            "qkv" => h * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd,
-            "o_proj" => h * cfg.num_heads * hd,
-            "gate_up" => 2 * h * i,
-            "down" => h * i,
-            "lm_head" => return (cfg.vocab_size * h) as f64 * per_weight,
-            "attention" => return kv,
-            _ => 0,
-        };
-        weights as f64 * layers * per_weight
     }
 }
 
@@ -586,11 +637,7 @@ fn main() {
             let file =
                 GgufFile::open(std::path::Path::new(&path)).expect("TANDEM_BENCH_MODEL: GGUF");
             let cfg = config_from_gguf(&file).expect("TANDEM_BENCH_MODEL: GGUF metadata");
-            let (bytes, elems) = file
-                .tensors()
-                .iter()
-                .fold((0u64, 0u64), |(b, e), t| (b + t.size, e + t.elem_count()));
-            let _ = STORED_BYTES_PER_WEIGHT.set(bytes as f64 / elems as f64);
+            let _ = STORED_BYTES.set(StoredBytes::of(file.tensors()));
             let (weights, _) = tensors::hf_weights(&file, &cfg, tensors::Blocks::Keep)
                 .expect("TANDEM_BENCH_MODEL: GGUF weights");
             (cfg, weights, path)
