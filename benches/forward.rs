@@ -354,93 +354,20 @@ fn sampler_cost(device: &Device, vocab: usize, batches: &[usize]) {
     }
 }
 
-/// What a single-stream decode step reads per phase: a projection's
-/// weights (in every layer), the unembedding's, or the KV for attention.
-#[derive(Clone, Copy)]
-enum PhaseBytes {
-    /// Every weight in one format: bytes per weight.
-    Uniform(f64),
-    /// A GGUF's own blocks, each tensor in its stored format (a Q4_1 file
-    /// keeps its embedding in Q8_0, say).
-    Stored(&'static StoredBytes),
-}
-
-/// A GGUF's tensor bytes summed per phase.
-#[derive(Default)]
-struct StoredBytes {
-    qkv: f64,
-    o_proj: f64,
-    gate_up: f64,
-    down: f64,
-    lm_head: f64,
-}
-
-static STORED_BYTES: std::sync::OnceLock<StoredBytes> = std::sync::OnceLock::new();
-
-impl StoredBytes {
-    /// Sums `tensors` by phase. The token embedding counts as the
-    /// unembedding only when the file has no `output.weight` (tied): else
-    /// a step gathers one row of it.
-    fn of(tensors: &[tandem::gguf::TensorInfo]) -> Self {
-        let mut b = Self::default();
-        let tied = !tensors.iter().any(|t| t.name == "output.weight");
-        for t in tensors {
-            let part = t.name.split('.').nth(2).unwrap_or("");
-            let slot = match (t.name.as_str(), part) {
-                ("output.weight", _) => &mut b.lm_head,
-                ("token_embd.weight", _) if tied => &mut b.lm_head,
-                (_, "attn_q" | "attn_k" | "attn_v") => &mut b.qkv,
-                (_, "attn_output") => &mut b.o_proj,
-                (_, "ffn_gate" | "ffn_up") => &mut b.gate_up,
-                (_, "ffn_down") => &mut b.down,
-                _ => continue,
-            };
-            *slot += t.size as f64;
-        }
-        b
-    }
-}
-
-/// The phase bytes of the configuration `name` (its format, on the lean
-/// or the candle path); `None` for a name it does not know.
-fn phase_bytes_of(name: &str) -> Option<PhaseBytes> {
-    let per_weight = match name.trim_start_matches("candle-") {
-        "as-stored" => return STORED_BYTES.get().map(PhaseBytes::Stored),
-        "f32" => 4.0,
-        "f16" | "bf16" => 2.0,
-        "q8_0" => 34.0 / 32.0,
-        "q4_k" => 144.0 / 256.0,
-        _ => return None,
-    };
-    Some(PhaseBytes::Uniform(per_weight))
-}
-
-impl PhaseBytes {
-    /// Bytes phase `name` of a step reads (`kv` for attention); 0 for the
-    /// phases that read none worth counting.
-    fn of(self, cfg: &ModelConfig, kv: f64, name: &str) -> f64 {
-        let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
-        let weights = match name {
-            "qkv" => h * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd * cfg.num_layers,
-            "o_proj" => h * cfg.num_heads * hd * cfg.num_layers,
-            "gate_up" => 2 * h * i * cfg.num_layers,
-            "down" => h * i * cfg.num_layers,
-            "lm_head" => cfg.vocab_size * h,
-            "attention" => return kv,
-            _ => 0,
-        };
-        match self {
-            Self::Uniform(per_weight) => weights as f64 * per_weight,
-            Self::Stored(s) => match name {
-                "qkv" => s.qkv,
-                "o_proj" => s.o_proj,
-                "gate_up" => s.gate_up,
-                "down" => s.down,
-                "lm_head" => s.lm_head,
-                _ => 0.0,
-            },
-        }
-    }
+/// Bytes phase `name` of a single-stream decode step reads: a
+/// projection's weights as the model holds them (over all layers), or the
+/// KV (`kv`) for attention; 0 for the phases that read none worth counting.
+fn phase_bytes(model: &Model, kv: f64, name: &str) -> f64 {
+    let p = model.projection_bytes();
+    (match name {
+        "qkv" => p.qkv,
+        "o_proj" => p.o_proj,
+        "gate_up" => p.gate_up,
+        "down" => p.down,
+        "lm_head" => p.lm_head,
+        "attention" => return kv,
+        _ => 0,
+    }) as f64
 }
 
 /// The phases that read weights or KV, in a step's order.
@@ -449,11 +376,13 @@ const READING_PHASES: [&str; 6] = ["qkv", "attention", "o_proj", "gate_up", "dow
 /// Bytes of the unembedding, and of everything one single-stream decode
 /// step at position `pos` reads: every projection weight once and the KV
 /// of `pos` positions.
-fn bytes_per_step(phases: PhaseBytes, model: &Model, pos: usize) -> (f64, f64) {
+fn bytes_per_step(model: &Model, pos: usize) -> (f64, f64) {
     let kv = (pos * model.kv_layout().bytes_per_token()) as f64;
-    let cfg = model.config();
-    let all = READING_PHASES.iter().map(|p| phases.of(cfg, kv, p)).sum();
-    (phases.of(cfg, kv, "lm_head"), all)
+    let all = READING_PHASES
+        .iter()
+        .map(|p| phase_bytes(model, kv, p))
+        .sum();
+    (phase_bytes(model, kv, "lm_head"), all)
 }
 
 /// A streaming read of `buf` on the kernels' thread pool, the way a plain
@@ -528,10 +457,7 @@ fn huge_page_buffer(bytes: f64) -> Vec<f32> {
 fn roofline(configs: &[Config], steps: usize) {
     println!("\nsingle-stream decode vs the memory roofline (a streaming sum of the same bytes before each step):");
     for c in configs {
-        let Some(phase_bytes) = phase_bytes_of(&c.name) else {
-            continue;
-        };
-        let (head, bytes) = bytes_per_step(phase_bytes, &c.model, PROMPT + steps / 2);
+        let (head, bytes) = bytes_per_step(&c.model, PROMPT + steps / 2);
         let buf = huge_page_buffer(bytes);
         stream_sum(&buf);
         let mut kv = KvCache::new(c.model.kv_layout(), Device::Cpu, PROMPT + steps);
@@ -589,7 +515,7 @@ fn roofline(configs: &[Config], steps: usize) {
         for (name, time) in phases.iter().filter(|(_, t)| !t.is_zero()) {
             let per_step = time.as_secs_f64() / steps as f64;
             let share = 100.0 * time.as_secs_f64() / step_time.as_secs_f64();
-            let bytes = phase_bytes.of(c.model.config(), kv, name);
+            let bytes = phase_bytes(&c.model, kv, name);
             let of_roofline = if bytes > 0.0 {
                 format!(
                     ", {:5.1} MB: {:5.1} % of the roofline",
@@ -637,7 +563,6 @@ fn main() {
             let file =
                 GgufFile::open(std::path::Path::new(&path)).expect("TANDEM_BENCH_MODEL: GGUF");
             let cfg = config_from_gguf(&file).expect("TANDEM_BENCH_MODEL: GGUF metadata");
-            let _ = STORED_BYTES.set(StoredBytes::of(file.tensors()));
             let (weights, _) = tensors::hf_weights(&file, &cfg, tensors::Blocks::Keep)
                 .expect("TANDEM_BENCH_MODEL: GGUF weights");
             (cfg, weights, path)

@@ -101,6 +101,37 @@ fn max_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     worst
 }
 
+/// What a pass reads per projection, as held: f32 at 4 bytes a weight,
+/// Q8_0 at 34 bytes a block of 32 with rows padded to the repacked
+/// records' 8, and Q4_K falling back to Q8_0 where widths are not
+/// multiples of 256 (all of this config's).
+#[test]
+fn projection_bytes_count_each_projection_as_held() {
+    let cfg = config("LlamaForCausalLM", None, false, 16);
+    let w = Weights::random(&cfg, 13, 0.5).expect("weights");
+    let shapes = [(128, 64), (64, 64), (192, 64), (64, 96), (97, 64)];
+    let layers = |i: usize, v: usize| if i < 4 { 2 * v } else { v };
+    let f32_bytes = |(n, k): (usize, usize)| 4 * n * k;
+    let q8_bytes = |(n, k): (usize, usize)| n.next_multiple_of(8) * k / 32 * 34;
+    for (format, bytes) in [
+        (
+            WeightFormat::AsCompute,
+            &f32_bytes as &dyn Fn((usize, usize)) -> usize,
+        ),
+        (WeightFormat::Q8_0, &q8_bytes),
+        (WeightFormat::Q4K, &q8_bytes),
+    ] {
+        let p = load(&cfg, &w, DType::F32, format, true).projection_bytes();
+        let got = [p.qkv, p.o_proj, p.gate_up, p.down, p.lm_head];
+        let want: Vec<usize> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| layers(i, bytes(s)))
+            .collect();
+        assert_eq!(got.to_vec(), want, "{format:?}");
+    }
+}
+
 #[test]
 fn lean_f32_equals_candle_path() {
     for (arch, window, bias, hd) in [

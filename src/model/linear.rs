@@ -191,6 +191,16 @@ impl Linear {
         }
     }
 
+    /// Bytes of its weights as held (what one pass over them reads).
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            Self::Dense(w) => w.elem_count() * w.dtype().size_in_bytes(),
+            Self::Quantized(q) => q.storage_size_in_bytes(),
+            Self::Packed(p) => p.bytes_len(),
+            Self::Stacked(parts) => parts.iter().map(Self::bytes).sum(),
+        }
+    }
+
     /// Output columns (`n`).
     pub(crate) fn columns(&self) -> candle_core::Result<usize> {
         Ok(match self {

@@ -39,7 +39,7 @@ use super::decode_graphs::{GraphStats, PassInputs};
 use super::kernels::qformat::ActivationQuant;
 use super::lean::Lean;
 use super::linear::{Linear, WeightFormat};
-use super::llama_weights::{rope_tables, ModelWeights, QScale, WeightLoader};
+use super::llama_weights::{rope_tables, LayerWeights, ModelWeights, QScale, WeightLoader};
 use super::{Batch, ModelConfig, ModelError, OutputRows, Weights};
 use crate::kv::{KvCache, KvLayout};
 
@@ -103,6 +103,16 @@ enum Step {
 }
 
 /// A loaded model. Immutable after load; the engine owns it with the caches.
+/// Bytes of a model's projection weights by projection ([`Model::projection_bytes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProjectionBytes {
+    pub qkv: usize,
+    pub o_proj: usize,
+    pub gate_up: usize,
+    pub down: usize,
+    pub lm_head: usize,
+}
+
 pub struct Model {
     cfg: ModelConfig,
     dtype: DType,
@@ -293,6 +303,21 @@ impl Model {
     pub fn quantized_projections(&self) -> bool {
         let first = self.weights.layers.first();
         self.weights.lm_head.quantised() || first.is_some_and(|l| l.down.quantised())
+    }
+
+    /// Bytes of the projection weights one pass reads, as held (each in
+    /// its own format: a quantised GGUF's mixes, or `q4_k`'s Q8_0 fallback
+    /// where a width is not a multiple of 256), summed over the layers.
+    pub fn projection_bytes(&self) -> ProjectionBytes {
+        let layers = &self.weights.layers;
+        let sum = |f: fn(&LayerWeights) -> &Linear| layers.iter().map(|l| f(l).bytes()).sum();
+        ProjectionBytes {
+            qkv: sum(|l| &l.qkv),
+            o_proj: sum(|l| &l.o_proj),
+            gate_up: sum(|l| &l.gate_up),
+            down: sum(|l| &l.down),
+            lm_head: self.weights.lm_head.bytes(),
+        }
     }
 
     /// The KV entry shape this model needs.

@@ -59,7 +59,7 @@ pub use kernels::qformat::ActivationQuant;
 pub use kernels::Isa;
 pub use lean::PHASES;
 pub use linear::WeightFormat;
-pub use llama::{LoadOptions, Model};
+pub use llama::{LoadOptions, Model, ProjectionBytes};
 pub use mtp::{DraftLogits, MtpHead};
 pub use weights::Weights;
 

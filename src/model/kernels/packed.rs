@@ -384,7 +384,6 @@ impl Packed {
     }
 
     /// Bytes held (whole records).
-    #[cfg(test)]
     pub(crate) fn bytes_len(&self) -> usize {
         self.bytes.len()
     }
