@@ -639,13 +639,33 @@ mod x86 {
     /// many tiles, so all but the first find the records in cache.
     const PREFETCH_ROWS: usize = 16;
 
+    /// Whether format `F`'s records are prefetched into L2 only
+    /// (`prefetcht1`) rather than into L1 too (`prefetcht0`). Q8_0's
+    /// records (4¼ lines, two prefetched) and the K-quants' (20 and 27
+    /// lines, all prefetched at once) decode faster so on a 2-core AMD EPYC
+    /// (Zen 4), alternating builds: SmolLM2 single stream as Q8_0 143–149 →
+    /// 190–199 tok/s (AVX-512 tier) and 120–141 → 167–175 (AVX2 tier), as
+    /// Q4_K 163–168 → 201–208; the llama-100m shape's Q8_0 242–266 →
+    /// 309–346. The 4- and 5-bit 32-element formats' records (2½–3 lines,
+    /// two prefetched) did not gain (Q4_1: 217–249 → 190–215 tok/s with
+    /// two lines into L2, level with three), so they keep L1. Not measured
+    /// on Intel hosts. BENCHMARKS.md, issue 22, session 36.
+    const fn prefetch_to_l2(f: u8) -> bool {
+        matches!(f, Q8_0 | Q4K | Q6K)
+    }
+
     /// Prefetches `lines` cache lines from [`PREFETCH_AHEAD`] past `rec`
-    /// (a prefetch never faults, so past the last record is harmless).
+    /// of format `F`'s records, to the level [`prefetch_to_l2`] picks (a
+    /// prefetch never faults, so past the last record is harmless).
     #[inline(always)]
-    unsafe fn prefetch_ahead(rec: *const u8, lines: usize) {
+    unsafe fn prefetch_ahead<const F: u8>(rec: *const u8, lines: usize) {
         for i in 0..lines {
-            let line = rec.wrapping_add(PREFETCH_AHEAD + 64 * i);
-            _mm_prefetch::<_MM_HINT_T0>(line as *const i8);
+            let line = rec.wrapping_add(PREFETCH_AHEAD + 64 * i) as *const i8;
+            if prefetch_to_l2(F) {
+                _mm_prefetch::<_MM_HINT_T1>(line);
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(line);
+            }
         }
     }
 
@@ -820,7 +840,7 @@ mod x86 {
     /// stored. In calls of at most [`PREFETCH_ROWS`] rows, each record's
     /// first `lines` cache lines are prefetched [`PREFETCH_AHEAD`] ahead.
     #[inline(always)]
-    unsafe fn records<const R: usize>(
+    unsafe fn records<const F: u8, const R: usize>(
         job: &Job<'_>,
         group: usize,
         r0: usize,
@@ -835,7 +855,7 @@ mod x86 {
         for g in 0..job.w.k / job.w.format.group() {
             let rec = recs.add(g * len);
             if prefetch {
-                prefetch_ahead(rec, lines);
+                prefetch_ahead::<F>(rec, lines);
             }
             record_terms(rec, g, &act, &mut acc);
         }
@@ -856,7 +876,7 @@ mod x86 {
         // Two lines a record (at most 272 bytes): against one, SmolLM2's
         // Q8_0 and Q4_1 decode at B = 4–8 ran 10–20 % faster, and three
         // were no better (session 15, alternating runs).
-        records::<R>(job, group, r0, 2, |rec, g, act, acc| {
+        records::<F, R>(job, group, r0, 2, |rec, g, act, acc| {
             let mut isum = [_mm256_setzero_si256(); R];
             sums(rec, act, g, &mut isum);
             let half = |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(rec.add(at) as *const __m128i));
@@ -952,7 +972,7 @@ mod x86 {
     ) {
         let sign = _mm256_set1_ps(-0.0);
         // Every line (spread over the sub-blocks: measured no faster).
-        records::<R>(
+        records::<Q4K, R>(
             job,
             group,
             r0,
@@ -1079,7 +1099,7 @@ mod x86 {
         r0: usize,
         dot: impl Fn(__m256i, __m256i, __m256i) -> __m256i,
     ) {
-        records::<R>(
+        records::<Q6K, R>(
             job,
             group,
             r0,
@@ -1199,8 +1219,8 @@ mod x86 {
         for g in 0..job.w.k / 32 {
             let (a, b) = (lo.add(g * len), hi.add(g * len));
             if prefetch {
-                prefetch_ahead(a, 2);
-                prefetch_ahead(b, 2);
+                prefetch_ahead::<F>(a, 2);
+                prefetch_ahead::<F>(b, 2);
             }
             // As `Acts::start`: the sums end at `Σ w x` for unsigned levels.
             let mut part: [[__m512i; R]; 2] = [
