@@ -639,32 +639,54 @@ mod x86 {
     /// many tiles, so all but the first find the records in cache.
     const PREFETCH_ROWS: usize = 16;
 
-    /// Whether format `F`'s records are prefetched into L2 only
-    /// (`prefetcht1`) rather than into L1 too (`prefetcht0`). Q8_0's
-    /// records (4¼ lines, two prefetched) and the K-quants' (20 and 27
-    /// lines, all prefetched at once) decode faster so on a 2-core AMD EPYC
-    /// (Zen 4), alternating builds: SmolLM2 single stream as Q8_0 143–149 →
-    /// 190–199 tok/s (AVX-512 tier) and 120–141 → 167–175 (AVX2 tier), as
-    /// Q4_K 163–168 → 201–208; the llama-100m shape's Q8_0 242–266 →
-    /// 309–346. The 4- and 5-bit 32-element formats' records (2½–3 lines,
-    /// two prefetched) did not gain (Q4_1: 217–249 → 190–215 tok/s with
-    /// two lines into L2, level with three), so they keep L1. Not measured
-    /// on Intel hosts. BENCHMARKS.md, issue 22, session 36.
-    const fn prefetch_to_l2(f: u8) -> bool {
-        matches!(f, Q8_0 | Q4K | Q6K)
+    /// Calls of at most this many rows prefetch Q8_0, Q4_K and Q6_K
+    /// records into L2 only (`prefetcht1`) rather than into L1 too
+    /// (`prefetcht0`). Their records (Q8_0: 4¼ lines, two prefetched; the
+    /// K-quants: 20 and 27 lines, all prefetched at once) decode faster so
+    /// on a 2-core AMD EPYC (Zen 4), alternating builds: SmolLM2 single
+    /// stream as Q8_0 143–149 → 190–199 tok/s (AVX-512 tier) and 120–141 →
+    /// 167–175 (AVX2 tier), as Q4_K 163–168 → 201–208; the llama-100m
+    /// shape's Q8_0 242–266 → 309–346; four rows gained as well. At 16
+    /// rows it lost (llama-100m Q8_0 1 119–1 173 → 874–1 221 tok/s), where
+    /// a tile computes long enough per record to want it in L1. The 4- and
+    /// 5-bit 32-element formats' records (2½–3 lines, two prefetched) did
+    /// not gain (Q4_1 single stream 217–249 → 190–215 tok/s with two lines
+    /// into L2, level with three), so they keep L1. Not measured on Intel
+    /// hosts. BENCHMARKS.md, issue 22, session 36.
+    const L2_PREFETCH_ROWS: usize = 4;
+
+    /// Where a call's tiles prefetch the records ahead of their reads.
+    #[derive(Clone, Copy)]
+    enum Prefetch {
+        Off,
+        L1,
+        L2,
     }
 
-    /// Prefetches `lines` cache lines from [`PREFETCH_AHEAD`] past `rec`
-    /// of format `F`'s records, to the level [`prefetch_to_l2`] picks (a
-    /// prefetch never faults, so past the last record is harmless).
-    #[inline(always)]
-    unsafe fn prefetch_ahead<const F: u8>(rec: *const u8, lines: usize) {
-        for i in 0..lines {
-            let line = rec.wrapping_add(PREFETCH_AHEAD + 64 * i) as *const i8;
-            if prefetch_to_l2(F) {
-                _mm_prefetch::<_MM_HINT_T1>(line);
+    impl Prefetch {
+        /// For a call of `rows` activation rows against format `F`.
+        fn of<const F: u8>(rows: usize) -> Self {
+            if rows > PREFETCH_ROWS {
+                Self::Off
+            } else if rows <= L2_PREFETCH_ROWS && matches!(F, Q8_0 | Q4K | Q6K) {
+                Self::L2
             } else {
-                _mm_prefetch::<_MM_HINT_T0>(line);
+                Self::L1
+            }
+        }
+
+        /// Prefetches `lines` cache lines from [`PREFETCH_AHEAD`] past
+        /// `rec` (a prefetch never faults, so past the last record is
+        /// harmless).
+        #[inline(always)]
+        unsafe fn ahead(self, rec: *const u8, lines: usize) {
+            for i in 0..lines {
+                let line = rec.wrapping_add(PREFETCH_AHEAD + 64 * i) as *const i8;
+                match self {
+                    Self::Off => return,
+                    Self::L1 => _mm_prefetch::<_MM_HINT_T0>(line),
+                    Self::L2 => _mm_prefetch::<_MM_HINT_T1>(line),
+                }
             }
         }
     }
@@ -851,12 +873,10 @@ mod x86 {
         let recs = job.w.group(group);
         let len = record(job.w.format);
         let mut acc = [_mm256_setzero_ps(); R];
-        let prefetch = job.rows <= PREFETCH_ROWS;
+        let prefetch = Prefetch::of::<F>(job.rows);
         for g in 0..job.w.k / job.w.format.group() {
             let rec = recs.add(g * len);
-            if prefetch {
-                prefetch_ahead::<F>(rec, lines);
-            }
+            prefetch.ahead(rec, lines);
             record_terms(rec, g, &act, &mut acc);
         }
         store_tile(job, r0, group, &acc);
@@ -1196,7 +1216,7 @@ mod x86 {
         let act = Acts::<R>::new(job, r0);
         let (lo, hi) = (job.w.group(group), job.w.group(group + 1));
         let (len, lb) = (record(format_of(F)), level_bytes(format_of(F)));
-        let prefetch = job.rows <= PREFETCH_ROWS;
+        let prefetch = Prefetch::of::<F>(job.rows);
         // 32 bytes of each group's record at `at`, as one vector.
         let both = |a: *const u8, b: *const u8, at: usize| {
             _mm512_inserti64x4::<1>(
@@ -1218,10 +1238,8 @@ mod x86 {
         let mut acc = [_mm512_setzero_ps(); R];
         for g in 0..job.w.k / 32 {
             let (a, b) = (lo.add(g * len), hi.add(g * len));
-            if prefetch {
-                prefetch_ahead::<F>(a, 2);
-                prefetch_ahead::<F>(b, 2);
-            }
+            prefetch.ahead(a, 2);
+            prefetch.ahead(b, 2);
             // As `Acts::start`: the sums end at `Σ w x` for unsigned levels.
             let mut part: [[__m512i; R]; 2] = [
                 std::array::from_fn(|i| match F {
