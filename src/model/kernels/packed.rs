@@ -431,7 +431,7 @@ pub(crate) fn matmul_t(
             accumulate,
         };
         let groups = n.div_ceil(ROWS);
-        let grain = (groups / (threads * 8)).max(1);
+        let grain = (groups / (threads * GRABS_PER_THREAD)).max(1);
         // SAFETY: the tier was detected on this CPU, and each row group's
         // columns belong to one worker.
         for_each_range(groups, grain, threads, |range| unsafe {
@@ -447,6 +447,20 @@ pub(crate) fn matmul_t(
         });
     });
 }
+
+/// Ranges of row groups a call is cut into per thread: each worker takes
+/// about this many from the shared cursor. Two rather than eight: on a
+/// 2-core AMD EPYC (Zen 4), alternating builds, SmolLM2's Q4_1 GGUF
+/// decoded 246–337 against 244–274 tok/s single stream and 1.0–1.4×
+/// faster at 4–64 rows; its Q8_0 level to 1.1× (bench/cpu/
+/// grabs_per_thread_epyc_2026-12-05.log); prompts level. Each range is
+/// one more stream for the prefetchers to find, one more cursor line
+/// passed between the cores, and its first records were prefetched by
+/// whichever worker read the range before it. Two still lets a worker
+/// take a stalled one's share. (On a Sapphire Rapids Xeon one range per
+/// thread measured level with eight, session 31.) BENCHMARKS.md, issue
+/// 22, session 36.
+const GRABS_PER_THREAD: usize = 2;
 
 /// What one call reads and writes.
 struct Job<'a> {
