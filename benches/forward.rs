@@ -58,7 +58,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device};
 use tandem::kv::KvCache;
 use tandem::model::{
-    Batch, Isa, LoadOptions, Model, ModelConfig, OutputRows, WeightFormat, Weights,
+    Batch, Isa, LoadOptions, Model, ModelConfig, OutputRows, ProjectionBytes, WeightFormat, Weights,
 };
 
 const LLAMA_100M: &str = r#"{
@@ -357,8 +357,7 @@ fn sampler_cost(device: &Device, vocab: usize, batches: &[usize]) {
 /// Bytes phase `name` of a single-stream decode step reads: a
 /// projection's weights as the model holds them (over all layers), or the
 /// KV (`kv`) for attention; 0 for the phases that read none worth counting.
-fn phase_bytes(model: &Model, kv: f64, name: &str) -> f64 {
-    let p = model.projection_bytes();
+fn phase_bytes(p: &ProjectionBytes, kv: f64, name: &str) -> f64 {
     (match name {
         "qkv" => p.qkv,
         "o_proj" => p.o_proj,
@@ -376,13 +375,10 @@ const READING_PHASES: [&str; 6] = ["qkv", "attention", "o_proj", "gate_up", "dow
 /// Bytes of the unembedding, and of everything one single-stream decode
 /// step at position `pos` reads: every projection weight once and the KV
 /// of `pos` positions.
-fn bytes_per_step(model: &Model, pos: usize) -> (f64, f64) {
+fn bytes_per_step(p: &ProjectionBytes, model: &Model, pos: usize) -> (f64, f64) {
     let kv = (pos * model.kv_layout().bytes_per_token()) as f64;
-    let all = READING_PHASES
-        .iter()
-        .map(|p| phase_bytes(model, kv, p))
-        .sum();
-    (phase_bytes(model, kv, "lm_head"), all)
+    let all = READING_PHASES.iter().map(|n| phase_bytes(p, kv, n)).sum();
+    (phase_bytes(p, kv, "lm_head"), all)
 }
 
 /// A streaming read of `buf` on the kernels' thread pool, the way a plain
@@ -457,7 +453,8 @@ fn huge_page_buffer(bytes: f64) -> Vec<f32> {
 fn roofline(configs: &[Config], steps: usize) {
     println!("\nsingle-stream decode vs the memory roofline (a streaming sum of the same bytes before each step):");
     for c in configs {
-        let (head, bytes) = bytes_per_step(&c.model, PROMPT + steps / 2);
+        let projections = c.model.projection_bytes();
+        let (head, bytes) = bytes_per_step(&projections, &c.model, PROMPT + steps / 2);
         let buf = huge_page_buffer(bytes);
         stream_sum(&buf);
         let mut kv = KvCache::new(c.model.kv_layout(), Device::Cpu, PROMPT + steps);
@@ -515,7 +512,7 @@ fn roofline(configs: &[Config], steps: usize) {
         for (name, time) in phases.iter().filter(|(_, t)| !t.is_zero()) {
             let per_step = time.as_secs_f64() / steps as f64;
             let share = 100.0 * time.as_secs_f64() / step_time.as_secs_f64();
-            let bytes = phase_bytes(&c.model, kv, name);
+            let bytes = phase_bytes(&projections, kv, name);
             let of_roofline = if bytes > 0.0 {
                 format!(
                     ", {:5.1} MB: {:5.1} % of the roofline",

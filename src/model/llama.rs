@@ -102,7 +102,6 @@ enum Step {
     Candle(Box<CandleStep>),
 }
 
-/// A loaded model. Immutable after load; the engine owns it with the caches.
 /// Bytes of a model's projection weights by projection ([`Model::projection_bytes`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProjectionBytes {
@@ -113,6 +112,7 @@ pub struct ProjectionBytes {
     pub lm_head: usize,
 }
 
+/// A loaded model. Immutable after load; the engine owns it with the caches.
 pub struct Model {
     cfg: ModelConfig,
     dtype: DType,

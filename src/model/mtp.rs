@@ -250,9 +250,10 @@ impl DraftLogits {
         let Some(v) = &self.vocab else {
             // f32 logits on a GPU may still be a captured graph's own
             // buffer: a copy outlives the head's next round.
-            return Ok(match small.device().is_cuda() {
-                true => small.copy()?,
-                false => small,
+            return Ok(if small.device().is_cuda() {
+                small.copy()?
+            } else {
+                small
             });
         };
         let (rows, n) = small.dims2()?;

@@ -874,7 +874,8 @@ mod x86 {
     /// `r0`: `record(rec, g, act, acc)` adds record `g`'s terms to the
     /// accumulators (one lane per weight row), in order; then the tile is
     /// stored. In calls of at most [`PREFETCH_ROWS`] rows, each record's
-    /// first `lines` cache lines are prefetched [`PREFETCH_AHEAD`] ahead.
+    /// first `lines` cache lines are prefetched [`PREFETCH_AHEAD`] ahead,
+    /// into the cache level [`Prefetch::of`] picks.
     #[inline(always)]
     unsafe fn records<const F: u8, const R: usize>(
         job: &Job<'_>,
