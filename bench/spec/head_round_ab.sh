@@ -8,13 +8,8 @@
 # each build (`--mtp-compare --repeat 3`, warm), then traces the new build's
 # rounds (RUST_LOG debug events, summarised by round_trace.py). Log
 # $OUT/ab.log, traces $OUT/trace-*.log.gz.
-set -uo pipefail
 BIN=${BIN:-.devbin-ab}
-OUT=${OUT:-/tmp/tandem-out}
-PHASE=bench SKIP_TRAIN=1 ROWS=none BIN=$BIN bash bench/spec/h200_head.sh
-exec > >(tee -a "$OUT/ab.log") 2>&1
-export LD_LIBRARY_PATH=$(dirname "$(find / -name 'libcublasLt.so.13' 2>/dev/null | head -1)")
-gunzip -c "$BIN/multi_client_load-before.gz" >/tmp/bin/before && chmod +x /tmp/bin/before
+source bench/spec/ab_setup.sh
 MODEL=/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 HEAD=/tmp/smollm2-head
 load() {

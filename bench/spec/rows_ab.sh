@@ -7,13 +7,8 @@
 #     bash bench/spec/rows_ab.sh
 # Each row: chat prompts, 96 tokens, session 34's head, warm engines, no
 # prefix cache, `--mtp-compare --repeat 3`. Log $OUT/ab.log.
-set -uo pipefail
 BIN=${BIN:-.devbin-h}
-OUT=${OUT:-/tmp/tandem-out}
-PHASE=bench SKIP_TRAIN=1 ROWS=none BIN=$BIN bash bench/spec/h200_head.sh
-exec > >(tee -a "$OUT/ab.log") 2>&1
-export LD_LIBRARY_PATH=$(dirname "$(find / -name 'libcublasLt.so.13' 2>/dev/null | head -1)")
-gunzip -c "$BIN/multi_client_load-before.gz" >/tmp/bin/before && chmod +x /tmp/bin/before
+source bench/spec/ab_setup.sh
 IFS=';' read -ra rows <<<"${ROWS_AB:---clients 16 --max-seqs 1}"
 for round in $(seq "${ROUNDS:-2}"); do
   for row in "${rows[@]}"; do
