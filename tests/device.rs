@@ -630,6 +630,77 @@ fn decode_graph_replays_equal_eager_passes() {
     }
 }
 
+/// A graph pass writes its rows' hidden states into the KV cache's hidden
+/// buffer itself (the engine then skips its own write, which costs a
+/// scatter and its upload every step): each at its sequence's position,
+/// equal to the rows the pass returns, on the capturing pass and on the
+/// replays, prompt chunks of graph shape included. A pass too long for a
+/// graph, and every pass without a GPU, leaves them to the engine.
+#[test]
+fn a_graph_pass_writes_its_hidden_rows_where_the_engine_would() {
+    let device = test_device();
+    let model = small_model(&device, None);
+    model.set_cuda_graphs(true);
+    let graphs = device.is_cuda() && cfg!(feature = "cuda");
+    let mut kv = KvCache::pooled(model.kv_layout(), device.clone(), 4096);
+    kv.store_hidden(model.config().hidden_size, model.dtype());
+    let host = |t: Tensor| -> Vec<Vec<f32>> { t.to_dtype(DType::F32).unwrap().to_vec2().unwrap() };
+    let tokens = |i: usize, n: usize| -> Vec<u32> {
+        (0..n as u32).map(|t| (t * 7 + i as u32) % 97).collect()
+    };
+    // Sequence 3's 12-token prompt is longer than a graph's span.
+    let mut long = Batch::default();
+    long.push(3, 0, &tokens(3, 12), OutputRows::All);
+    kv.allocate(3, 64).unwrap();
+    model.forward(&long, &mut kv).unwrap();
+    assert!(!kv.take_hidden_written(), "an eager prompt pass");
+    let lens = [5usize, 1, 9];
+    let mut prefill = Batch::default();
+    for (i, &n) in lens.iter().enumerate() {
+        kv.allocate(i as u32, 64).unwrap();
+        prefill.push(i as u32, 0, &tokens(i, n), OutputRows::All);
+    }
+    let hidden = model.forward(&prefill, &mut kv).unwrap();
+    assert_eq!(
+        kv.take_hidden_written(),
+        graphs,
+        "a graph-shaped prompt pass"
+    );
+    if graphs {
+        let mut row = 0;
+        for (i, &n) in lens.iter().enumerate() {
+            let stored = kv.hidden(i as u32, 0, n).unwrap();
+            assert_eq!(
+                host(stored),
+                host(hidden.narrow(0, row, n).unwrap()),
+                "prompt {i}"
+            );
+            row += n;
+        }
+    }
+    for step in 0..4 {
+        let mut decode = Batch::default();
+        for (i, &n) in lens.iter().enumerate() {
+            let token = (step as u32 * 3 + i as u32) % 97;
+            decode.push(i as u32, n + step, &[token], OutputRows::All);
+        }
+        let hidden = model.forward(&decode, &mut kv).unwrap();
+        assert_eq!(kv.take_hidden_written(), graphs, "step {step}");
+        assert!(!kv.take_hidden_written(), "told once");
+        if graphs {
+            for (i, &n) in lens.iter().enumerate() {
+                let stored = kv.hidden(i as u32, n + step, n + step + 1).unwrap();
+                let want = hidden.narrow(0, i, 1).unwrap();
+                assert_eq!(host(stored), host(want), "step {step}, sequence {i}");
+            }
+        }
+    }
+    if graphs {
+        let stats = model.cuda_graph_stats();
+        assert!(stats.captures > 0 && stats.replays > 0, "{stats:?}");
+    }
+}
+
 /// An MTP head's rounds replayed from CUDA graphs equal its eager rounds:
 /// the same drafts (each row's argmax, computed inside the graph) and the
 /// same logits bit for bit, over round 0's pending pairs (one to three a

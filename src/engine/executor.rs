@@ -312,11 +312,16 @@ impl Engine {
         for p in planned.iter().filter(|p| !p.drafts.tokens.is_empty()) {
             self.seqs.kv.begin(p.slot).map_err(|e| kv_err(p.slot, e))?;
         }
+        // A mark left by a pass the engine did not make (a draft head's)
+        // must not skip this pass's write.
+        self.seqs.kv.take_hidden_written();
         let hidden = self
             .model
             .forward(&layout.batch, &mut self.seqs.kv)
             .map_err(model_err)?;
-        if self.seqs.kv.stores_hidden() {
+        // A CUDA graph's pass writes its hidden rows itself: a scatter and
+        // its index upload less a step (BENCHMARKS.md, issue 18).
+        if self.seqs.kv.stores_hidden() && !self.seqs.kv.take_hidden_written() {
             self.store_hidden(planned, layout, &hidden)?;
         }
         let logits = if layout.unembed.is_empty() {

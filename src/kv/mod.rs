@@ -41,7 +41,9 @@
 //!   drafts from the target's hidden states): one more buffer, `[rows,
 //!   width]`, holds the target's last hidden state (pre-final-norm) of
 //!   every position, at the same row as its K/V. Every forward pass writes
-//!   the rows of every position it feeds, so a row is valid exactly when
+//!   the rows of every position it feeds (a CUDA graph's pass inside the
+//!   graph, [`KvCache::mark_hidden_written`]; the engine otherwise, with
+//!   [`KvCache::write_hidden_rows`]), so a row is valid exactly when
 //!   the position's K/V is: a block shared from the prefix cache brings
 //!   its hidden states along, and a draft head can catch up on positions
 //!   it never saw computed.
@@ -202,6 +204,9 @@ struct HiddenRows {
     width: usize,
     dtype: DType,
     buffer: Option<Tensor>,
+    /// The last forward pass wrote its rows itself (a decode graph; see
+    /// [`KvCache::mark_hidden_written`]).
+    written: bool,
 }
 
 impl KvCache {
@@ -268,7 +273,42 @@ impl KvCache {
             width,
             dtype,
             buffer: None,
+            written: false,
         });
+    }
+
+    /// The hidden-state buffer (`[pool rows, width]`), allocated now if no
+    /// write has yet; `None` when the cache stores no hidden states. A
+    /// pass that writes into it on the device (a decode graph) holds it
+    /// only while the pool's generation lasts: a pool that grows gets a
+    /// new buffer and a new generation.
+    pub fn hidden_buffer_for_pass(&mut self) -> Result<Option<Tensor>, KvError> {
+        let rows = self.rows;
+        let device = self.device.clone();
+        let Some(h) = self.hidden.as_mut() else {
+            return Ok(None);
+        };
+        if h.buffer.is_none() {
+            h.buffer = Some(Tensor::zeros((rows, h.width), h.dtype, &device)?);
+        }
+        Ok(h.buffer.clone())
+    }
+
+    /// The forward pass just run wrote its hidden rows into the buffer
+    /// itself; the engine's next [`take_hidden_written`](Self::take_hidden_written)
+    /// says so, once.
+    pub fn mark_hidden_written(&mut self) {
+        if let Some(h) = self.hidden.as_mut() {
+            h.written = true;
+        }
+    }
+
+    /// Whether the last forward pass wrote its hidden rows itself (and
+    /// forgets it).
+    pub fn take_hidden_written(&mut self) -> bool {
+        self.hidden
+            .as_mut()
+            .is_some_and(|h| std::mem::take(&mut h.written))
     }
 
     /// Whether every forward pass must write its hidden rows here.

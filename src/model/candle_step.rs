@@ -79,6 +79,10 @@ pub(super) struct GraphPass<'a> {
     /// A replay's outputs are the graph's own buffers (see
     /// [`GraphInputs::lend_outputs`]).
     pub lend_outputs: bool,
+    /// The pass writes its rows' hidden states into the KV cache's hidden
+    /// buffer, when the cache stores them (a target's decode pass, whose
+    /// every row is an output).
+    pub store_hidden: bool,
 }
 
 /// Whether `batch` is a pass a CUDA graph may capture: each sequence
@@ -295,6 +299,7 @@ impl CandleStep {
             rows: None,
             num_layers,
             lend_outputs: false,
+            store_hidden: true,
         };
         let embed = |inputs: &PassInputs| Ok(weights.embed.index_select(&inputs.ids, 0)?);
         let out = self.graph_pass(cfg, weights, kv, pass, embed, |h| Ok(vec![h]))?;
@@ -361,7 +366,15 @@ impl CandleStep {
             lend_outputs: pass.lend_outputs,
         };
         let pool = kv.pool_generation();
-        self.graphs.run(&self.device, key, pool, inputs, |inputs| {
+        // A pass over fewer layers (an early exit) has no target hidden
+        // states to store.
+        let hidden_buffer = match pass.store_hidden && layers == cfg.num_layers {
+            true => kv
+                .hidden_buffer_for_pass()?
+                .filter(|b| b.dtype() == self.dtype && b.dim(1).ok() == Some(cfg.hidden_size)),
+            false => None,
+        };
+        let out = self.graphs.run(&self.device, key, pool, inputs, |inputs| {
             let x = prologue(inputs)?;
             // Spans of a verifying shape vary between replays: size for
             // the longest its rows allow.
@@ -370,11 +383,18 @@ impl CandleStep {
             let pooled = PooledAttention::over(meta, kv, cfg, n, key_bound, own_rows)?;
             let plan = AttentionPlan::Pooled(pooled);
             let x = self.layers(cfg, weights, x, kv, layers, &plan)?;
+            if let (Some(buffer), AttentionPlan::Pooled(pooled)) = (&hidden_buffer, &plan) {
+                pooled.write_hidden(buffer, &x)?;
+            }
             epilogue(match &inputs.picks {
                 Some(picks) => x.index_select(picks, 0)?,
                 None => x,
             })
-        })
+        })?;
+        if out.is_some() && hidden_buffer.is_some() {
+            kv.mark_hidden_written();
+        }
+        Ok(out)
     }
 
     /// The first `num_layers` layers over input rows `x` (`[n, hidden]`,

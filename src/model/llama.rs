@@ -462,6 +462,7 @@ impl Model {
             rows,
             num_layers: self.cfg.num_layers,
             lend_outputs: true,
+            store_hidden: false,
         };
         let out = c.graph_pass(&self.cfg, &self.weights, kv, pass, prologue, epilogue)?;
         if out.is_some() {

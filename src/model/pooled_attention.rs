@@ -313,6 +313,32 @@ impl PooledAttention {
     }
 }
 
+impl PooledAttention {
+    /// Writes the pass's hidden rows (`[n, width]`, one per query token)
+    /// into the KV cache's hidden `buffer` (`[pool rows, width]`) at each
+    /// token's pool row, in one launch: inside a decode graph, the hidden
+    /// states a draft head reads cost no host work a step.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) fn write_hidden(&self, buffer: &Tensor, hidden: &Tensor) -> Result<(), ModelError> {
+        #[cfg(feature = "cuda")]
+        {
+            let op = kernel::HiddenWriteOp {
+                meta: &self.meta,
+                block_shift: self.block_shift,
+            };
+            buffer.inplace_op2(&hidden.contiguous()?, &op)?;
+            Ok(())
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (buffer, hidden);
+            Err(ModelError::InvalidBatch(
+                "pooled hidden writes need a --features cuda build".into(),
+            ))
+        }
+    }
+}
+
 #[cfg(feature = "cuda")]
 fn run_kernels(
     qkv: &Tensor,
@@ -378,7 +404,7 @@ mod kernel {
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{
-        CpuStorage, CudaStorage, CustomOp3, DType, InplaceOp3, Layout, Shape, Tensor,
+        CpuStorage, CudaStorage, CustomOp3, DType, InplaceOp2, InplaceOp3, Layout, Shape, Tensor,
     };
 
     use super::super::cuda_view::with_view;
@@ -420,6 +446,86 @@ mod kernel {
         pub(super) sin: &'a Tensor,
         pub(super) heads: usize,
         pub(super) block_shift: u32,
+    }
+
+    /// A pass's hidden rows into the KV cache's hidden buffer, in place:
+    /// `buffer.inplace_op2(hidden, &HiddenWriteOp)`.
+    pub(super) struct HiddenWriteOp<'a> {
+        pub(super) meta: &'a Tensor,
+        pub(super) block_shift: u32,
+    }
+
+    impl HiddenWriteOp<'_> {
+        fn launch<T: CudaDType + DeviceRepr>(
+            &self,
+            name: &str,
+            (buffer, bl): (&mut CudaStorage, &Layout),
+            (hidden, hl): (&CudaStorage, &Layout),
+        ) -> candle_core::Result<()> {
+            let (_, width) = bl.shape().dims2()?;
+            let (n, hidden_width) = hl.shape().dims2()?;
+            if hidden_width != width || !bl.is_contiguous() {
+                candle_core::bail!("hidden write: rows {:?} into {:?}", hl.shape(), bl.shape());
+            }
+            let dev = buffer.device().clone();
+            let func = dev.get_or_load_custom_func(name, "tandem_pooled_attention", PTX)?;
+            let hidden = view::<T>(hidden, hl)?;
+            let start = bl.start_offset();
+            let buffer = buffer.as_cuda_slice_mut::<T>()?;
+            let mut buffer = buffer.slice_mut(start..);
+            let args = [n, width, self.block_shift as usize].map(|x| x as u32);
+            let cfg = LaunchConfig {
+                grid_dim: ((n * width).div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            with_view::<u32, _>(self.meta, "hidden write", |meta| {
+                let mut b = func.builder();
+                b.arg(&mut buffer);
+                b.arg(&hidden);
+                b.arg(&meta);
+                for a in &args {
+                    b.arg(a);
+                }
+                // SAFETY: argument types match the kernel; every row comes
+                // from a block table the plan checked against the slot's,
+                // inside the buffer of the pool's rows.
+                unsafe { b.launch(cfg) }.w()?;
+                Ok(())
+            })
+        }
+    }
+
+    impl InplaceOp2 for HiddenWriteOp<'_> {
+        fn name(&self) -> &'static str {
+            "hidden-write"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &mut CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<()> {
+            candle_core::bail!("hidden write runs on CUDA only")
+        }
+
+        fn cuda_fwd(
+            &self,
+            buffer: &mut CudaStorage,
+            bl: &Layout,
+            hidden: &CudaStorage,
+            hl: &Layout,
+        ) -> candle_core::Result<()> {
+            let args = ((buffer, bl), (hidden, hl));
+            match hidden.dtype() {
+                DType::F32 => self.launch::<f32>("hidden_write_f32", args.0, args.1),
+                DType::F16 => self.launch::<half::f16>("hidden_write_f16", args.0, args.1),
+                DType::BF16 => self.launch::<half::bf16>("hidden_write_bf16", args.0, args.1),
+                other => candle_core::bail!("hidden write has no {other:?} kernel"),
+            }
+        }
     }
 
     /// A device slice of a storage at its layout's offset.

@@ -464,6 +464,22 @@ __device__ void pooled_write(T *k_pool, T *v_pool, const T *qkv, const uint32_t 
     }
 }
 
+// Writes a pass's hidden rows ([n, width]) into the KV cache's hidden
+// buffer ([pool rows, width]) at the pool row of each token's position
+// (meta as above): what the engine's own scatter writes, inside a decode
+// graph (no host work a step).
+template <typename T>
+__device__ void hidden_write(T *buffer, const T *hidden, const uint32_t *meta, uint32_t n,
+                             uint32_t width, uint32_t shift) {
+    const size_t total = (size_t)n * width;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)blockDim.x * gridDim.x) {
+        const size_t t = i / width;
+        const uint32_t d = i % width;
+        buffer[pool_row(meta + meta[t], meta[2 * n + t], shift) * width + d] = hidden[i];
+    }
+}
+
 // The host launches 128-thread attention blocks (pooled_attention.rs'
 // WARPS); at 10 blocks an SM the registers stay at the 48 the kernel needed
 // before it kept its own K and V (no spills), since ptxas would otherwise
@@ -483,6 +499,11 @@ __device__ void pooled_write(T *k_pool, T *v_pool, const T *qkv, const uint32_t 
         uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim, uint32_t shift) {   \
         pooled_write<T>(k_pool, v_pool, qkv, meta, cos, sin, n, heads, kv_heads, head_dim,    \
                         shift);                                                               \
+    }                                                                                         \
+    extern "C" __global__ void hidden_write_##SUFFIX(T *buffer, const T *hidden,              \
+                                                     const uint32_t *meta, uint32_t n,        \
+                                                     uint32_t width, uint32_t shift) {        \
+        hidden_write<T>(buffer, hidden, meta, n, width, shift);                               \
     }
 
 POOLED_KERNELS(f32, float)
