@@ -187,15 +187,28 @@ unsafe fn run_unit<T: WElem>(
             keys,
         };
         // The unit's first query row asks for each run's value rows while
-        // it scores the run's keys: its weighted sum then finds them in
-        // cache (the later rows find them there after it). A decode's keys
-        // and values come from memory, a few rows of each per block, and
-        // waiting for them was most of its attention (single-stream
-        // SmolLM2 Q8_0: 0.36 ms a pass before, 0.33 after; BENCHMARKS.md).
+        // it scores the run's keys, and for the next run's keys: its
+        // weighted sum and its next dots then find them in cache (the
+        // later rows find them there after it). A decode's keys and values
+        // come from memory, a few rows of each per block, and waiting for
+        // them was most of its attention (single-stream SmolLM2 Q8_0: 0.36
+        // ms a pass before the values, 0.33 after; with the next keys,
+        // 0.42-0.62 ms against 0.52-0.70 on an EPYC; BENCHMARKS.md).
         let values = rows(s.v);
-        rows(s.k).runs(|t, k, n| {
-            if i == first_row {
-                values.prefetch(t, n, hd * std::mem::size_of::<T>());
+        let key_rows = rows(s.k);
+        let bytes = hd * std::mem::size_of::<T>();
+        let ahead = i == first_row;
+        if ahead {
+            let (_, n) = key_rows.run(0);
+            key_rows.prefetch(0, n, bytes);
+        }
+        key_rows.runs(|t, k, n| {
+            if ahead {
+                values.prefetch(t, n, bytes);
+                if t + n < keys {
+                    let (_, next) = key_rows.run(t + n);
+                    key_rows.prefetch(t + n, next, bytes);
+                }
             }
             dot_rows(isa, q, hd, g, hd, k, ldkv, n, sc.add(t), keys)
         });
