@@ -92,17 +92,20 @@ impl<T> Rows<T> {
     }
 
     /// Prefetches the first `bytes` of every row of keys `t..t + n` (one
-    /// run, as [`run`](Self::run) returns it); a hint, never a fault.
+    /// run, as [`run`](Self::run) returns it) into L2; a hint, never a
+    /// fault. Into L2 rather than L1: a unit asks for 64 lines a run, more
+    /// than L1 tracks in flight, and single-stream attention took 15-30 %
+    /// less time so (EPYC; BENCHMARKS.md, issue 22).
     #[inline(always)]
     unsafe fn prefetch(&self, t: usize, n: usize, bytes: usize) {
         #[cfg(target_arch = "x86_64")]
         {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
             let (first, _) = self.run(t);
             for i in 0..n {
                 let row = first.add(i * self.ld) as *const i8;
                 for line in (0..bytes).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(line));
+                    _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(line));
                 }
             }
         }
