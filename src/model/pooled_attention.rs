@@ -400,7 +400,7 @@ fn run_kernels(
 mod kernel {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{
@@ -470,15 +470,9 @@ mod kernel {
             let dev = buffer.device().clone();
             let func = dev.get_or_load_custom_func(name, "tandem_pooled_attention", PTX)?;
             let hidden = view::<T>(hidden, hl)?;
-            let start = bl.start_offset();
-            let buffer = buffer.as_cuda_slice_mut::<T>()?;
-            let mut buffer = buffer.slice_mut(start..);
+            let mut buffer = written::<T>(buffer, bl)?;
             let args = [n, width, self.block_shift as usize].map(|x| x as u32);
-            let cfg = LaunchConfig {
-                grid_dim: ((n * width).div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = per_element(n * width);
             with_view::<u32, _>(self.meta, "hidden write", |meta| {
                 let mut b = func.builder();
                 b.arg(&mut buffer);
@@ -528,6 +522,25 @@ mod kernel {
         }
     }
 
+    /// The mutable operand of an in-place op (contiguous, checked by the
+    /// caller) from its layout's offset on.
+    fn written<'a, T: CudaDType + DeviceRepr>(
+        storage: &'a mut CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<CudaViewMut<'a, T>> {
+        let start = layout.start_offset();
+        Ok(storage.as_cuda_slice_mut::<T>()?.slice_mut(start..))
+    }
+
+    /// A grid-stride launch over `total` elements, 256 threads a block.
+    fn per_element(total: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (total.div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
     /// A device slice of a storage at its layout's offset.
     fn view<'a, T: CudaDType + DeviceRepr>(
         storage: &'a CudaStorage,
@@ -573,17 +586,10 @@ mod kernel {
             let func = dev.get_or_load_custom_func(name, "tandem_pooled_attention", PTX)?;
             let qkv = view::<T>(qkv, ql)?;
             let v_pool = view::<T>(v_pool, vl)?;
-            let start = kl.start_offset();
-            let k_pool = k_pool.as_cuda_slice_mut::<T>()?;
-            let mut k_pool = k_pool.slice_mut(start..);
+            let mut k_pool = written::<T>(k_pool, kl)?;
             let args =
                 [n, self.heads, kv_heads, head_dim, self.block_shift as usize].map(|x| x as u32);
-            let total = n * kv_heads * head_dim;
-            let cfg = LaunchConfig {
-                grid_dim: (total.div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = per_element(n * kv_heads * head_dim);
             with_tables::<T, _>(self.meta, self.cos, self.sin, |meta, cos, sin| {
                 let mut b = func.builder();
                 b.arg(&mut k_pool);
