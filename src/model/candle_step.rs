@@ -368,11 +368,11 @@ impl CandleStep {
         let pool = kv.pool_generation();
         // A pass over fewer layers (an early exit) has no target hidden
         // states to store.
-        let hidden_buffer = match pass.store_hidden && layers == cfg.num_layers {
-            true => kv
-                .hidden_buffer_for_pass()?
-                .filter(|b| b.dtype() == self.dtype && b.dim(1).ok() == Some(cfg.hidden_size)),
-            false => None,
+        let hidden_buffer = if pass.store_hidden && layers == cfg.num_layers {
+            kv.hidden_buffer_for_pass()?
+                .filter(|b| b.dtype() == self.dtype && b.dim(1).ok() == Some(cfg.hidden_size))
+        } else {
+            None
         };
         let out = self.graphs.run(&self.device, key, pool, inputs, |inputs| {
             let x = prologue(inputs)?;
