@@ -277,8 +277,9 @@ impl KvCache {
         });
     }
 
-    /// The hidden-state buffer (`[pool rows, width]`), allocated now if no
-    /// write has yet; `None` when the cache stores no hidden states. A
+    /// The hidden-state buffer (`[pool rows, width]`), allocated (zeroed)
+    /// now if nothing has been written yet; `None` when the cache stores
+    /// no hidden states. A
     /// pass that writes into it on the device (a decode graph) holds it
     /// only while the pool's generation lasts: a pool that grows gets a
     /// new buffer and a new generation.
@@ -346,9 +347,7 @@ impl KvCache {
                 runs.push((row, rows.start + from, len));
             }
         }
-        if let Some(h @ HiddenRows { buffer: None, .. }) = self.hidden.as_mut() {
-            h.buffer = Some(Tensor::zeros((self.rows, h.width), h.dtype, &self.device)?);
-        }
+        self.hidden_buffer_for_pass()?;
         let buffer = self.hidden_buffer()?;
         let hidden = hidden.to_dtype(buffer.dtype())?;
         if runs.len() <= FEW_HIDDEN_RUNS {

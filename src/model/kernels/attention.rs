@@ -91,17 +91,17 @@ impl<T> Rows<T> {
         }
     }
 
-    /// Prefetches the first `bytes` of every row of keys `t..t + n` (one
-    /// run, as [`run`](Self::run) returns it) into L2; a hint, never a
+    /// Prefetches the first `bytes` of every row of the run starting at key
+    /// `t` (as [`run`](Self::run) returns it) into L2; a hint, never a
     /// fault. Into L2 rather than L1: a unit asks for 64 lines a run, more
     /// than L1 tracks in flight, and single-stream attention took 15-30 %
     /// less time so (EPYC; BENCHMARKS.md, issue 22).
     #[inline(always)]
-    unsafe fn prefetch(&self, t: usize, n: usize, bytes: usize) {
+    unsafe fn prefetch(&self, t: usize, bytes: usize) {
         #[cfg(target_arch = "x86_64")]
         {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-            let (first, _) = self.run(t);
+            let (first, n) = self.run(t);
             for i in 0..n {
                 let row = first.add(i * self.ld) as *const i8;
                 for line in (0..bytes).step_by(64) {
@@ -202,15 +202,13 @@ unsafe fn run_unit<T: WElem>(
         let bytes = hd * std::mem::size_of::<T>();
         let ahead = i == first_row;
         if ahead {
-            let (_, n) = key_rows.run(0);
-            key_rows.prefetch(0, n, bytes);
+            key_rows.prefetch(0, bytes);
         }
         key_rows.runs(|t, k, n| {
             if ahead {
-                values.prefetch(t, n, bytes);
+                values.prefetch(t, bytes);
                 if t + n < keys {
-                    let (_, next) = key_rows.run(t + n);
-                    key_rows.prefetch(t + n, next, bytes);
+                    key_rows.prefetch(t + n, bytes);
                 }
             }
             dot_rows(isa, q, hd, g, hd, k, ldkv, n, sc.add(t), keys)
