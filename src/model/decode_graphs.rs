@@ -20,7 +20,10 @@
 //! the longest span the shape allows), as the eager pass does. A plain
 //! decode shape is captured the first time it runs, and so is a verifying
 //! one of at most [`FEW_SEQS`] sequences (their draft counts make few
-//! shapes); a verifying shape of more only
+//! shapes) or a *uniform* one ([`GraphShapes::uniform`]: as many drafts as
+//! sequences times a power of two, the only totals the draft policy grants
+//! at more sequences on a device that captures graphs); any other
+//! verifying shape only
 //! on its [`CAPTURE_VERIFY_AFTER`]th run: there the draft counts combine
 //! into many shapes, most of which never recur, and a capture costs about
 //! two eager passes. Capturing at once where shapes recur also keeps the
@@ -82,6 +85,39 @@ const CAPTURE_VERIFY_AFTER: u32 = 3;
 const FEW_SEQS: usize = 4;
 /// The smallest key bound a graph is captured for (bounds are powers of two).
 const MIN_KEY_BOUND: usize = 256;
+
+/// The verifying passes a model's decode graphs capture on their first run,
+/// for the draft policy: at more than `few_seqs` sequences it grants only
+/// uniform totals of drafts, so that its verifying passes replay instead
+/// of running eagerly at about three plain passes each (BENCHMARKS.md,
+/// issue 18, session 38).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GraphShapes {
+    /// Sequences up to which any verifying shape is captured at once.
+    pub few_seqs: usize,
+    /// Rows above which passes stay eager.
+    pub max_rows: usize,
+}
+
+impl GraphShapes {
+    /// The shapes of this module's graphs.
+    pub const DECODE: GraphShapes = GraphShapes {
+        few_seqs: FEW_SEQS,
+        max_rows: MAX_GRAPH_ROWS,
+    };
+
+    /// Whether a verifying pass of `rows` rows over `seqs` sequences is
+    /// uniform: `seqs · k` drafts, `k` a power of two a sequence's span
+    /// allows, within the rows a graph takes. Few totals, so they recur.
+    pub fn uniform(&self, rows: usize, seqs: usize) -> bool {
+        let per_seq = rows / seqs.max(1);
+        rows.is_multiple_of(seqs.max(1))
+            && per_seq >= 2
+            && (per_seq - 1).is_power_of_two()
+            && per_seq <= MAX_GRAPH_SPAN
+            && rows <= self.max_rows
+    }
+}
 
 /// What a captured graph depends on besides its two input buffers and the
 /// KV pool it reads (see [`DecodeGraphs::run`]).
@@ -188,7 +224,7 @@ impl State {
     /// enough to capture.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn hot(&mut self, key: GraphKey) -> bool {
-        if key.seqs <= FEW_SEQS {
+        if key.seqs <= FEW_SEQS || GraphShapes::DECODE.uniform(key.rows, key.seqs) {
             return true;
         }
         if self.seen.len() >= 4 * MAX_GRAPHS {
@@ -529,5 +565,24 @@ mod tests {
             ..key(0)
         };
         assert!(s.hot(few), "a lone stream's verification at once");
+        let uniform = |k: usize| key((FEW_SEQS + 1) * (1 + k));
+        assert!(s.hot(uniform(1)) && s.hot(uniform(2)) && s.hot(uniform(8)));
+        assert!(
+            !s.hot(uniform(5)),
+            "five drafts a sequence make no uniform total"
+        );
+    }
+
+    #[test]
+    fn uniform_shapes_are_whole_powers_of_two_of_drafts_a_sequence_within_a_graph() {
+        let shapes = GraphShapes::DECODE;
+        assert!(shapes.uniform(32, 16) && shapes.uniform(48, 16) && shapes.uniform(128, 64));
+        assert!(!shapes.uniform(16, 16), "no drafts");
+        assert!(
+            !shapes.uniform(33, 16) && !shapes.uniform(64, 16),
+            "not a power of two"
+        );
+        assert!(!shapes.uniform(2 * 65, 65), "over the graph's rows");
+        assert!(!shapes.uniform(0, 0));
     }
 }
