@@ -198,8 +198,7 @@ impl Engine {
         }
         // Graphs may turn off (a failed capture) or be turned off at any
         // step.
-        let shapes = self.model.graph_shapes().filter(|_| uniform_drafts());
-        self.seqs.policy.set_graph_shapes(shapes);
+        self.seqs.policy.set_graph_shapes(self.model.graph_shapes());
         work::grant_drafts(&mut self.seqs, &mut planned);
         planned
     }
@@ -429,14 +428,6 @@ impl Engine {
             }
         }
     }
-}
-
-/// Whether the draft policy keeps verifying passes in shapes the CUDA
-/// graphs replay (the policy's `uniform` rule); `TANDEM_UNIFORM_DRAFTS=0`
-/// turns the rule off, for measuring it.
-fn uniform_drafts() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TANDEM_UNIFORM_DRAFTS").map_or(true, |v| v != "0"))
 }
 
 /// Rows `idx` of a `[n, d]` tensor.

@@ -20,10 +20,10 @@
 //! the longest span the shape allows), as the eager pass does. A plain
 //! decode shape is captured the first time it runs, and so is a verifying
 //! one of at most [`FEW_SEQS`] sequences (their draft counts make few
-//! shapes) or a *uniform* one ([`GraphShapes::uniform`]: as many drafts as
-//! sequences times a power of two, the only totals the draft policy grants
-//! at more sequences on a device that captures graphs); any other
-//! verifying shape only
+//! shapes) or, with `TANDEM_UNIFORM_DRAFTS=1`, a *uniform* one
+//! ([`GraphShapes::uniform`]: as many drafts as sequences times a power of
+//! two, then the only totals the draft policy grants at more sequences);
+//! any other verifying shape only
 //! on its [`CAPTURE_VERIFY_AFTER`]th run: there the draft counts combine
 //! into many shapes, most of which never recur, and a capture costs about
 //! two eager passes. Capturing at once where shapes recur also keeps the
@@ -89,8 +89,9 @@ const MIN_KEY_BOUND: usize = 256;
 /// The verifying passes a model's decode graphs capture on their first run,
 /// for the draft policy: at more than `few_seqs` sequences it grants only
 /// uniform totals of drafts, so that its verifying passes replay instead
-/// of running eagerly at about three plain passes each (BENCHMARKS.md,
-/// issue 18, session 38).
+/// of running eagerly at about three plain passes each. Opt-in
+/// ([`uniform_drafts`]) until measured on a GPU (BENCHMARKS.md, issue 18,
+/// session 38).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GraphShapes {
     /// Sequences up to which any verifying shape is captured at once.
@@ -117,6 +118,13 @@ impl GraphShapes {
             && per_seq <= MAX_GRAPH_SPAN
             && rows <= self.max_rows
     }
+}
+
+/// Whether uniform totals are on (`TANDEM_UNIFORM_DRAFTS=1`): the policy's
+/// rule and the capture of uniform shapes at their first run go together.
+pub(crate) fn uniform_drafts() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TANDEM_UNIFORM_DRAFTS").is_ok_and(|v| v == "1"))
 }
 
 /// What a captured graph depends on besides its two input buffers and the
@@ -201,6 +209,9 @@ struct State {
     graphs: HashMap<GraphKey, ()>,
     /// Runs of each verifying shape not captured yet.
     seen: HashMap<GraphKey, u32>,
+    /// Uniform verifying shapes are captured at their first run
+    /// ([`uniform_drafts`]).
+    uniform: bool,
     stats: GraphStats,
 }
 
@@ -224,7 +235,8 @@ impl State {
     /// enough to capture.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn hot(&mut self, key: GraphKey) -> bool {
-        if key.seqs <= FEW_SEQS || GraphShapes::DECODE.uniform(key.rows, key.seqs) {
+        if key.seqs <= FEW_SEQS || (self.uniform && GraphShapes::DECODE.uniform(key.rows, key.seqs))
+        {
             return true;
         }
         if self.seen.len() >= 4 * MAX_GRAPHS {
@@ -250,6 +262,7 @@ impl DecodeGraphs {
                 pool: 0,
                 graphs: HashMap::new(),
                 seen: HashMap::new(),
+                uniform: uniform_drafts(),
                 stats: GraphStats::default(),
             }),
         }
@@ -566,6 +579,12 @@ mod tests {
         };
         assert!(s.hot(few), "a lone stream's verification at once");
         let uniform = |k: usize| key((FEW_SEQS + 1) * (1 + k));
+        s.uniform = false;
+        assert!(
+            !s.hot(uniform(1)),
+            "uniform shapes wait too unless the rule is on"
+        );
+        s.uniform = true;
         assert!(s.hot(uniform(1)) && s.hot(uniform(2)) && s.hot(uniform(8)));
         assert!(
             !s.hot(uniform(5)),

@@ -35,7 +35,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, IndexOp, Tensor};
 
 use super::candle_step::{CandleStep, GraphPass, ShortSpans};
-use super::decode_graphs::{GraphShapes, GraphStats, PassInputs};
+use super::decode_graphs::{uniform_drafts, GraphShapes, GraphStats, PassInputs};
 use super::kernels::qformat::ActivationQuant;
 use super::lean::Lean;
 use super::linear::{Linear, WeightFormat};
@@ -268,11 +268,14 @@ impl Model {
     }
 
     /// The shapes of verifying passes this model's CUDA graphs capture at
-    /// once; `None` where decode passes are not captured (off CUDA, or
-    /// graphs off).
+    /// once, for a draft policy that keeps to them; `None` where decode
+    /// passes are not captured (off CUDA, or graphs off) or the rule is off
+    /// (it is opt-in, `TANDEM_UNIFORM_DRAFTS=1`, until measured on a GPU).
     pub fn graph_shapes(&self) -> Option<GraphShapes> {
         match &self.step {
-            Step::Candle(c) if c.graphs().enabled() => Some(GraphShapes::DECODE),
+            Step::Candle(c) if c.graphs().enabled() && uniform_drafts() => {
+                Some(GraphShapes::DECODE)
+            }
             _ => None,
         }
     }

@@ -11,7 +11,8 @@
 //! ([`GraphShapes::uniform`]), spread over the sequences by the chance of
 //! each draft landing, or there are none. Those shapes are captured at
 //! their first run and recur, so the verifying costs the policy learns are
-//! a replay's.
+//! a replay's. The model offers its shapes only with
+//! `TANDEM_UNIFORM_DRAFTS=1` until the rule is measured on a GPU.
 
 use super::{Choice, StepModel, MARGIN, MAX_DRAFT_TOKENS};
 use crate::model::GraphShapes;
