@@ -27,11 +27,11 @@ pub(super) fn applies(shapes: Option<GraphShapes>, base_tokens: usize, pass_seqs
     })
 }
 
-/// The plan a step takes under the uniform rule: `free` (the policy's own
-/// plan, drafts per offer) if its total is uniform, else the uniform total
-/// with the most expected tokens per second if it beats the plain step by
-/// the plan's margin, else no drafts. `owner[e]` is offer `e`'s candidate,
-/// `reach[e]` what it may draft.
+/// The plan a step takes under the uniform rule: of `free` (the policy's
+/// own plan, drafts per offer) if its total is uniform, and of each
+/// uniform total that beats the plain step by the plan's margin, the one
+/// with the most expected tokens per second; no drafts if there is none.
+/// `owner[e]` is offer `e`'s candidate, `reach[e]` what it may draft.
 pub(super) fn plan(
     shapes: GraphShapes,
     empty: &StepModel,
