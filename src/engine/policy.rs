@@ -85,6 +85,11 @@
 //!   a draft token nears the cost of a whole decode token, so drafting
 //!   turns itself off without a hand-set batch cut; a sequence whose drafts
 //!   are rarely accepted stops drafting.
+//! - **Shapes a GPU replays** (opt-in, `TANDEM_UNIFORM_DRAFTS=1`): where
+//!   the model replays decode passes from CUDA graphs, a decode-only step
+//!   of more than a few sequences drafts a power of two per sequence in
+//!   all, or nothing ([`uniform`]), so that its verifying passes recur and
+//!   replay.
 //! - **Probing**: a sequence that does not draft because of its acceptance
 //!   (it would with a good one) probes again, with one draft, after a
 //!   back-off that doubles with every probe that does not pay, so a useless

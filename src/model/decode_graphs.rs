@@ -90,7 +90,7 @@ const MIN_KEY_BOUND: usize = 256;
 /// for the draft policy: at more than `few_seqs` sequences it grants only
 /// uniform totals of drafts, so that its verifying passes replay instead
 /// of running eagerly at about three plain passes each. Opt-in
-/// ([`uniform_drafts`]) until measured on a GPU (BENCHMARKS.md, issue 18,
+/// (`TANDEM_UNIFORM_DRAFTS=1`) until measured on a GPU (BENCHMARKS.md, issue 18,
 /// session 38).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GraphShapes {
