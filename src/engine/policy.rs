@@ -825,8 +825,10 @@ impl DraftPolicy {
         if !cold && costs.verify.is_none() && !lone && !uniform {
             measure_verification_first(&mut reach);
         }
-        let empty = StepModel::new(costs.clone(), base_tokens, candidates.len());
-        let mut plan = empty.clone();
+        let mut plan = StepModel::new(costs.clone(), base_tokens, candidates.len());
+        // The plain step, kept only where the uniform rule will price
+        // against it (a copy of the costs a step otherwise).
+        let empty = uniform.then(|| plan.clone());
         plan.fill(&reach, &options, &owner, &mut drafts);
         let head_round = options
             .iter()
@@ -848,9 +850,8 @@ impl DraftPolicy {
                 }
             }
         }
-        if let Some(shapes) = self.graph_shapes.filter(|_| uniform) {
-            (plan, drafts) =
-                uniform::plan(shapes, &empty, (plan, drafts), &reach, &options, &owner);
+        if let (Some(shapes), Some(empty)) = (self.graph_shapes, &empty) {
+            (plan, drafts) = uniform::plan(shapes, empty, (plan, drafts), &reach, &options, &owner);
         }
         tracing::debug!(
             base_tokens,

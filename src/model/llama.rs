@@ -273,7 +273,7 @@ impl Model {
     /// (it is opt-in, `TANDEM_UNIFORM_DRAFTS=1`, until measured on a GPU).
     pub fn graph_shapes(&self) -> Option<GraphShapes> {
         match &self.step {
-            Step::Candle(c) if c.graphs().enabled() && uniform_drafts() => {
+            Step::Candle(c) if uniform_drafts() && c.graphs().enabled() => {
                 Some(GraphShapes::DECODE)
             }
             _ => None,
