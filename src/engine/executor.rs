@@ -196,9 +196,6 @@ impl Engine {
                 }
             }
         }
-        // Graphs may turn off (a failed capture) or be turned off at any
-        // step.
-        self.seqs.policy.set_graph_shapes(self.model.graph_shapes());
         work::grant_drafts(&mut self.seqs, &mut planned);
         planned
     }

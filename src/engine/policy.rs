@@ -85,11 +85,6 @@
 //!   a draft token nears the cost of a whole decode token, so drafting
 //!   turns itself off without a hand-set batch cut; a sequence whose drafts
 //!   are rarely accepted stops drafting.
-//! - **Shapes a GPU replays** (opt-in, `TANDEM_UNIFORM_DRAFTS=1`): where
-//!   the model replays decode passes from CUDA graphs, a decode-only step
-//!   of more than a few sequences drafts a power of two per sequence in
-//!   all, or nothing ([`uniform`]), so that its verifying passes recur and
-//!   replay.
 //! - **Probing**: a sequence that does not draft because of its acceptance
 //!   (it would with a good one) probes again, with one draft, after a
 //!   back-off that doubles with every probe that does not pay, so a useless
@@ -109,9 +104,6 @@ use std::time::Duration;
 use super::ngram::{PromptLookup, Proposal};
 use super::spec::Drafting;
 use super::{DraftSchedule, SlotId, MAX_DRAFT_TOKENS};
-use crate::model::GraphShapes;
-
-mod uniform;
 
 /// Which drafter proposed a sequence's drafts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -625,10 +617,6 @@ pub(crate) struct DraftPolicy {
     /// Drafters the engine has.
     has_head: bool,
     lookup: Option<PromptLookup>,
-    /// The verifying passes the model's CUDA graphs replay, where it
-    /// captures any: drafts at many sequences come in uniform totals
-    /// ([`uniform`]).
-    graph_shapes: Option<GraphShapes>,
 }
 
 /// The decayed share of decode steps in which a sequence the head has
@@ -678,11 +666,6 @@ impl DraftPolicy {
 
     pub fn lookup(&self) -> Option<PromptLookup> {
         self.lookup
-    }
-
-    /// What the model's decode graphs replay (`None`: none, or no graphs).
-    pub fn set_graph_shapes(&mut self, shapes: Option<GraphShapes>) {
-        self.graph_shapes = shapes;
     }
 
     pub fn admit(&mut self, slot: SlotId, drafting: Drafting) {
@@ -772,14 +755,8 @@ impl DraftPolicy {
     }
 
     /// Grants for `candidates` (drafting sequences that decode this step) in
-    /// a step whose forward pass carries `base_tokens` tokens of
-    /// `pass_seqs` sequences before drafts.
-    pub fn assign(
-        &mut self,
-        candidates: &[Candidate],
-        base_tokens: usize,
-        pass_seqs: usize,
-    ) -> Vec<Grant> {
+    /// a step whose forward pass carries `base_tokens` tokens before drafts.
+    pub fn assign(&mut self, candidates: &[Candidate], base_tokens: usize) -> Vec<Grant> {
         // Each drafter a candidate has is an offer of its own; the plan
         // takes a candidate's drafts from at most one of them.
         let mut options = Vec::new();
@@ -821,14 +798,10 @@ impl DraftPolicy {
                 }
             })
             .collect();
-        let uniform = !cold && uniform::applies(self.graph_shapes, base_tokens, pass_seqs);
-        if !cold && costs.verify.is_none() && !lone && !uniform {
+        if !cold && costs.verify.is_none() && !lone {
             measure_verification_first(&mut reach);
         }
         let mut plan = StepModel::new(costs.clone(), base_tokens, candidates.len());
-        // The plain step, kept only where the uniform rule will price
-        // against it (a copy of the costs a step otherwise).
-        let empty = uniform.then(|| plan.clone());
         plan.fill(&reach, &options, &owner, &mut drafts);
         let head_round = options
             .iter()
@@ -849,9 +822,6 @@ impl DraftPolicy {
                     (plan, drafts) = (shared, shared_drafts);
                 }
             }
-        }
-        if let (Some(shapes), Some(empty)) = (self.graph_shapes, &empty) {
-            (plan, drafts) = uniform::plan(shapes, empty, (plan, drafts), &reach, &options, &owner);
         }
         tracing::debug!(
             base_tokens,
@@ -1082,7 +1052,6 @@ fn optimistic(k: usize) -> Vec<f64> {
 }
 
 /// The step being planned: its expected tokens and time so far.
-#[derive(Clone)]
 struct StepModel {
     costs: Costs,
     /// The pass's tokens, drafts granted so far included.
@@ -1215,7 +1184,7 @@ impl StepModel {
         let mut taken: Vec<Option<usize>> = vec![None; owner.last().map_or(0, |&c| c + 1)];
         loop {
             let now = self.pass_now();
-            let mut best: Option<(f64, usize, usize)> = None;
+            let mut best: Option<(f64, usize, usize, f64, f64)> = None;
             for (i, r) in reach.iter().enumerate() {
                 if taken[owner[i]].is_some_and(|e| e != i) {
                     continue;
@@ -1228,35 +1197,28 @@ impl StepModel {
                     let dt = rounds + self.pass_added(now, to - from);
                     let rate = gain / dt.max(1e-12);
                     if best.is_none_or(|b| rate > b.0) {
-                        best = Some((rate, i, to));
+                        best = Some((rate, i, to, gain, dt));
                     }
                 }
             }
-            let Some((rate, i, to)) = best else {
+            let Some((rate, i, to, gain, dt)) = best else {
                 return;
             };
             if rate <= MARGIN * self.rate() {
                 return;
             }
-            self.grant(&options[i], &reach[i], drafts[i], to);
+            if options[i].drafter == Drafter::Head {
+                for r in drafts[i]..to {
+                    self.round_members[r] += 1;
+                }
+            }
+            self.pass_tokens += to - drafts[i];
+            self.verifies = true;
             drafts[i] = to;
             taken[owner[i]] = Some(i);
+            self.tokens += gain;
+            self.time += dt;
         }
-    }
-
-    /// Adds drafts `from..to` of offer `o` (`reach`: its chances) to the
-    /// step: their expected tokens, rounds and share of the pass.
-    fn grant(&mut self, o: &Choice, reach: &[f64], from: usize, to: usize) {
-        let dt = self.added_time(o, from, to);
-        if o.drafter == Drafter::Head {
-            for r in from..to {
-                self.round_members[r] += 1;
-            }
-        }
-        self.pass_tokens += to - from;
-        self.verifies = true;
-        self.tokens += reach[from..to].iter().sum::<f64>();
-        self.time += dt;
     }
 }
 
@@ -1349,7 +1311,7 @@ mod tests {
     #[test]
     fn a_catch_up_is_priced_over_the_steps_it_serves() {
         let mut policy = one_sequence(Drafter::Head, 4, 3);
-        let current = policy.assign(&[candidate(1, 6)], 1, 1);
+        let current = policy.assign(&[candidate(1, 6)], 1);
         assert!(current[0].drafts > 0, "{current:?}");
         // 300 pairs at 0.1 ms: 30 ms against an 11 ms step.
         let behind = |head_fresh, remaining| Candidate {
@@ -1358,7 +1320,7 @@ mod tests {
             remaining,
             ..candidate(1, 6)
         };
-        let mut drafts = |c| policy.assign(&[c], 1, 1)[0].drafts;
+        let mut drafts = |c| policy.assign(&[c], 1)[0].drafts;
         assert_eq!(drafts(behind(true, 2)), 0, "a prompt near its end");
         assert!(
             drafts(behind(true, 4_000)) > 0,
@@ -1378,7 +1340,7 @@ mod tests {
             remaining: 40,
             ..candidate(1, 6)
         };
-        assert!(policy.assign(std::slice::from_ref(&prompt), 1, 1)[0].drafts > 0);
+        assert!(policy.assign(std::slice::from_ref(&prompt), 1)[0].drafts > 0);
         // A caught-up sequence that stopped drafting (a useless stretch;
         // it probes now and then).
         policy.admit(2, drafting(DraftSchedule::Adaptive));
@@ -1386,15 +1348,15 @@ mod tests {
             policy.record(2, Drafter::Head, 1, 0);
         }
         for _ in 0..400 {
-            policy.assign(&[candidate(2, 6)], 1, 1);
+            policy.assign(&[candidate(2, 6)], 1);
         }
         // Fresh sequences alone record nothing: the share ages, and is
         // forgotten after its shelf life.
         for step in 0..=SHELF_LIFE {
-            let grant = policy.assign(std::slice::from_ref(&prompt), 1, 1);
+            let grant = policy.assign(std::slice::from_ref(&prompt), 1);
             assert_eq!(grant[0].drafts, 0, "step {step}");
         }
-        assert!(policy.assign(&[prompt], 1, 1)[0].drafts > 0);
+        assert!(policy.assign(&[prompt], 1)[0].drafts > 0);
     }
 
     /// A verifying pass measured far dearer than a plain one (a GPU's
@@ -1437,7 +1399,7 @@ mod tests {
     #[test]
     fn round_costs_not_measured_again_are_forgotten() {
         let mut policy = one_sequence(Drafter::Head, 4, 3);
-        let drafts = |policy: &mut DraftPolicy| policy.assign(&[candidate(1, 6)], 1, 1)[0].drafts;
+        let drafts = |policy: &mut DraftPolicy| policy.assign(&[candidate(1, 6)], 1)[0].drafts;
         assert!(drafts(&mut policy) > 0);
         for rows in [1, 6].repeat(100) {
             policy
@@ -1465,7 +1427,7 @@ mod tests {
         }
         admit_with_records(&mut policy, (6, 6), 2, (2, 2));
         let c = lookup_candidate(1, 2, vec![5, 6]);
-        let g = &policy.assign(std::slice::from_ref(&c), 1, 1)[0];
+        let g = &policy.assign(std::slice::from_ref(&c), 1)[0];
         assert_eq!((g.drafts, g.drafter), (2, Drafter::Lookup(2)), "{g:?}");
         // With cheap rounds the head's longer run wins.
         for rows in [1, 2, 4].repeat(200) {
@@ -1473,7 +1435,7 @@ mod tests {
                 .cost_mut()
                 .record_round(rows, Duration::from_micros(100));
         }
-        let g = policy.assign(&[c], 1, 1);
+        let g = policy.assign(&[c], 1);
         assert_eq!(g[0].drafter, Drafter::Head, "{g:?}");
         assert!(g[0].drafts > 2, "{g:?}");
     }
@@ -1733,7 +1695,7 @@ mod tests {
             policy.record(1, Drafter::Head, 6, 6);
             policy.record(2, Drafter::Head, 6, 0);
         }
-        let grants = policy.assign(&[candidate(1, 6), candidate(2, 6)], 2, 2);
+        let grants = policy.assign(&[candidate(1, 6), candidate(2, 6)], 2);
         assert_eq!(grants[0].drafts, 6, "perfect acceptance drafts the cap");
         assert_eq!(grants[1].drafts, 0, "a useless drafter does not draft");
     }
@@ -1748,10 +1710,10 @@ mod tests {
                 .record_pass(t, Duration::from_micros(1_000 + 1_000 * t as u64));
         }
         let slots = first_drafts_land(&mut policy, 64);
-        let grants = policy.assign(&slots, 64, 64);
+        let grants = policy.assign(&slots, 64);
         assert!(grants.iter().all(|g| g.drafts == 0), "{grants:?}");
         // One sequence alone on a latency-bound step drafts.
-        let grants = policy.assign(&slots[..1], 1, 1);
+        let grants = policy.assign(&slots[..1], 1);
         assert!(grants[0].drafts > 0);
     }
 
@@ -1772,13 +1734,6 @@ mod tests {
     /// is nearly always accepted and second nearly never.
     fn graph_like() -> (DraftPolicy, Vec<Candidate>) {
         let mut policy = DraftPolicy::new(true, None);
-        graph_costs(&mut policy);
-        let slots = first_drafts_land(&mut policy, 16);
-        (policy, slots)
-    }
-
-    /// [`graph_like`]'s plain passes and rounds.
-    fn graph_costs(policy: &mut DraftPolicy) {
         for t in [1, 4, 16] {
             policy
                 .cost_mut()
@@ -1789,6 +1744,8 @@ mod tests {
                 .cost_mut()
                 .record_round(m, Duration::from_micros(20 + 2 * m as u64));
         }
+        let slots = first_drafts_land(&mut policy, 16);
+        (policy, slots)
     }
 
     /// Verifying passes of `sizes` tokens, each `fixed_us` µs and 10 µs a
@@ -1805,7 +1762,7 @@ mod tests {
     fn a_verifying_pass_that_runs_eagerly_prices_the_first_draft() {
         // Verifying passes run eagerly: 3 ms.
         let (mut policy, slots) = graph_like();
-        let unmeasured = policy.assign(&slots, 16, 16);
+        let unmeasured = policy.assign(&slots, 16);
         let drafts: Vec<usize> = unmeasured.iter().map(|g| g.drafts).collect();
         assert_eq!(
             drafts.iter().sum::<usize>(),
@@ -1813,7 +1770,7 @@ mod tests {
             "no verification measured: one draft measures it, {drafts:?}"
         );
         verifying_passes(&mut policy, &[17, 24, 40], 3_000);
-        let grants = policy.assign(&slots, 16, 16);
+        let grants = policy.assign(&slots, 16);
         assert!(grants.iter().all(|g| g.drafts == 0), "{grants:?}");
         // A perfect drafter on a lone stream still pays for the jump: seven
         // tokens for about 3.7 ms against one for 1 ms.
@@ -1821,75 +1778,7 @@ mod tests {
         for _ in 0..20 {
             policy.record(99, Drafter::Head, 6, 6);
         }
-        assert_eq!(policy.assign(&[candidate(99, 6)], 1, 1)[0].drafts, 6);
-    }
-
-    /// The drafts' total per sequence when it is uniform (`None` if not).
-    fn per_sequence(grants: &[Grant], seqs: usize) -> Option<usize> {
-        let total: usize = grants.iter().map(|g| g.drafts).sum();
-        total.is_multiple_of(seqs).then_some(total / seqs)
-    }
-
-    #[test]
-    fn where_graphs_replay_many_sequences_draft_in_uniform_totals() {
-        let (mut policy, slots) = graph_like();
-        policy.set_graph_shapes(Some(GraphShapes::DECODE));
-        // Unmeasured verification: one draft each measures it (a replayed
-        // shape from the second time on), not one draft in all.
-        let grants = policy.assign(&slots, 16, 16);
-        assert_eq!(per_sequence(&grants, 16), Some(1), "{grants:?}");
-        // Replayed verifying passes cost about what plain ones do.
-        verifying_passes(&mut policy, &[32, 48], 1_050);
-        let grants = policy.assign(&slots, 16, 16);
-        let k = per_sequence(&grants, 16);
-        assert!(k.is_some_and(|k| k.is_power_of_two()), "{grants:?}");
-        // Prompt lookup for two of them: two drafts make no uniform total,
-        // and half of one per sequence does not pay, so none.
-        let mut policy = DraftPolicy::new(false, Some(PromptLookup::default()));
-        graph_costs(&mut policy);
-        verifying_passes(&mut policy, &[17, 18, 32], 1_050);
-        let mut cands: Vec<Candidate> = (0..16).map(|s| candidate(s, 6)).collect();
-        for s in 0..16 {
-            policy.admit(s, drafting(DraftSchedule::Adaptive));
-        }
-        for c in &mut cands[..2] {
-            c.lookup = Proposal {
-                order: 4,
-                tokens: vec![7; 6],
-            };
-        }
-        let free = policy.assign(&cands, 16, 16);
-        assert!(
-            free.iter().any(|g| g.drafts > 0),
-            "without graphs: {free:?}"
-        );
-        policy.set_graph_shapes(Some(GraphShapes::DECODE));
-        let grants = policy.assign(&cands, 16, 16);
-        assert!(grants.iter().all(|g| g.drafts == 0), "{grants:?}");
-    }
-
-    #[test]
-    fn the_uniform_rule_leaves_few_sequences_and_prompt_chunks_free() {
-        let (mut policy, slots) = graph_like();
-        policy.set_graph_shapes(Some(GraphShapes::DECODE));
-        verifying_passes(&mut policy, &[2, 3, 17, 32, 48], 1_050);
-        policy.record(0, Drafter::Head, 6, 6);
-        let few = policy.assign(&slots[..3], 3, 3);
-        assert!(few.iter().any(|g| g.drafts > 0), "{few:?}");
-        assert!(uniform::applies(Some(GraphShapes::DECODE), 16, 16));
-        assert!(
-            !uniform::applies(Some(GraphShapes::DECODE), 4, 4),
-            "few sequences"
-        );
-        assert!(
-            !uniform::applies(Some(GraphShapes::DECODE), 80, 16),
-            "a prompt chunk"
-        );
-        assert!(
-            !uniform::applies(Some(GraphShapes::DECODE), 65, 65),
-            "no room in a graph"
-        );
-        assert!(!uniform::applies(None, 16, 16), "no graphs");
+        assert_eq!(policy.assign(&[candidate(99, 6)], 1)[0].drafts, 6);
     }
 
     /// A lone Q8_0-like stream: plain passes 3.3 ms, a draft round 0.3 ms,
@@ -1912,7 +1801,7 @@ mod tests {
                     .record_pass(1, Duration::from_micros(3_300));
             }
         };
-        let drafts = |policy: &mut DraftPolicy| policy.assign(&[candidate(1, 6)], 1, 1)[0].drafts;
+        let drafts = |policy: &mut DraftPolicy| policy.assign(&[candidate(1, 6)], 1)[0].drafts;
         plain(&mut policy, 20);
         assert!(
             drafts(&mut policy) > 0,
@@ -1944,7 +1833,7 @@ mod tests {
         // sequence's draft pays for that, sixteen together do.
         let (mut policy, slots) = graph_like();
         verifying_passes(&mut policy, &[17, 24, 32], 1_300);
-        let grants = policy.assign(&slots, 16, 16);
+        let grants = policy.assign(&slots, 16);
         assert!(grants.iter().all(|g| g.drafts >= 1), "{grants:?}");
         // One draft at a time, from the plain step, none pays it.
         let costs = policy.cost.costs(64).unwrap();
@@ -1974,7 +1863,7 @@ mod tests {
         // however perfect, pays.
         verifying_passes(&mut policy, &[17, 24, 32, 64, 112], 20_000);
         assert!(!policy.worth_planning(&ids, 16, 6));
-        assert!(policy.assign(&slots, 16, 16).iter().all(|g| g.drafts == 0));
+        assert!(policy.assign(&slots, 16).iter().all(|g| g.drafts == 0));
         // A constant schedule drafts whatever it costs.
         policy.admit(99, drafting(DraftSchedule::Constant));
         assert!(policy.worth_planning(&[99], 1, 6));
@@ -2007,19 +1896,19 @@ mod tests {
         for s in 0..64 {
             policy.admit(s, drafting(DraftSchedule::Adaptive));
         }
-        let one = policy.assign(&slots[..1], 1, 1);
+        let one = policy.assign(&slots[..1], 1);
         assert!(
             (1..=2).contains(&one[0].drafts),
             "a lone stream drafts, at most its initial 2: {one:?}"
         );
         // 64 decodes beside 448 prompt tokens, or 16 alone: a batch waits
         // for measured costs.
-        let many = policy.assign(&slots, 512, 512);
+        let many = policy.assign(&slots, 512);
         assert!(many.iter().all(|g| g.drafts == 0), "{many:?}");
-        let batch = policy.assign(&slots[..16], 16, 16);
+        let batch = policy.assign(&slots[..16], 16);
         assert!(batch.iter().all(|g| g.drafts == 0), "{batch:?}");
         // A lone decode beside a prompt chunk waits too.
-        assert_eq!(policy.assign(&slots[..1], 100, 100)[0].drafts, 0);
+        assert_eq!(policy.assign(&slots[..1], 100)[0].drafts, 0);
     }
 
     #[test]
@@ -2027,7 +1916,7 @@ mod tests {
         let mut policy = one_sequence(Drafter::Head, 2, 0);
         let mut probes = Vec::new();
         for step in 0..200 {
-            let g = policy.assign(&[candidate(1, 6)], 1, 1);
+            let g = policy.assign(&[candidate(1, 6)], 1);
             if g[0].drafts > 0 {
                 assert_eq!(g[0].drafts, 1, "step {step}: a probe drafts once");
                 probes.push(step);
@@ -2052,10 +1941,10 @@ mod tests {
         for _ in 0..40 {
             policy.record(1, Drafter::Head, 2, 2);
         }
-        assert_eq!(policy.assign(&[candidate(2, 6)], 1, 1)[0].drafts, 0);
+        assert_eq!(policy.assign(&[candidate(2, 6)], 1)[0].drafts, 0);
         // From here on sequence 2's drafts are accepted again.
         let resumed = (1..200).find(|_| {
-            let drafts = policy.assign(&[candidate(2, 6)], 1, 1)[0].drafts;
+            let drafts = policy.assign(&[candidate(2, 6)], 1)[0].drafts;
             if drafts > 0 {
                 policy.record(2, Drafter::Head, drafts, drafts);
             }
@@ -2119,16 +2008,16 @@ mod tests {
         // A head that never paid: a fresh sequence waits for a probe
         // instead of drafting at once.
         let mut policy = after_one_sequence(Drafter::Head, 2, 0);
-        let first_draft = (0..40).find(|_| policy.assign(&[candidate(2, 6)], 1, 1)[0].drafts > 0);
+        let first_draft = (0..40).find(|_| policy.assign(&[candidate(2, 6)], 1)[0].drafts > 0);
         assert_eq!(first_draft, Some(MIN_BACKOFF), "the first draft is a probe");
         // A head that always paid: a fresh sequence drafts the cap.
         let mut policy = after_one_sequence(Drafter::Head, 6, 6);
-        assert_eq!(policy.assign(&[candidate(2, 6)], 1, 1)[0].drafts, 6);
+        assert_eq!(policy.assign(&[candidate(2, 6)], 1)[0].drafts, 6);
         // Prompt lookup's record stays with the text it copied: a fresh
         // sequence's match starts from the fixed prior.
         let mut policy = after_one_sequence(Drafter::Lookup(3), 4, 0);
         let c = lookup_candidate(2, 3, vec![5, 6, 7, 8]);
-        assert!(policy.assign(&[c], 1, 1)[0].drafts > 0);
+        assert!(policy.assign(&[c], 1)[0].drafts > 0);
     }
 
     #[test]
@@ -2139,16 +2028,12 @@ mod tests {
         for _ in 0..20 {
             policy.record(1, Drafter::Head, 2, 0);
         }
-        let g = policy.assign(&[candidate(1, 6), candidate(9, 6)], 1, 1);
+        let g = policy.assign(&[candidate(1, 6), candidate(9, 6)], 1);
         assert_eq!(g[0].drafts, 2, "constant ignores acceptance and cost");
         assert_eq!(g[1].drafts, 0, "unknown slots never draft");
-        assert_eq!(
-            policy.assign(&[candidate(1, 1)], 1, 1)[0].drafts,
-            1,
-            "the cap"
-        );
+        assert_eq!(policy.assign(&[candidate(1, 1)], 1)[0].drafts, 1, "the cap");
         policy.release(1);
-        assert_eq!(policy.assign(&[candidate(1, 6)], 1, 1)[0].drafts, 0);
+        assert_eq!(policy.assign(&[candidate(1, 6)], 1)[0].drafts, 0);
     }
 
     #[test]
@@ -2157,7 +2042,7 @@ mod tests {
         measured(&mut policy);
         admit_with_records(&mut policy, (4, 0), 3, (4, 4));
         let c = lookup_candidate(1, 3, vec![5, 6, 7, 8]);
-        let g = policy.assign(std::slice::from_ref(&c), 1, 1);
+        let g = policy.assign(std::slice::from_ref(&c), 1);
         assert_eq!(
             g[0],
             Grant {
@@ -2166,7 +2051,7 @@ mod tests {
             }
         );
         // Without a proposal the head is the only drafter.
-        let g = policy.assign(&[candidate(1, 6)], 1, 1);
+        let g = policy.assign(&[candidate(1, 6)], 1);
         assert_eq!(g[0].drafter, Drafter::Head);
     }
 
@@ -2180,18 +2065,18 @@ mod tests {
             policy.record(1, Drafter::Lookup(1), 6, 0);
         }
         let proposal = |order| lookup_candidate(1, order, vec![5; 6]);
-        let long = policy.assign(&[proposal(4)], 1, 1);
+        let long = policy.assign(&[proposal(4)], 1);
         assert_eq!(
             long[0].drafts, 6,
             "a four-token match that pays drafts the cap"
         );
-        let short = policy.assign(&[proposal(1)], 1, 1);
+        let short = policy.assign(&[proposal(1)], 1);
         assert_eq!(
             short[0].drafts, 0,
             "a one-token match that never pays does not draft"
         );
         // An order never verified starts from the prior, not from another's.
-        let fresh = policy.assign(&[proposal(2)], 1, 1);
+        let fresh = policy.assign(&[proposal(2)], 1);
         assert!(fresh[0].drafts > 0, "{fresh:?}");
     }
 }

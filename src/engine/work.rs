@@ -174,7 +174,7 @@ pub(crate) fn grant_drafts(seqs: &mut Sequences, planned: &mut [Planned]) {
             }
         })
         .collect();
-    let grants = seqs.policy.assign(&candidates, base_tokens, planned.len());
+    let grants = seqs.policy.assign(&candidates, base_tokens);
     for ((&i, c), Grant { drafts, drafter }) in drafting.iter().zip(&candidates).zip(grants) {
         let p = &mut planned[i];
         if drafts == 0

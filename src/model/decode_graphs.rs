@@ -20,10 +20,7 @@
 //! the longest span the shape allows), as the eager pass does. A plain
 //! decode shape is captured the first time it runs, and so is a verifying
 //! one of at most [`FEW_SEQS`] sequences (their draft counts make few
-//! shapes) or, with `TANDEM_UNIFORM_DRAFTS=1`, a *uniform* one
-//! ([`GraphShapes::uniform`]: as many drafts as sequences times a power of
-//! two, then the only totals the draft policy grants at more sequences);
-//! any other verifying shape only
+//! shapes); a verifying shape of more only
 //! on its [`CAPTURE_VERIFY_AFTER`]th run: there the draft counts combine
 //! into many shapes, most of which never recur, and a capture costs about
 //! two eager passes. Capturing at once where shapes recur also keeps the
@@ -85,47 +82,6 @@ const CAPTURE_VERIFY_AFTER: u32 = 3;
 const FEW_SEQS: usize = 4;
 /// The smallest key bound a graph is captured for (bounds are powers of two).
 const MIN_KEY_BOUND: usize = 256;
-
-/// The verifying passes a model's decode graphs capture on their first run,
-/// for the draft policy: at more than `few_seqs` sequences it grants only
-/// uniform totals of drafts, so that its verifying passes replay instead
-/// of running eagerly at about three plain passes each. Opt-in
-/// (`TANDEM_UNIFORM_DRAFTS=1`) until measured on a GPU (BENCHMARKS.md, issue 18,
-/// session 38).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GraphShapes {
-    /// Sequences up to which any verifying shape is captured at once.
-    pub few_seqs: usize,
-    /// Rows above which passes stay eager.
-    pub max_rows: usize,
-}
-
-impl GraphShapes {
-    /// The shapes of this module's graphs.
-    pub const DECODE: GraphShapes = GraphShapes {
-        few_seqs: FEW_SEQS,
-        max_rows: MAX_GRAPH_ROWS,
-    };
-
-    /// Whether a verifying pass of `rows` rows over `seqs` sequences is
-    /// uniform: `seqs · k` drafts, `k` a power of two a sequence's span
-    /// allows, within the rows a graph takes. Few totals, so they recur.
-    pub fn uniform(&self, rows: usize, seqs: usize) -> bool {
-        let per_seq = rows / seqs.max(1);
-        rows.is_multiple_of(seqs.max(1))
-            && per_seq >= 2
-            && (per_seq - 1).is_power_of_two()
-            && per_seq <= MAX_GRAPH_SPAN
-            && rows <= self.max_rows
-    }
-}
-
-/// Whether uniform totals are on (`TANDEM_UNIFORM_DRAFTS=1`): the policy's
-/// rule and the capture of uniform shapes at their first run go together.
-pub(crate) fn uniform_drafts() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TANDEM_UNIFORM_DRAFTS").is_ok_and(|v| v == "1"))
-}
 
 /// What a captured graph depends on besides its two input buffers and the
 /// KV pool it reads (see [`DecodeGraphs::run`]).
@@ -209,9 +165,6 @@ struct State {
     graphs: HashMap<GraphKey, ()>,
     /// Runs of each verifying shape not captured yet.
     seen: HashMap<GraphKey, u32>,
-    /// Uniform verifying shapes are captured at their first run
-    /// ([`uniform_drafts`]).
-    uniform: bool,
     stats: GraphStats,
 }
 
@@ -235,8 +188,7 @@ impl State {
     /// enough to capture.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn hot(&mut self, key: GraphKey) -> bool {
-        if key.seqs <= FEW_SEQS || (self.uniform && GraphShapes::DECODE.uniform(key.rows, key.seqs))
-        {
+        if key.seqs <= FEW_SEQS {
             return true;
         }
         if self.seen.len() >= 4 * MAX_GRAPHS {
@@ -262,7 +214,6 @@ impl DecodeGraphs {
                 pool: 0,
                 graphs: HashMap::new(),
                 seen: HashMap::new(),
-                uniform: uniform_drafts(),
                 stats: GraphStats::default(),
             }),
         }
@@ -578,30 +529,5 @@ mod tests {
             ..key(0)
         };
         assert!(s.hot(few), "a lone stream's verification at once");
-        let uniform = |k: usize| key((FEW_SEQS + 1) * (1 + k));
-        s.uniform = false;
-        assert!(
-            !s.hot(uniform(1)),
-            "uniform shapes wait too unless the rule is on"
-        );
-        s.uniform = true;
-        assert!(s.hot(uniform(1)) && s.hot(uniform(2)) && s.hot(uniform(8)));
-        assert!(
-            !s.hot(uniform(5)),
-            "five drafts a sequence make no uniform total"
-        );
-    }
-
-    #[test]
-    fn uniform_shapes_are_whole_powers_of_two_of_drafts_a_sequence_within_a_graph() {
-        let shapes = GraphShapes::DECODE;
-        assert!(shapes.uniform(32, 16) && shapes.uniform(48, 16) && shapes.uniform(128, 64));
-        assert!(!shapes.uniform(16, 16), "no drafts");
-        assert!(
-            !shapes.uniform(33, 16) && !shapes.uniform(64, 16),
-            "not a power of two"
-        );
-        assert!(!shapes.uniform(2 * 65, 65), "over the graph's rows");
-        assert!(!shapes.uniform(0, 0));
     }
 }

@@ -35,7 +35,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, IndexOp, Tensor};
 
 use super::candle_step::{CandleStep, GraphPass, ShortSpans};
-use super::decode_graphs::{uniform_drafts, GraphShapes, GraphStats, PassInputs};
+use super::decode_graphs::{GraphStats, PassInputs};
 use super::kernels::qformat::ActivationQuant;
 use super::lean::Lean;
 use super::linear::{Linear, WeightFormat};
@@ -264,19 +264,6 @@ impl Model {
     pub fn set_cuda_graphs(&self, on: bool) {
         if let Step::Candle(c) = &self.step {
             c.graphs().set_enabled(on, &self.device);
-        }
-    }
-
-    /// The shapes of verifying passes this model's CUDA graphs capture at
-    /// once, for a draft policy that keeps to them; `None` where decode
-    /// passes are not captured (off CUDA, or graphs off) or the rule is off
-    /// (it is opt-in, `TANDEM_UNIFORM_DRAFTS=1`, until measured on a GPU).
-    pub fn graph_shapes(&self) -> Option<GraphShapes> {
-        match &self.step {
-            Step::Candle(c) if uniform_drafts() && c.graphs().enabled() => {
-                Some(GraphShapes::DECODE)
-            }
-            _ => None,
         }
     }
 

@@ -52,7 +52,7 @@ use std::path::PathBuf;
 
 pub use batch::{Batch, OutputRows, SeqSpan};
 pub use config::{Architecture, ModelConfig, RopeScaling};
-pub use decode_graphs::{GraphShapes, GraphStats};
+pub use decode_graphs::GraphStats;
 pub use kernels::few_rows::settled as few_row_paths;
 pub use kernels::pool::fit_cpu_threads_to_affinity;
 pub use kernels::qformat::ActivationQuant;
