@@ -456,6 +456,11 @@ impl StepExecutor for Engine {
         );
         let admitted = start.elapsed();
         let planning = Instant::now();
+        let eager_verify_above = self.model.eager_verify_above();
+        self.seqs
+            .policy
+            .cost_mut()
+            .set_eager_verify_above(eager_verify_above);
         let mut planned = self.plan(plan.work, &mut outcome.seqs);
         let planning = planning.elapsed();
         self.draft(&mut planned, &mut outcome.stats);
@@ -513,7 +518,7 @@ impl Engine {
         let cost = self.seqs.policy.cost_mut();
         match (captured, verifies) {
             (true, _) => {}
-            (false, true) => cost.record_verify(stats.batch_tokens, pass),
+            (false, true) => cost.record_verify(stats.batch_tokens, planned.len(), pass),
             (false, false) => cost.record_pass(stats.batch_tokens, pass),
         }
     }

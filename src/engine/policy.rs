@@ -45,7 +45,15 @@
 //!   write launch per layer, and shapes the decode graphs do not capture
 //!   run eagerly (before verification passes were captured, the H200 took
 //!   1.8 ms for a plain step of 16 streams and about 4 ms for a verifying
-//!   one: BENCHMARKS.md, issue 18). Until a verification is measured, `F`
+//!   one: BENCHMARKS.md, issue 18). Where the model replays verifying
+//!   passes of a few sequences from graphs but runs those of more eagerly
+//!   until their shape recurs ([`CostModel::set_eager_verify_above`]),
+//!   the two kinds keep separate `V` curves, and a step prices its drafts
+//!   by its own kind: one curve over tokens learnt a 4-sequence replay's
+//!   cost at 17–36 tokens and priced a 16-sequence step's first draft at
+//!   it, where the pass ran eagerly at three plain ones (an H100 at 16
+//!   streams: 15–28 lookup drafts a run, each such step about 2.7 ms
+//!   dearer; BENCHMARKS.md, issue 18, session 39). Until a verification is measured, `F`
 //!   stands in for `V` (on the CPU the two nearly coincide), and a batch
 //!   grants a single draft, to the sequence likeliest to land it: its
 //!   pass measures `V` at the least cost. Verifying costs not measured
@@ -343,13 +351,18 @@ impl PassCost {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct CostModel {
     forward: PassCost,
-    /// Passes that verified drafts (see the module docs).
-    verify: PassCost,
+    /// Passes that verified drafts (see the module docs), by
+    /// [`CostModel::kind`]: of few sequences, or of more than
+    /// `eager_verify_above`.
+    verify: [PassCost; 2],
     round: LinearFit,
-    /// `verify`'s age in plain decode passes.
-    verify_shelf: Shelf,
+    /// `verify`'s ages in plain decode passes.
+    verify_shelf: [Shelf; 2],
     /// `round`'s age in decode passes.
     round_shelf: Shelf,
+    /// Sequences above which verifying passes are priced apart; `None`:
+    /// one kind.
+    eager_verify_above: Option<usize>,
 }
 
 /// Decode steps after which an estimate that only drafting refreshes is
@@ -467,25 +480,46 @@ impl Costs {
 }
 
 impl CostModel {
+    /// Verifying passes of more than `seqs` sequences (when `Some`) are
+    /// recorded and priced apart from those of fewer: the model's
+    /// [`Model::eager_verify_above`](crate::model::Model::eager_verify_above).
+    /// A change forgets the verifying costs measured.
+    pub fn set_eager_verify_above(&mut self, seqs: Option<usize>) {
+        if seqs != self.eager_verify_above {
+            self.eager_verify_above = seqs;
+            self.verify = Default::default();
+            self.verify_shelf = Default::default();
+        }
+    }
+
+    /// The verifying record a pass of `seqs` sequences reads and feeds.
+    fn kind(&self, seqs: usize) -> usize {
+        usize::from(self.eager_verify_above.is_some_and(|few| seqs > few))
+    }
+
     /// A plain decode pass: every sequence fed one token.
     pub fn record_pass(&mut self, tokens: usize, time: Duration) {
         self.forward.add(tokens, time.as_secs_f64());
-        let line = &self.verify.line;
-        let excess = (line.w > 0.0)
-            .then(|| self.mean_pass_at(line.x / line.w))
-            .flatten()
-            .map(|plain| line.y / line.w - plain);
-        let patience = self.patience(excess);
-        if self.verify_shelf.expires(self.verify.passes > 0, patience) {
-            self.verify = PassCost::default();
+        for kind in 0..2 {
+            let line = &self.verify[kind].line;
+            let excess = (line.w > 0.0)
+                .then(|| self.mean_pass_at(line.x / line.w))
+                .flatten()
+                .map(|plain| line.y / line.w - plain);
+            let patience = self.patience(excess);
+            let holds = self.verify[kind].passes > 0;
+            if self.verify_shelf[kind].expires(holds, patience) {
+                self.verify[kind] = PassCost::default();
+            }
         }
         self.age_round();
     }
 
-    /// A decode pass that verified drafts.
-    pub fn record_verify(&mut self, tokens: usize, time: Duration) {
-        self.verify.add(tokens, time.as_secs_f64());
-        self.verify_shelf.renew();
+    /// A decode pass of `seqs` sequences that verified drafts.
+    pub fn record_verify(&mut self, tokens: usize, seqs: usize, time: Duration) {
+        let kind = self.kind(seqs);
+        self.verify[kind].add(tokens, time.as_secs_f64());
+        self.verify_shelf[kind].renew();
         self.age_round();
     }
 
@@ -506,7 +540,10 @@ impl CostModel {
     /// The most tokens of any decode pass measured, plain or verifying.
     fn largest_pass(&self) -> usize {
         let largest = |p: &PassCost| p.sizes.keys().next_back().copied().unwrap_or(0);
-        largest(&self.forward).max(largest(&self.verify))
+        self.verify
+            .iter()
+            .map(largest)
+            .fold(largest(&self.forward), usize::max)
     }
 
     /// A plain decode pass of `tokens` tokens (the line), if any is measured.
@@ -539,21 +576,22 @@ impl CostModel {
         Some((f0, f1.max(MIN_TOKEN_SHARE * f0)))
     }
 
-    /// The measured costs for passes of up to `max_tokens` tokens; `None`
-    /// before any decode pass is measured (then [`Costs::prior`]). The
-    /// priors fill in what the samples cannot tell yet (a slope, an
-    /// unmeasured round).
-    fn costs(&self, max_tokens: usize) -> Option<Costs> {
+    /// The measured costs for passes of up to `max_tokens` tokens over
+    /// `seqs` sequences; `None` before any decode pass is measured (then
+    /// [`Costs::prior`]). The priors fill in what the samples cannot tell
+    /// yet (a slope, an unmeasured round).
+    fn costs(&self, max_tokens: usize, seqs: usize) -> Option<Costs> {
+        let measured = &self.verify[self.kind(seqs)];
         let (f0, f1) = self.pass_line()?;
         let (r0, r1) = self
             .round
             .coefficients(|per_row| per_row * (1.0 - PRIOR_ROUND_FIXED_SHARE))
             .unwrap_or((PRIOR_ROUND_SHARE * (f0 + f1), 0.0));
         let mut pass = self.forward.curve(f0, f1, max_tokens);
-        let verify = self.verify.line.coefficients(|_| f1).map(|(v0, v1)| {
-            self.verify
-                .curve(v0, v1.max(MIN_TOKEN_SHARE * f0), max_tokens)
-        });
+        let verify = measured
+            .line
+            .coefficients(|_| f1)
+            .map(|(v0, v1)| measured.curve(v0, v1.max(MIN_TOKEN_SHARE * f0), max_tokens));
         // A plain pass of `t` tokens costs no more than a verifying one of
         // as many, so from the smallest verifying size measured on, `V`
         // bounds `F`. A lone stream measures plain passes of one token and
@@ -562,7 +600,7 @@ impl CostModel {
         // verifying two-token pass later) and priced a 4-token pass at
         // 1.7x a 1-token one where it measured 1.2x (BENCHMARKS.md, issue
         // 18, session 28). The minimum of two non-decreasing curves is one.
-        if let (Some(v), Some(from)) = (&verify, self.verify.sizes.keys().min()) {
+        if let (Some(v), Some(from)) = (&verify, measured.sizes.keys().min()) {
             for (f, &v) in pass.iter_mut().zip(v).skip(*from) {
                 *f = f.min(v);
             }
@@ -730,7 +768,7 @@ impl DraftPolicy {
         });
         let decodes = slots.len();
         let cap = cap.min(MAX_DRAFT_TOKENS);
-        let Some(costs) = self.cost.costs(base_tokens + decodes * cap) else {
+        let Some(costs) = self.cost.costs(base_tokens + decodes * cap, decodes) else {
             return constant || lone_decode(decodes, base_tokens);
         };
         let plain = costs.pass_time(base_tokens);
@@ -756,6 +794,8 @@ impl DraftPolicy {
 
     /// Grants for `candidates` (drafting sequences that decode this step) in
     /// a step whose forward pass carries `base_tokens` tokens before drafts.
+    /// Their count stands for the pass's sequences where verifying passes
+    /// are priced by kind ([`CostModel::set_eager_verify_above`]).
     pub fn assign(&mut self, candidates: &[Candidate], base_tokens: usize) -> Vec<Grant> {
         // Each drafter a candidate has is an offer of its own; the plan
         // takes a candidate's drafts from at most one of them.
@@ -771,7 +811,7 @@ impl DraftPolicy {
         // Nothing measured yet: the priors decide for a lone decode, up to
         // its initial draft; nobody else drafts (see the module docs).
         let most_tokens = base_tokens + options.iter().map(|o| o.reach.len()).sum::<usize>();
-        let (costs, cold) = match self.cost.costs(most_tokens) {
+        let (costs, cold) = match self.cost.costs(most_tokens, candidates.len()) {
             Some(costs) => (costs, false),
             None => (Costs::prior(), true),
         };
@@ -1270,7 +1310,7 @@ mod tests {
             policy.cost_mut().record_pass(t, time);
             policy
                 .cost_mut()
-                .record_verify(t + 1, time + Duration::from_millis(1));
+                .record_verify(t + 1, t, time + Duration::from_millis(1));
         }
         for m in [1, 2, 4, 8] {
             policy
@@ -1295,7 +1335,7 @@ mod tests {
                 cost.record_round(rows as usize, Duration::from_micros(165 + 5 * rows));
             }
         }
-        let c = cost.costs(8).unwrap();
+        let c = cost.costs(8, 1).unwrap();
         let one_row = c.r0 + c.r1;
         assert!((one_row - 170e-6).abs() < 30e-6, "one row: {one_row:e} s");
         assert!(
@@ -1371,11 +1411,11 @@ mod tests {
             }
         };
         plain(&mut cost, 100);
-        cost.record_verify(17, Duration::from_millis(15));
+        cost.record_verify(17, 16, Duration::from_millis(15));
         plain(&mut cost, 1_100);
-        assert!(cost.verify.passes > 0, "kept past the shelf life");
+        assert!(cost.verify[0].passes > 0, "kept past the shelf life");
         plain(&mut cost, 400);
-        assert_eq!(cost.verify.passes, 0, "forgotten at about 14 ms / 1 %");
+        assert_eq!(cost.verify[0].passes, 0, "forgotten at about 14 ms / 1 %");
     }
 
     /// Rounds measured at one size only (catch-ups of 60 pairs, 3 ms each)
@@ -1388,7 +1428,7 @@ mod tests {
         for _ in 0..10 {
             cost.record_round(60, Duration::from_millis(3));
         }
-        let c = cost.costs(8).unwrap();
+        let c = cost.costs(8, 1).unwrap();
         assert!(c.r0 + c.r1 < 1e-3, "one row: {:e} s", c.r0 + c.r1);
         assert!((c.r0 + 60.0 * c.r1 - 3e-3).abs() < 1e-6, "60 rows");
     }
@@ -1486,7 +1526,7 @@ mod tests {
                 })
                 .collect();
             let reach: Vec<Vec<f64>> = options.iter().map(|o| o.reach.clone()).collect();
-            let costs = policy.cost.costs(64 + 8 * n).unwrap();
+            let costs = policy.cost.costs(64 + 8 * n, 64).unwrap();
             for shared in [false, true] {
                 let mut plan = StepModel::new(costs.clone(), n + trial % 5, n);
                 if shared {
@@ -1575,7 +1615,7 @@ mod tests {
     #[test]
     fn each_pass_size_keeps_its_own_cost() {
         let model = pass_cost(true);
-        let f = model.costs(12).unwrap();
+        let f = model.costs(12, 1).unwrap();
         assert!(f.pass.windows(2).all(|w| w[1] >= w[0]), "{:?}", f.pass);
         let ms = |t: usize| f.pass_time(t) * 1e3;
         // Shrunk towards the line a little, but the step stays a step.
@@ -1590,7 +1630,7 @@ mod tests {
             later.record_pass(1, Duration::from_micros(20_300));
         }
         let (f0, f1) = later.pass_line().unwrap();
-        let at5 = later.costs(5).unwrap().pass[5];
+        let at5 = later.costs(5, 1).unwrap().pass[5];
         assert!((at5 - (f0 + 5.0 * f1)).abs() < 1e-4, "{at5} vs the line");
     }
 
@@ -1604,10 +1644,10 @@ mod tests {
             model.record_pass(2, Duration::from_micros(21_400));
         }
         for _ in 0..30 {
-            model.record_verify(2, Duration::from_micros(19_600));
-            model.record_verify(3, Duration::from_micros(20_800));
+            model.record_verify(2, 1, Duration::from_micros(19_600));
+            model.record_verify(3, 1, Duration::from_micros(20_800));
         }
-        let f = model.costs(8).unwrap();
+        let f = model.costs(8, 1).unwrap();
         let ms = |t: usize| f.verify_time(t) * 1e3;
         assert!((ms(2) - 19.6).abs() < 0.5, "V(2) = {}", ms(2));
         assert!((ms(3) - 20.8).abs() < 0.5, "V(3) = {}", ms(3));
@@ -1640,7 +1680,7 @@ mod tests {
         let model = measured_passes(&passes, 20);
         let (f0, f1) = model.pass_line().unwrap();
         assert!(f0 + 16.0 * f1 > 0.041, "the mean at 16 sits below the line");
-        let f = model.costs(20).unwrap();
+        let f = model.costs(20, 1).unwrap();
         let extra = f.pass_time(17) - f.pass_time(16);
         assert!(
             (extra - f.slope).abs() < 1e-9,
@@ -1670,12 +1710,12 @@ mod tests {
         };
         let stepped = pass_cost(true);
         assert_eq!(
-            grant(stepped.costs(7).unwrap()),
+            grant(stepped.costs(7, 1).unwrap()),
             3,
             "4 rows, not the 5-row step"
         );
         assert_eq!(
-            grant(pass_cost(false).costs(7).unwrap()),
+            grant(pass_cost(false).costs(7, 1).unwrap()),
             6,
             "no step: the cap"
         );
@@ -1683,7 +1723,7 @@ mod tests {
         // token and would draft into it.
         let line = Costs {
             pass: vec![stepped.pass_line().unwrap().0],
-            ..stepped.costs(0).unwrap()
+            ..stepped.costs(0, 1).unwrap()
         };
         assert!(grant(line) > 4);
     }
@@ -1754,7 +1794,7 @@ mod tests {
         for &t in sizes {
             policy
                 .cost_mut()
-                .record_verify(t, Duration::from_micros(fixed_us + 10 * t as u64));
+                .record_verify(t, 16, Duration::from_micros(fixed_us + 10 * t as u64));
         }
     }
 
@@ -1779,6 +1819,41 @@ mod tests {
             policy.record(99, Drafter::Head, 6, 6);
         }
         assert_eq!(policy.assign(&[candidate(99, 6)], 1)[0].drafts, 6);
+    }
+
+    /// Where few sequences' verifying passes replay graphs (1 ms and 10 µs
+    /// a token, like a plain pass) and 16 sequences' run eagerly (3 ms),
+    /// the 16-sequence step prices its drafts by its own kind: one draft
+    /// to measure it, then none; few sequences still draft at replay cost.
+    /// With one curve for both, the replays' cost at 17–36 tokens priced
+    /// the 16-sequence step's drafts as nearly free.
+    #[test]
+    fn verifying_passes_of_many_sequences_are_priced_apart_where_few_replay() {
+        let replays = |policy: &mut DraftPolicy| {
+            for (t, seqs) in [(2, 1), (5, 2), (12, 3), (20, 4), (36, 4)] {
+                let time = Duration::from_micros(1_000 + 10 * t as u64);
+                policy.cost_mut().record_verify(t, seqs, time);
+            }
+        };
+        let drafted = |grants: &[Grant]| grants.iter().map(|g| g.drafts).sum::<usize>();
+        // One record for every pass: the replays price the big step's drafts.
+        let (mut single, slots) = graph_like();
+        replays(&mut single);
+        assert!(drafted(&single.assign(&slots, 16)) > 1);
+        let (mut split, slots) = graph_like();
+        split.cost_mut().set_eager_verify_above(Some(4));
+        replays(&mut split);
+        assert_eq!(
+            drafted(&split.assign(&slots, 16)),
+            1,
+            "measures its kind first"
+        );
+        verifying_passes(&mut split, &[17], 3_000);
+        assert_eq!(drafted(&split.assign(&slots, 16)), 0);
+        assert!(
+            drafted(&split.assign(&slots[..3], 3)) > 0,
+            "few still replay"
+        );
     }
 
     /// A lone Q8_0-like stream: plain passes 3.3 ms, a draft round 0.3 ms,
@@ -1836,7 +1911,7 @@ mod tests {
         let grants = policy.assign(&slots, 16);
         assert!(grants.iter().all(|g| g.drafts >= 1), "{grants:?}");
         // One draft at a time, from the plain step, none pays it.
-        let costs = policy.cost.costs(64).unwrap();
+        let costs = policy.cost.costs(64, 1).unwrap();
         let options: Vec<Choice> = slots.iter().map(|c| policy.offers(c).remove(0)).collect();
         let reach: Vec<Vec<f64>> = options.iter().map(|o| o.reach.clone()).collect();
         let mut drafts = vec![0; slots.len()];
@@ -1880,7 +1955,7 @@ mod tests {
                 .record_pass(t, Duration::from_micros(1_390 + t as u64 / 8));
         }
         wide.cost_mut()
-            .record_verify(65, Duration::from_micros(7_300));
+            .record_verify(65, 64, Duration::from_micros(7_300));
         let many: Vec<SlotId> = (0..64).collect();
         assert!(!wide.worth_planning(&many, 64, 8));
         // Before any measurement only a lone decode plans.

@@ -227,6 +227,14 @@ impl DecodeGraphs {
         self.lock().enabled
     }
 
+    /// Sequences above which a verifying pass mostly runs eagerly (its
+    /// shape captured only when it recurs, [`CAPTURE_VERIFY_AFTER`]) while
+    /// one of fewer replays; `None` with graphs off, where every pass runs
+    /// eagerly alike.
+    pub fn eager_verify_above(&self) -> Option<usize> {
+        self.enabled().then_some(FEW_SEQS)
+    }
+
     /// Turns graphs on or off (off drops every captured graph).
     pub fn set_enabled(&self, on: bool, device: &Device) {
         let mut s = self.lock();

@@ -276,6 +276,17 @@ impl Model {
         }
     }
 
+    /// Sequences above which this model's verifying passes mostly run
+    /// eagerly while those of fewer replay CUDA graphs (the draft policy
+    /// prices the two apart); `None` where every pass runs alike (off CUDA
+    /// or with graphs off).
+    pub fn eager_verify_above(&self) -> Option<usize> {
+        match &self.step {
+            Step::Candle(c) => c.graphs().eager_verify_above(),
+            Step::Lean(_) => None,
+        }
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
