@@ -3,12 +3,17 @@
 //! buffer's user writes it, and memory is faulted in as it is touched,
 //! not all at once.
 //!
-//! The model's weight arena also asks for 2 MiB pages
-//! ([`zeroed_on_huge_pages`]): Linux's default transparent-huge-page mode
+//! Weights ask for 2 MiB pages: the dense weight arena
+//! ([`zeroed_on_huge_pages`]) and the repacked quantised weights
+//! ([`WeightBytes`]). Linux's default transparent-huge-page mode
 //! (`madvise`) backs only memory that asks, and only whole, aligned 2 MiB
 //! pages of it; on 4 KiB pages decode's weight streams take a TLB miss
 //! every 4 KiB. The CPU KV pool does not ([`zeroed`]; `crate::kv` says
 //! why). `TANDEM_NO_HUGE_PAGES=1` skips the advice, for A/B measurements.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, Weak};
 
 /// Bytes of a huge page.
 pub(crate) const HUGE_PAGE: usize = 2 << 20;
@@ -68,4 +73,128 @@ fn advise_huge_pages(addr: usize, bytes: usize) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = (addr, bytes);
+}
+
+/// Bytes of a [`WeightBytes`] chunk: room for many projections, so that
+/// weights far smaller than a huge page (a 576 × 576 Q4_1 projection is
+/// 207 KB) still sit on huge pages, packed one after another.
+const CHUNK: usize = 64 << 20;
+
+/// Where a [`WeightBytes`] slot starts inside its chunk.
+const SLOT_ALIGN: usize = 64;
+
+/// One zeroed allocation advised for huge pages, shared by the slots
+/// carved from it and freed with the last of them.
+struct Chunk {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: a chunk is a plain allocation; it hands out disjoint slots, and
+// only a slot's owner reads or writes the slot's bytes.
+unsafe impl Send for Chunk {}
+// SAFETY: as for Send: shared references give nothing but the pointer.
+unsafe impl Sync for Chunk {}
+
+impl Chunk {
+    fn new(bytes: usize) -> Option<Arc<Self>> {
+        let size = bytes.next_multiple_of(HUGE_PAGE);
+        let layout = Layout::from_size_align(size, HUGE_PAGE).ok()?;
+        // SAFETY: the layout is non-zero-sized; the pointer is checked.
+        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })?;
+        advise_huge_pages(ptr.as_ptr() as usize, size);
+        Some(Arc::new(Self { ptr, layout }))
+    }
+}
+
+impl Drop for Chunk {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// The chunk new slots are carved from, and the offset of its free room.
+/// Weak: a chunk lives as long as its slots, not as long as the process.
+static CURRENT: Mutex<(Weak<Chunk>, usize)> = Mutex::new((Weak::new(), 0));
+
+/// A zeroed, exclusively owned byte buffer for weights, carved with others
+/// from shared 2 MiB-aligned chunks on huge pages (one chunk per 64 MiB of
+/// weights, or one of its own for a larger weight), so that a model's
+/// repacked projections stream from huge pages whatever their sizes.
+/// Slots never overlap; a chunk is freed when its last slot drops.
+pub(crate) struct WeightBytes {
+    chunk: Arc<Chunk>,
+    offset: usize,
+    len: usize,
+}
+
+impl WeightBytes {
+    /// `len` zero bytes, or `None` when no memory could be allocated.
+    pub(crate) fn zeroed(len: usize) -> Option<Self> {
+        let mut current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
+        let (weak, next) = &mut *current;
+        if let Some(chunk) = weak.upgrade() {
+            if *next + len <= chunk.layout.size() {
+                let offset = *next;
+                *next = (offset + len).next_multiple_of(SLOT_ALIGN);
+                return Some(Self { chunk, offset, len });
+            }
+        }
+        let chunk = Chunk::new(len.max(CHUNK))?;
+        *weak = Arc::downgrade(&chunk);
+        *next = len.next_multiple_of(SLOT_ALIGN);
+        Some(Self {
+            chunk,
+            offset: 0,
+            len,
+        })
+    }
+}
+
+impl std::ops::Deref for WeightBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `offset + len` lies inside the chunk, which outlives
+        // `self`; the slot's bytes are initialised (zeroed at allocation).
+        unsafe { std::slice::from_raw_parts(self.chunk.ptr.as_ptr().add(self.offset), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for WeightBytes {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as for Deref; no other slot covers these bytes, and
+        // `&mut self` makes this the only reference to them.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.chunk.ptr.as_ptr().add(self.offset), self.len)
+        }
+    }
+}
+
+impl std::fmt::Debug for WeightBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "WeightBytes({} bytes)", self.len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{WeightBytes, CHUNK, SLOT_ALIGN};
+
+    #[test]
+    fn weight_bytes_are_zeroed_disjoint_aligned_slots() {
+        let mut a = WeightBytes::zeroed(1000).unwrap();
+        let mut b = WeightBytes::zeroed(3).unwrap();
+        assert!(a.iter().chain(b.iter()).all(|&x| x == 0));
+        a.fill(1);
+        b.fill(2);
+        assert!(a.iter().all(|&x| x == 1) && b.iter().all(|&x| x == 2));
+        assert_eq!(b.as_ptr() as usize % SLOT_ALIGN, 0);
+        // A weight larger than a chunk gets a chunk of its own.
+        let big = WeightBytes::zeroed(CHUNK + 1).unwrap();
+        assert_eq!(big.len(), CHUNK + 1);
+        assert_eq!(big.as_ptr() as usize % super::HUGE_PAGE, 0);
+        drop(a);
+        assert!(b.iter().all(|&x| x == 2), "a slot outlives its neighbours");
+    }
 }

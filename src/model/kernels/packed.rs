@@ -54,6 +54,8 @@
 
 use half::f16;
 
+use crate::host_memory::WeightBytes;
+
 use super::pool::{for_each_range, SharedMut};
 use super::qformat::{k4_scale_bytes, QFormat, QuantisedRows8};
 use super::quant::with_acts8;
@@ -301,10 +303,13 @@ fn ggml_levels(format: QFormat, levels: &[u8]) -> Vec<u8> {
 
 /// A `[n, k]` matrix of GGML blocks in interleaved records (the module
 /// docs).
-#[derive(Debug, Clone)]
+///
+/// The records sit on huge pages ([`WeightBytes`]): decode streams every
+/// one of them each step.
+#[derive(Debug)]
 pub(crate) struct Packed {
     format: QFormat,
-    bytes: Vec<u8>,
+    bytes: WeightBytes,
     n: usize,
     k: usize,
 }
@@ -337,7 +342,9 @@ impl Packed {
         );
         let (blocks, bb, rec_len) = (k / format.group(), format.block_bytes(), record(format));
         assert!(ggml.len() >= n * blocks * bb, "Packed: too few bytes");
-        let mut bytes = vec![0u8; n.div_ceil(ROWS) * blocks * rec_len];
+        let len = n.div_ceil(ROWS) * blocks * rec_len;
+        let mut bytes = WeightBytes::zeroed(len)
+            .unwrap_or_else(|| panic!("Packed: cannot allocate {len} bytes of weights"));
         for j in 0..n {
             let (group, l) = (j / ROWS, j % ROWS);
             for g in 0..blocks {
