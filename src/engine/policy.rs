@@ -48,13 +48,14 @@
 //!   one: BENCHMARKS.md, issue 18). Where the model replays verifying
 //!   passes of a few sequences from graphs but runs those of more eagerly
 //!   until their shape recurs ([`CostModel::set_eager_verify_above`]),
-//!   the two kinds keep separate `V` curves, and a step prices its drafts
-//!   by its own kind: one curve over tokens learnt a 4-sequence replay's
-//!   cost at 17–36 tokens and priced a 16-sequence step's first draft at
-//!   it, where the pass ran eagerly at three plain ones (an H100 at 16
-//!   streams: 15–28 lookup drafts a run, each such step about 2.7 ms
-//!   dearer; BENCHMARKS.md, issue 18, session 39). Until a verification is measured, `F`
-//!   stands in for `V` (on the CPU the two nearly coincide), and a batch
+//!   the two kinds keep separate `V` curves and a step prices its drafts
+//!   by its own kind: one curve over tokens learnt the few-sequence
+//!   replays' cost and priced a many-sequence step's drafts at it, where
+//!   the pass ran eagerly at about three plain ones (an H100 at 64
+//!   streams: 5–58 lookup drafts a run, 0.87–0.96×; priced apart, 2 a
+//!   run, 0.93–1.00×; BENCHMARKS.md, issue 18,
+//!   session 39). Until a verification is measured, `F` stands in for `V`
+//!   (on the CPU the two nearly coincide), and a batch
 //!   grants a single draft, to the sequence likeliest to land it: its
 //!   pass measures `V` at the least cost. Verifying costs not measured
 //!   again for [`SHELF_LIFE`] decode passes (doubled each time it
