@@ -11,7 +11,6 @@
 //! every 4 KiB. The CPU KV pool does not ([`zeroed`]; `crate::kv` says
 //! why). `TANDEM_NO_HUGE_PAGES=1` skips the advice, for A/B measurements.
 
-use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, Weak};
 
@@ -86,8 +85,13 @@ const SLOT_ALIGN: usize = 64;
 /// One zeroed allocation advised for huge pages, shared by the slots
 /// carved from it and freed with the last of them.
 struct Chunk {
-    ptr: NonNull<u8>,
-    layout: Layout,
+    /// The allocation (untouched at creation, so the advice applies);
+    /// only `start` reads or writes it.
+    _buf: Vec<u8>,
+    /// Its first 2 MiB boundary, where the slots start.
+    start: NonNull<u8>,
+    /// Bytes from `start` on.
+    size: usize,
 }
 
 // SAFETY: a chunk is a plain allocation; it hands out disjoint slots, and
@@ -97,20 +101,17 @@ unsafe impl Send for Chunk {}
 unsafe impl Sync for Chunk {}
 
 impl Chunk {
+    /// Room for `bytes` from a 2 MiB boundary, on huge pages.
     fn new(bytes: usize) -> Option<Arc<Self>> {
         let size = bytes.next_multiple_of(HUGE_PAGE);
-        let layout = Layout::from_size_align(size, HUGE_PAGE).ok()?;
-        // SAFETY: the layout is non-zero-sized; the pointer is checked.
-        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })?;
-        advise_huge_pages(ptr.as_ptr() as usize, size);
-        Some(Arc::new(Self { ptr, layout }))
-    }
-}
-
-impl Drop for Chunk {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout, freed once.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        let (mut buf, base) = zeroed_on_huge_pages::<u8>(size)?;
+        // SAFETY: `zeroed_on_huge_pages` leaves `size` bytes from `base`.
+        let start = NonNull::new(unsafe { buf.as_mut_ptr().add(base) })?;
+        Some(Arc::new(Self {
+            _buf: buf,
+            start,
+            size,
+        }))
     }
 }
 
@@ -135,7 +136,7 @@ impl WeightBytes {
         let mut current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
         let (weak, next) = &mut *current;
         if let Some(chunk) = weak.upgrade() {
-            if *next + len <= chunk.layout.size() {
+            if *next + len <= chunk.size {
                 let offset = *next;
                 *next = (offset + len).next_multiple_of(SLOT_ALIGN);
                 return Some(Self { chunk, offset, len });
@@ -157,7 +158,7 @@ impl std::ops::Deref for WeightBytes {
     fn deref(&self) -> &[u8] {
         // SAFETY: `offset + len` lies inside the chunk, which outlives
         // `self`; the slot's bytes are initialised (zeroed at allocation).
-        unsafe { std::slice::from_raw_parts(self.chunk.ptr.as_ptr().add(self.offset), self.len) }
+        unsafe { std::slice::from_raw_parts(self.chunk.start.as_ptr().add(self.offset), self.len) }
     }
 }
 
@@ -166,7 +167,7 @@ impl std::ops::DerefMut for WeightBytes {
         // SAFETY: as for Deref; no other slot covers these bytes, and
         // `&mut self` makes this the only reference to them.
         unsafe {
-            std::slice::from_raw_parts_mut(self.chunk.ptr.as_ptr().add(self.offset), self.len)
+            std::slice::from_raw_parts_mut(self.chunk.start.as_ptr().add(self.offset), self.len)
         }
     }
 }
