@@ -1,7 +1,8 @@
 //! Large zeroed host buffers, allocated untouched: the allocator maps
 //! fresh (zero) pages for large sizes, so no byte is written until the
 //! buffer's user writes it, and memory is faulted in as it is touched,
-//! not all at once.
+//! not all at once. (Not always: a large `calloc` may reuse heap memory
+//! already touched, so [`WeightBytes`] maps its chunks itself.)
 //!
 //! Weights ask for 2 MiB pages: the dense weight arena
 //! ([`zeroed_on_huge_pages`]) and the repacked quantised weights
@@ -85,13 +86,11 @@ const SLOT_ALIGN: usize = 64;
 /// One zeroed allocation advised for huge pages, shared by the slots
 /// carved from it and freed with the last of them.
 struct Chunk {
-    /// The allocation (untouched at creation, so the advice applies);
-    /// only `start` reads or writes it.
-    _buf: Vec<u8>,
-    /// Its first 2 MiB boundary, where the slots start.
+    /// The allocation's first 2 MiB boundary, where the slots start.
     start: NonNull<u8>,
     /// Bytes from `start` on.
     size: usize,
+    _mapping: Mapping,
 }
 
 // SAFETY: a chunk is a plain allocation; it hands out disjoint slots, and
@@ -101,17 +100,80 @@ unsafe impl Send for Chunk {}
 unsafe impl Sync for Chunk {}
 
 impl Chunk {
-    /// Room for `bytes` from a 2 MiB boundary, on huge pages.
+    /// Room for `bytes` from a 2 MiB boundary, zeroed, on huge pages where
+    /// Linux grants them; `None` when the allocation fails.
     fn new(bytes: usize) -> Option<Arc<Self>> {
         let size = bytes.next_multiple_of(HUGE_PAGE);
-        let (mut buf, base) = zeroed_on_huge_pages::<u8>(size)?;
-        // SAFETY: `zeroed_on_huge_pages` leaves `size` bytes from `base`.
-        let start = NonNull::new(unsafe { buf.as_mut_ptr().add(base) })?;
+        let (mapping, at) = Mapping::new(size + HUGE_PAGE)?;
+        let base = (at as usize).next_multiple_of(HUGE_PAGE) - at as usize;
+        advise_huge_pages(at as usize, size + HUGE_PAGE);
+        // SAFETY: `base < HUGE_PAGE`, so `size` bytes from it stay inside.
+        let start = NonNull::new(unsafe { at.add(base) })?;
         Some(Arc::new(Self {
-            _buf: buf,
             start,
             size,
+            _mapping: mapping,
         }))
+    }
+}
+
+/// A fresh anonymous mapping, unmapped on drop. Mapped directly rather
+/// than through the allocator: a large `calloc` may be served from memory
+/// the heap already touched (SmolLM2's 30 MB unembedding landed there, on
+/// 4 KiB pages, once the load's temporary buffers were freed), and pages
+/// already touched keep their size.
+#[cfg(target_os = "linux")]
+struct Mapping {
+    at: NonNull<u8>,
+    len: usize,
+}
+
+#[cfg(target_os = "linux")]
+impl Mapping {
+    /// `len` zero bytes and where they start.
+    fn new(len: usize) -> Option<(Self, *mut u8)> {
+        // SAFETY: a fresh private anonymous mapping names no existing
+        // memory; its pages read as zero until written.
+        let at = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if at == libc::MAP_FAILED {
+            return None;
+        }
+        let at = NonNull::new(at.cast::<u8>())?;
+        Some((Self { at, len }, at.as_ptr()))
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `new` with this length, unmapped once, after
+        // the chunk's last slot is gone.
+        unsafe {
+            libc::munmap(self.at.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// Elsewhere (no huge-page advice): a zeroed vector, read and written
+/// only through the pointer taken at creation.
+#[cfg(not(target_os = "linux"))]
+struct Mapping(Vec<u8>);
+
+#[cfg(not(target_os = "linux"))]
+impl Mapping {
+    fn new(len: usize) -> Option<(Self, *mut u8)> {
+        let mut v = zeroed::<u8>(len)?;
+        let at = v.as_mut_ptr();
+        Some((Self(v), at))
     }
 }
 
