@@ -746,8 +746,8 @@ impl DraftPolicy {
     }
 
     /// Whether any draft could pay in a step of `decodes` drafting
-    /// sequences (`slots`) over `base_tokens` pass tokens, each allowed up
-    /// to `cap` drafts: some sequence has a constant schedule, or a perfect
+    /// sequences (`slots`) over `base_tokens` pass tokens of `pass_seqs`
+    /// sequences, each allowed up to `cap` drafts: some sequence has a constant schedule, or a perfect
     /// run (every draft accepted, no round to pay), by one sequence or by
     /// all of them, would clearly beat the plain step (by the plan's
     /// margin). When not, the engine skips the proposals and the plan: at
@@ -761,7 +761,13 @@ impl DraftPolicy {
     /// passes make nearly zero, 64 sequences drafting 8 each (576 tokens)
     /// looked nearly free beside one measured verifying pass of 65, and
     /// every step planned for nothing (BENCHMARKS.md, issue 18, session 30).
-    pub fn worth_planning(&self, slots: &[SlotId], base_tokens: usize, cap: usize) -> bool {
+    pub fn worth_planning(
+        &self,
+        slots: &[SlotId],
+        base_tokens: usize,
+        cap: usize,
+        pass_seqs: usize,
+    ) -> bool {
         let constant = slots.iter().any(|s| {
             self.seqs
                 .get(s)
@@ -769,7 +775,7 @@ impl DraftPolicy {
         });
         let decodes = slots.len();
         let cap = cap.min(MAX_DRAFT_TOKENS);
-        let Some(costs) = self.cost.costs(base_tokens + decodes * cap, decodes) else {
+        let Some(costs) = self.cost.costs(base_tokens + decodes * cap, pass_seqs) else {
             return constant || lone_decode(decodes, base_tokens);
         };
         let plain = costs.pass_time(base_tokens);
@@ -794,10 +800,15 @@ impl DraftPolicy {
     }
 
     /// Grants for `candidates` (drafting sequences that decode this step) in
-    /// a step whose forward pass carries `base_tokens` tokens before drafts.
-    /// Their count stands for the pass's sequences where verifying passes
-    /// are priced by kind ([`CostModel::set_eager_verify_above`]).
-    pub fn assign(&mut self, candidates: &[Candidate], base_tokens: usize) -> Vec<Grant> {
+    /// a step whose forward pass carries `base_tokens` tokens of
+    /// `pass_seqs` sequences before drafts (the count picks the verifying
+    /// kind, [`CostModel::set_eager_verify_above`]).
+    pub fn assign(
+        &mut self,
+        candidates: &[Candidate],
+        base_tokens: usize,
+        pass_seqs: usize,
+    ) -> Vec<Grant> {
         // Each drafter a candidate has is an offer of its own; the plan
         // takes a candidate's drafts from at most one of them.
         let mut options = Vec::new();
@@ -812,7 +823,7 @@ impl DraftPolicy {
         // Nothing measured yet: the priors decide for a lone decode, up to
         // its initial draft; nobody else drafts (see the module docs).
         let most_tokens = base_tokens + options.iter().map(|o| o.reach.len()).sum::<usize>();
-        let (costs, cold) = match self.cost.costs(most_tokens, candidates.len()) {
+        let (costs, cold) = match self.cost.costs(most_tokens, pass_seqs) {
             Some(costs) => (costs, false),
             None => (Costs::prior(), true),
         };
@@ -1352,7 +1363,7 @@ mod tests {
     #[test]
     fn a_catch_up_is_priced_over_the_steps_it_serves() {
         let mut policy = one_sequence(Drafter::Head, 4, 3);
-        let current = policy.assign(&[candidate(1, 6)], 1);
+        let current = policy.assign(&[candidate(1, 6)], 1, 1);
         assert!(current[0].drafts > 0, "{current:?}");
         // 300 pairs at 0.1 ms: 30 ms against an 11 ms step.
         let behind = |head_fresh, remaining| Candidate {
@@ -1361,7 +1372,7 @@ mod tests {
             remaining,
             ..candidate(1, 6)
         };
-        let mut drafts = |c| policy.assign(&[c], 1)[0].drafts;
+        let mut drafts = |c| policy.assign(&[c], 1, 1)[0].drafts;
         assert_eq!(drafts(behind(true, 2)), 0, "a prompt near its end");
         assert!(
             drafts(behind(true, 4_000)) > 0,
@@ -1381,7 +1392,7 @@ mod tests {
             remaining: 40,
             ..candidate(1, 6)
         };
-        assert!(policy.assign(std::slice::from_ref(&prompt), 1)[0].drafts > 0);
+        assert!(policy.assign(std::slice::from_ref(&prompt), 1, 1)[0].drafts > 0);
         // A caught-up sequence that stopped drafting (a useless stretch;
         // it probes now and then).
         policy.admit(2, drafting(DraftSchedule::Adaptive));
@@ -1389,15 +1400,15 @@ mod tests {
             policy.record(2, Drafter::Head, 1, 0);
         }
         for _ in 0..400 {
-            policy.assign(&[candidate(2, 6)], 1);
+            policy.assign(&[candidate(2, 6)], 1, 1);
         }
         // Fresh sequences alone record nothing: the share ages, and is
         // forgotten after its shelf life.
         for step in 0..=SHELF_LIFE {
-            let grant = policy.assign(std::slice::from_ref(&prompt), 1);
+            let grant = policy.assign(std::slice::from_ref(&prompt), 1, 1);
             assert_eq!(grant[0].drafts, 0, "step {step}");
         }
-        assert!(policy.assign(&[prompt], 1)[0].drafts > 0);
+        assert!(policy.assign(&[prompt], 1, 1)[0].drafts > 0);
     }
 
     /// A verifying pass measured far dearer than a plain one (a GPU's
@@ -1440,7 +1451,7 @@ mod tests {
     #[test]
     fn round_costs_not_measured_again_are_forgotten() {
         let mut policy = one_sequence(Drafter::Head, 4, 3);
-        let drafts = |policy: &mut DraftPolicy| policy.assign(&[candidate(1, 6)], 1)[0].drafts;
+        let drafts = |policy: &mut DraftPolicy| policy.assign(&[candidate(1, 6)], 1, 1)[0].drafts;
         assert!(drafts(&mut policy) > 0);
         for rows in [1, 6].repeat(100) {
             policy
@@ -1468,7 +1479,7 @@ mod tests {
         }
         admit_with_records(&mut policy, (6, 6), 2, (2, 2));
         let c = lookup_candidate(1, 2, vec![5, 6]);
-        let g = &policy.assign(std::slice::from_ref(&c), 1)[0];
+        let g = &policy.assign(std::slice::from_ref(&c), 1, 1)[0];
         assert_eq!((g.drafts, g.drafter), (2, Drafter::Lookup(2)), "{g:?}");
         // With cheap rounds the head's longer run wins.
         for rows in [1, 2, 4].repeat(200) {
@@ -1476,7 +1487,7 @@ mod tests {
                 .cost_mut()
                 .record_round(rows, Duration::from_micros(100));
         }
-        let g = policy.assign(&[c], 1);
+        let g = policy.assign(&[c], 1, 1);
         assert_eq!(g[0].drafter, Drafter::Head, "{g:?}");
         assert!(g[0].drafts > 2, "{g:?}");
     }
@@ -1736,7 +1747,7 @@ mod tests {
             policy.record(1, Drafter::Head, 6, 6);
             policy.record(2, Drafter::Head, 6, 0);
         }
-        let grants = policy.assign(&[candidate(1, 6), candidate(2, 6)], 2);
+        let grants = policy.assign(&[candidate(1, 6), candidate(2, 6)], 2, 2);
         assert_eq!(grants[0].drafts, 6, "perfect acceptance drafts the cap");
         assert_eq!(grants[1].drafts, 0, "a useless drafter does not draft");
     }
@@ -1751,10 +1762,10 @@ mod tests {
                 .record_pass(t, Duration::from_micros(1_000 + 1_000 * t as u64));
         }
         let slots = first_drafts_land(&mut policy, 64);
-        let grants = policy.assign(&slots, 64);
+        let grants = policy.assign(&slots, 64, slots.len());
         assert!(grants.iter().all(|g| g.drafts == 0), "{grants:?}");
         // One sequence alone on a latency-bound step drafts.
-        let grants = policy.assign(&slots[..1], 1);
+        let grants = policy.assign(&slots[..1], 1, 1);
         assert!(grants[0].drafts > 0);
     }
 
@@ -1803,7 +1814,7 @@ mod tests {
     fn a_verifying_pass_that_runs_eagerly_prices_the_first_draft() {
         // Verifying passes run eagerly: 3 ms.
         let (mut policy, slots) = graph_like();
-        let unmeasured = policy.assign(&slots, 16);
+        let unmeasured = policy.assign(&slots, 16, slots.len());
         let drafts: Vec<usize> = unmeasured.iter().map(|g| g.drafts).collect();
         assert_eq!(
             drafts.iter().sum::<usize>(),
@@ -1811,7 +1822,7 @@ mod tests {
             "no verification measured: one draft measures it, {drafts:?}"
         );
         verifying_passes(&mut policy, &[17, 24, 40], 3_000);
-        let grants = policy.assign(&slots, 16);
+        let grants = policy.assign(&slots, 16, slots.len());
         assert!(grants.iter().all(|g| g.drafts == 0), "{grants:?}");
         // A perfect drafter on a lone stream still pays for the jump: seven
         // tokens for about 3.7 ms against one for 1 ms.
@@ -1819,13 +1830,14 @@ mod tests {
         for _ in 0..20 {
             policy.record(99, Drafter::Head, 6, 6);
         }
-        assert_eq!(policy.assign(&[candidate(99, 6)], 1)[0].drafts, 6);
+        assert_eq!(policy.assign(&[candidate(99, 6)], 1, 1)[0].drafts, 6);
     }
 
     /// Where few sequences' verifying passes replay graphs (1 ms and 10 µs
     /// a token, like a plain pass) and 16 sequences' run eagerly (3 ms),
     /// the 16-sequence step prices its drafts by its own kind: one draft
-    /// to measure it, then none; few sequences still draft at replay cost.
+    /// to measure it, then none; few sequences still draft at replay cost,
+    /// unless the pass holds more sequences than draft.
     /// With one curve for both, the replays' cost at 17–36 tokens priced
     /// the 16-sequence step's drafts as nearly free.
     #[test]
@@ -1840,21 +1852,24 @@ mod tests {
         // One record for every pass: the replays price the big step's drafts.
         let (mut single, slots) = graph_like();
         replays(&mut single);
-        assert!(drafted(&single.assign(&slots, 16)) > 1);
+        assert!(drafted(&single.assign(&slots, 16, slots.len())) > 1);
         let (mut split, slots) = graph_like();
         split.cost_mut().set_eager_verify_above(Some(4));
         replays(&mut split);
         assert_eq!(
-            drafted(&split.assign(&slots, 16)),
+            drafted(&split.assign(&slots, 16, slots.len())),
             1,
             "measures its kind first"
         );
         verifying_passes(&mut split, &[17], 3_000);
-        assert_eq!(drafted(&split.assign(&slots, 16)), 0);
+        assert_eq!(drafted(&split.assign(&slots, 16, slots.len())), 0);
         assert!(
-            drafted(&split.assign(&slots[..3], 3)) > 0,
+            drafted(&split.assign(&slots[..3], 3, 3)) > 0,
             "few still replay"
         );
+        // Three drafting sequences beside two that do not: the pass's five
+        // run eagerly, and are priced so.
+        assert_eq!(drafted(&split.assign(&slots[..3], 5, 5)), 0);
     }
 
     /// A lone Q8_0-like stream: plain passes 3.3 ms, a draft round 0.3 ms,
@@ -1877,7 +1892,7 @@ mod tests {
                     .record_pass(1, Duration::from_micros(3_300));
             }
         };
-        let drafts = |policy: &mut DraftPolicy| policy.assign(&[candidate(1, 6)], 1)[0].drafts;
+        let drafts = |policy: &mut DraftPolicy| policy.assign(&[candidate(1, 6)], 1, 1)[0].drafts;
         plain(&mut policy, 20);
         assert!(
             drafts(&mut policy) > 0,
@@ -1909,7 +1924,7 @@ mod tests {
         // sequence's draft pays for that, sixteen together do.
         let (mut policy, slots) = graph_like();
         verifying_passes(&mut policy, &[17, 24, 32], 1_300);
-        let grants = policy.assign(&slots, 16);
+        let grants = policy.assign(&slots, 16, slots.len());
         assert!(grants.iter().all(|g| g.drafts >= 1), "{grants:?}");
         // One draft at a time, from the plain step, none pays it.
         let costs = policy.cost.costs(64, 1).unwrap();
@@ -1926,27 +1941,30 @@ mod tests {
         let (mut policy, slots) = graph_like();
         let ids: Vec<SlotId> = slots.iter().map(|c| c.slot).collect();
         assert!(
-            policy.worth_planning(&ids, 16, 6),
+            policy.worth_planning(&ids, 16, 6, ids.len()),
             "verification unmeasured"
         );
         verifying_passes(&mut policy, &[17, 24], 1_000);
         assert!(
-            policy.worth_planning(&ids, 16, 6),
+            policy.worth_planning(&ids, 16, 6, ids.len()),
             "verification as cheap as a pass"
         );
         let mut policy = graph_like().0;
         // Verifying passes at 20 ms against plain ones of 1 ms: no run,
         // however perfect, pays.
         verifying_passes(&mut policy, &[17, 24, 32, 64, 112], 20_000);
-        assert!(!policy.worth_planning(&ids, 16, 6));
-        assert!(policy.assign(&slots, 16).iter().all(|g| g.drafts == 0));
+        assert!(!policy.worth_planning(&ids, 16, 6, ids.len()));
+        assert!(policy
+            .assign(&slots, 16, slots.len())
+            .iter()
+            .all(|g| g.drafts == 0));
         // A constant schedule drafts whatever it costs.
         policy.admit(99, drafting(DraftSchedule::Constant));
-        assert!(policy.worth_planning(&[99], 1, 6));
+        assert!(policy.worth_planning(&[99], 1, 6, 1));
         // Cheap verification: worth planning again.
         let (mut cheap, _) = graph_like();
         verifying_passes(&mut cheap, &[17, 24, 32], 1_100);
-        assert!(cheap.worth_planning(&ids, 16, 6));
+        assert!(cheap.worth_planning(&ids, 16, 6, ids.len()));
         // 64 streams, plain passes flat at 1.4 ms, one verifying pass of 65
         // measured at 7.3 ms (eager): 576 tokens are no cheaper a token
         // than 65, and no perfect run of any length pays.
@@ -1958,11 +1976,11 @@ mod tests {
         wide.cost_mut()
             .record_verify(65, 64, Duration::from_micros(7_300));
         let many: Vec<SlotId> = (0..64).collect();
-        assert!(!wide.worth_planning(&many, 64, 8));
+        assert!(!wide.worth_planning(&many, 64, 8, many.len()));
         // Before any measurement only a lone decode plans.
         let fresh = DraftPolicy::new(true, None);
-        assert!(fresh.worth_planning(&[1], 1, 6));
-        assert!(!fresh.worth_planning(&[1, 2], 2, 6));
+        assert!(fresh.worth_planning(&[1], 1, 6, 1));
+        assert!(!fresh.worth_planning(&[1, 2], 2, 6, 2));
     }
 
     #[test]
@@ -1972,19 +1990,19 @@ mod tests {
         for s in 0..64 {
             policy.admit(s, drafting(DraftSchedule::Adaptive));
         }
-        let one = policy.assign(&slots[..1], 1);
+        let one = policy.assign(&slots[..1], 1, 1);
         assert!(
             (1..=2).contains(&one[0].drafts),
             "a lone stream drafts, at most its initial 2: {one:?}"
         );
         // 64 decodes beside 448 prompt tokens, or 16 alone: a batch waits
         // for measured costs.
-        let many = policy.assign(&slots, 512);
+        let many = policy.assign(&slots, 512, slots.len());
         assert!(many.iter().all(|g| g.drafts == 0), "{many:?}");
-        let batch = policy.assign(&slots[..16], 16);
+        let batch = policy.assign(&slots[..16], 16, 16);
         assert!(batch.iter().all(|g| g.drafts == 0), "{batch:?}");
         // A lone decode beside a prompt chunk waits too.
-        assert_eq!(policy.assign(&slots[..1], 100)[0].drafts, 0);
+        assert_eq!(policy.assign(&slots[..1], 100, 1)[0].drafts, 0);
     }
 
     #[test]
@@ -1992,7 +2010,7 @@ mod tests {
         let mut policy = one_sequence(Drafter::Head, 2, 0);
         let mut probes = Vec::new();
         for step in 0..200 {
-            let g = policy.assign(&[candidate(1, 6)], 1);
+            let g = policy.assign(&[candidate(1, 6)], 1, 1);
             if g[0].drafts > 0 {
                 assert_eq!(g[0].drafts, 1, "step {step}: a probe drafts once");
                 probes.push(step);
@@ -2017,10 +2035,10 @@ mod tests {
         for _ in 0..40 {
             policy.record(1, Drafter::Head, 2, 2);
         }
-        assert_eq!(policy.assign(&[candidate(2, 6)], 1)[0].drafts, 0);
+        assert_eq!(policy.assign(&[candidate(2, 6)], 1, 1)[0].drafts, 0);
         // From here on sequence 2's drafts are accepted again.
         let resumed = (1..200).find(|_| {
-            let drafts = policy.assign(&[candidate(2, 6)], 1)[0].drafts;
+            let drafts = policy.assign(&[candidate(2, 6)], 1, 1)[0].drafts;
             if drafts > 0 {
                 policy.record(2, Drafter::Head, drafts, drafts);
             }
@@ -2084,16 +2102,16 @@ mod tests {
         // A head that never paid: a fresh sequence waits for a probe
         // instead of drafting at once.
         let mut policy = after_one_sequence(Drafter::Head, 2, 0);
-        let first_draft = (0..40).find(|_| policy.assign(&[candidate(2, 6)], 1)[0].drafts > 0);
+        let first_draft = (0..40).find(|_| policy.assign(&[candidate(2, 6)], 1, 1)[0].drafts > 0);
         assert_eq!(first_draft, Some(MIN_BACKOFF), "the first draft is a probe");
         // A head that always paid: a fresh sequence drafts the cap.
         let mut policy = after_one_sequence(Drafter::Head, 6, 6);
-        assert_eq!(policy.assign(&[candidate(2, 6)], 1)[0].drafts, 6);
+        assert_eq!(policy.assign(&[candidate(2, 6)], 1, 1)[0].drafts, 6);
         // Prompt lookup's record stays with the text it copied: a fresh
         // sequence's match starts from the fixed prior.
         let mut policy = after_one_sequence(Drafter::Lookup(3), 4, 0);
         let c = lookup_candidate(2, 3, vec![5, 6, 7, 8]);
-        assert!(policy.assign(&[c], 1)[0].drafts > 0);
+        assert!(policy.assign(&[c], 1, 1)[0].drafts > 0);
     }
 
     #[test]
@@ -2104,12 +2122,16 @@ mod tests {
         for _ in 0..20 {
             policy.record(1, Drafter::Head, 2, 0);
         }
-        let g = policy.assign(&[candidate(1, 6), candidate(9, 6)], 1);
+        let g = policy.assign(&[candidate(1, 6), candidate(9, 6)], 1, 2);
         assert_eq!(g[0].drafts, 2, "constant ignores acceptance and cost");
         assert_eq!(g[1].drafts, 0, "unknown slots never draft");
-        assert_eq!(policy.assign(&[candidate(1, 1)], 1)[0].drafts, 1, "the cap");
+        assert_eq!(
+            policy.assign(&[candidate(1, 1)], 1, 1)[0].drafts,
+            1,
+            "the cap"
+        );
         policy.release(1);
-        assert_eq!(policy.assign(&[candidate(1, 6)], 1)[0].drafts, 0);
+        assert_eq!(policy.assign(&[candidate(1, 6)], 1, 1)[0].drafts, 0);
     }
 
     #[test]
@@ -2118,7 +2140,7 @@ mod tests {
         measured(&mut policy);
         admit_with_records(&mut policy, (4, 0), 3, (4, 4));
         let c = lookup_candidate(1, 3, vec![5, 6, 7, 8]);
-        let g = policy.assign(std::slice::from_ref(&c), 1);
+        let g = policy.assign(std::slice::from_ref(&c), 1, 1);
         assert_eq!(
             g[0],
             Grant {
@@ -2127,7 +2149,7 @@ mod tests {
             }
         );
         // Without a proposal the head is the only drafter.
-        let g = policy.assign(&[candidate(1, 6)], 1);
+        let g = policy.assign(&[candidate(1, 6)], 1, 1);
         assert_eq!(g[0].drafter, Drafter::Head);
     }
 
@@ -2141,18 +2163,18 @@ mod tests {
             policy.record(1, Drafter::Lookup(1), 6, 0);
         }
         let proposal = |order| lookup_candidate(1, order, vec![5; 6]);
-        let long = policy.assign(&[proposal(4)], 1);
+        let long = policy.assign(&[proposal(4)], 1, 1);
         assert_eq!(
             long[0].drafts, 6,
             "a four-token match that pays drafts the cap"
         );
-        let short = policy.assign(&[proposal(1)], 1);
+        let short = policy.assign(&[proposal(1)], 1, 1);
         assert_eq!(
             short[0].drafts, 0,
             "a one-token match that never pays does not draft"
         );
         // An order never verified starts from the prior, not from another's.
-        let fresh = policy.assign(&[proposal(2)], 1);
+        let fresh = policy.assign(&[proposal(2)], 1, 1);
         assert!(fresh[0].drafts > 0, "{fresh:?}");
     }
 }

@@ -145,7 +145,10 @@ pub(crate) fn grant_drafts(seqs: &mut Sequences, planned: &mut [Planned]) {
         .max()
         .unwrap_or(0);
     let base_tokens = planned.iter().map(|p| p.tokens.len()).sum();
-    if !seqs.policy.worth_planning(&slots, base_tokens, cap) {
+    if !seqs
+        .policy
+        .worth_planning(&slots, base_tokens, cap, planned.len())
+    {
         return;
     }
     let lookup = seqs.policy.lookup();
@@ -174,7 +177,7 @@ pub(crate) fn grant_drafts(seqs: &mut Sequences, planned: &mut [Planned]) {
             }
         })
         .collect();
-    let grants = seqs.policy.assign(&candidates, base_tokens);
+    let grants = seqs.policy.assign(&candidates, base_tokens, planned.len());
     for ((&i, c), Grant { drafts, drafter }) in drafting.iter().zip(&candidates).zip(grants) {
         let p = &mut planned[i];
         if drafts == 0
