@@ -196,6 +196,11 @@ impl Engine {
                 }
             }
         }
+        // Graphs may turn off (a failed capture) or be turned off at any
+        // step.
+        let eager_verify_above = self.model.eager_verify_above();
+        let cost = self.seqs.policy.cost_mut();
+        cost.set_eager_verify_above(eager_verify_above);
         work::grant_drafts(&mut self.seqs, &mut planned);
         planned
     }
@@ -456,11 +461,6 @@ impl StepExecutor for Engine {
         );
         let admitted = start.elapsed();
         let planning = Instant::now();
-        let eager_verify_above = self.model.eager_verify_above();
-        self.seqs
-            .policy
-            .cost_mut()
-            .set_eager_verify_above(eager_verify_above);
         let mut planned = self.plan(plan.work, &mut outcome.seqs);
         let planning = planning.elapsed();
         self.draft(&mut planned, &mut outcome.stats);

@@ -16,69 +16,67 @@
 //!   verification, update; steps with prompt chunks are left out, their
 //!   tokens are cheaper at the margin) as a function of its tokens `F(T)`,
 //!   and one draft round's time as a function of the rows it feeds the
-//!   head, `R(M) = r0 + r1·M` (a member feeds one; in round 0 it feeds
-//!   the pairs the head has not consumed, a few in steady drafting but its
+//!   head, `R(M) = r0 + r1·M` (a member feeds one; in round 0 it feeds the
+//!   pairs the head has not consumed, a few in steady drafting but its
 //!   whole history when it resumes drafting: as a function of members,
 //!   those catch-up rounds taught the policy that every round costs
-//!   several, so it stopped drafting and caught up again at the next
-//!   probe; on the H200 a single stream then drafted in fits), both
-//!   measured online from the engine's own steps. The plan prices a
-//!   member's round 0 at the pairs it has pending (a sequence resuming
-//!   after a long pause pays its catch-up to draft; a fresh sequence's
-//!   prompt is spread over the steps it can expect to draft in, see
-//!   [`catch_up_rows`]) and later rounds at one row. `F` is not a line:
-//!   kernels change tiling with the row count
-//!   (on a 2-core AMD EPYC an f32 pass of 1–4 rows cost 21–25 ms and one
-//!   of 5 rows 31 ms; on a 2-core Xeon, where 1–4 rows take the tile,
-//!   1.05–1.18× a 1-row pass; BENCHMARKS.md, issue 18), so each pass size keeps
-//!   its own decayed mean time, as a departure from a decayed
+//!   several, so it stopped drafting and caught up again at the next probe;
+//!   on the H200 a single stream then drafted in fits), both measured
+//!   online from the engine's own steps. The plan prices a member's round 0
+//!   at the pairs it has pending (a sequence resuming after a long pause
+//!   pays its catch-up to draft; a fresh sequence's prompt is spread over
+//!   the steps it can expect to draft in, see [`catch_up_rows`]) and later
+//!   rounds at one row. `F` is not a line: kernels change tiling with the
+//!   row count (on a 2-core AMD EPYC an f32 pass of 1–4 rows cost 21–25 ms
+//!   and one of 5 rows 31 ms; on a 2-core Xeon, where 1–4 rows take the
+//!   tile, 1.05–1.18× a 1-row pass; BENCHMARKS.md, issue 18), so each pass
+//!   size keeps its own decayed mean time, as a departure from a decayed
 //!   least-squares line `f0 + f1·T` over all sizes (shrunk while the size
 //!   has few samples); a size never seen takes the line plus its measured
-//!   neighbours' departure, and `F` is made non-decreasing.
-//!   A pass that verifies drafts keeps a curve of its own, `V(T)`, never
-//!   below `F(T)` (and, from the smallest verifying size measured on, `F`
-//!   never above `V`: a lone stream's plain curve knows one size well and
-//!   took its slope from a few early passes), and the first draft of a
-//!   step costs `V(T + 1) - F(T)`:
-//!   a verifying pass may cost more than a plain one of as many tokens, a
-//!   jump no curve over tokens alone can price. On CUDA it adds a K/V
-//!   write launch per layer, and shapes the decode graphs do not capture
-//!   run eagerly (before verification passes were captured, the H200 took
-//!   1.8 ms for a plain step of 16 streams and about 4 ms for a verifying
-//!   one: BENCHMARKS.md, issue 18). Where the model replays verifying
-//!   passes of a few sequences from graphs but runs those of more eagerly
-//!   until their shape recurs ([`CostModel::set_eager_verify_above`]),
-//!   the two kinds keep separate `V` curves and a step prices its drafts
-//!   by its own kind: one curve over tokens learnt the few-sequence
-//!   replays' cost and priced a many-sequence step's drafts at it, where
-//!   the pass ran eagerly at about three plain ones (an H100 at 64
-//!   streams: 5–58 lookup drafts a run, 0.87–0.96×; priced apart, 2 a
-//!   run, 0.93–1.00×; BENCHMARKS.md, issue 18,
-//!   session 39). Until a verification is measured, `F` stands in for `V`
-//!   (on the CPU the two nearly coincide), and a batch
-//!   grants a single draft, to the sequence likeliest to land it: its
-//!   pass measures `V` at the least cost. Verifying costs not measured
-//!   again for [`SHELF_LIFE`] decode passes (doubled each time it
-//!   runs out) are forgotten, and measured again that way: a sequence
-//!   that stops drafting because verification looks dear never revises
-//!   the figure itself, and one early verifying pass (the engine's first,
-//!   with its one-off costs: 5.5 ms where a plain Q8_0 pass took 3.3 ms
-//!   and a two-token one 3.9) kept a lone CPU stream from drafting for
-//!   good (BENCHMARKS.md, issue 18, session 29). Round costs and the
-//!   drafting share of [`catch_up_rows`] keep such a shelf life too
-//!   ([`Shelf`]): an engine's first round, with its one-off costs (5.3 ms
-//!   for 6 rows where later one-row rounds take 0.3), kept warm engines
-//!   on the CPU and the H200 from drafting at all (session 30). Where the
-//!   rounds measured all fed as many rows, the fit's split of their time
-//!   leans towards the rows ([`PRIOR_ROUND_FIXED_SHARE`]): a one-row round
-//!   priced too cheap drafts and is measured; one priced too dear is not.
-//!   Prompt-lookup drafts cost no round. Before the first decode pass is
-//!   measured, priors stand in (a token a thirty-second of the fixed cost,
-//!   a round a tenth of a step), and only a lone decode drafts, at most its
-//!   `initial_draft`: what verification costs a batch is unknown until
-//!   measured (on the H200 a verifying pass of 16 streams that no graph
-//!   had captured took 3-5 plain passes), and a server's first steps, its
-//!   prompts' chunks beside the first decodes, are no place to find out.
+//!   neighbours' departure, and `F` is made non-decreasing. A pass that
+//!   verifies drafts keeps a curve of its own, `V(T)`, never below `F(T)`
+//!   (and, from the smallest verifying size measured on, `F` never above
+//!   `V`: a lone stream's plain curve knows one size well and took its
+//!   slope from a few early passes), and the first draft of a step costs
+//!   `V(T + 1) - F(T)`: a verifying pass may cost more than a plain one of
+//!   as many tokens, a jump no curve over tokens alone can price. On CUDA
+//!   it adds a K/V write launch per layer, and shapes the decode graphs do
+//!   not capture run eagerly (before verification passes were captured, the
+//!   H200 took 1.8 ms for a plain step of 16 streams and about 4 ms for a
+//!   verifying one: BENCHMARKS.md, issue 18). Where the model replays
+//!   verifying passes of a few sequences from graphs but runs those of more
+//!   eagerly until their shape recurs
+//!   ([`CostModel::set_eager_verify_above`]), the two kinds keep separate
+//!   `V` curves and a step prices its drafts by its own kind: one curve
+//!   over tokens learnt the few-sequence replays' cost and priced a
+//!   many-sequence step's drafts at it, where the pass ran eagerly at about
+//!   three plain ones (an H100 at 64 streams: 5–58 lookup drafts a run,
+//!   0.87–0.96×; priced apart, 2 a run, 0.93–1.00×; BENCHMARKS.md, issue
+//!   18, session 39). Until a verification is measured, `F` stands in for
+//!   `V` (on the CPU the two nearly coincide), and a batch grants a single
+//!   draft, to the sequence likeliest to land it: its pass measures `V` at
+//!   the least cost. Verifying costs not measured again for [`SHELF_LIFE`]
+//!   decode passes (doubled each time it runs out) are forgotten, and
+//!   measured again that way: a sequence that stops drafting because
+//!   verification looks dear never revises the figure itself, and one early
+//!   verifying pass (the engine's first, with its one-off costs: 5.5 ms
+//!   where a plain Q8_0 pass took 3.3 ms and a two-token one 3.9) kept a
+//!   lone CPU stream from drafting for good (BENCHMARKS.md, issue 18,
+//!   session 29). Round costs and the drafting share of [`catch_up_rows`]
+//!   keep such a shelf life too ([`Shelf`]): an engine's first round, with
+//!   its one-off costs (5.3 ms for 6 rows where later one-row rounds take
+//!   0.3), kept warm engines on the CPU and the H200 from drafting at all
+//!   (session 30). Where the rounds measured all fed as many rows, the
+//!   fit's split of their time leans towards the rows
+//!   ([`PRIOR_ROUND_FIXED_SHARE`]): a one-row round priced too cheap drafts
+//!   and is measured; one priced too dear is not. Prompt-lookup drafts cost
+//!   no round. Before the first decode pass is measured, priors stand in (a
+//!   token a thirty-second of the fixed cost, a round a tenth of a step),
+//!   and only a lone decode drafts, at most its `initial_draft`: what
+//!   verification costs a batch is unknown until measured (on the H200 a
+//!   verifying pass of 16 streams that no graph had captured took 3-5 plain
+//!   passes), and a server's first steps, its prompts' chunks beside the
+//!   first decodes, are no place to find out.
 //! - **Choice**: each drafter a sequence has (the head; prompt lookup when
 //!   it proposes) is an offer, and a sequence drafts from one of them.
 //!   Starting from no drafts, the policy repeatedly extends the one
@@ -745,22 +743,22 @@ impl DraftPolicy {
         &mut self.cost
     }
 
-    /// Whether any draft could pay in a step of `decodes` drafting
-    /// sequences (`slots`) over `base_tokens` pass tokens of `pass_seqs`
-    /// sequences, each allowed up to `cap` drafts: some sequence has a constant schedule, or a perfect
-    /// run (every draft accepted, no round to pay), by one sequence or by
-    /// all of them, would clearly beat the plain step (by the plan's
-    /// margin). When not, the engine skips the proposals and the plan: at
-    /// many streams their host time is a share of a GPU step (on the H200,
-    /// 0.6 ms of a 1.4 ms step at 64; 0.08-0.13 ms after session 26's
-    /// cheap plans, still 6-9 %). For the run by all of them, a pass
-    /// larger than any measured is priced at no less than the largest
-    /// measured one's time per token (one sequence's run stays on the
-    /// fitted curve: its first draft is how verification gets measured):
-    /// extrapolated along the fitted slope, which a GPU's flat small
-    /// passes make nearly zero, 64 sequences drafting 8 each (576 tokens)
-    /// looked nearly free beside one measured verifying pass of 65, and
-    /// every step planned for nothing (BENCHMARKS.md, issue 18, session 30).
+    /// Whether any draft could pay in a step of `decodes` drafting sequences
+    /// (`slots`) over `base_tokens` pass tokens of `pass_seqs` sequences, each
+    /// allowed up to `cap` drafts: some sequence has a constant schedule, or a
+    /// perfect run (every draft accepted, no round to pay), by one sequence or
+    /// by all of them, would clearly beat the plain step (by the plan's
+    /// margin). When not, the engine skips the proposals and the plan: at many
+    /// streams their host time is a share of a GPU step (on the H200, 0.6 ms of
+    /// a 1.4 ms step at 64; 0.08-0.13 ms after session 26's cheap plans, still
+    /// 6-9 %). For the run by all of them, a pass larger than any measured is
+    /// priced at no less than the largest measured one's time per token (one
+    /// sequence's run stays on the fitted curve: its first draft is how
+    /// verification gets measured): extrapolated along the fitted slope, which
+    /// a GPU's flat small passes make nearly zero, 64 sequences drafting 8 each
+    /// (576 tokens) looked nearly free beside one measured verifying pass of
+    /// 65, and every step planned for nothing (BENCHMARKS.md, issue 18, session
+    /// 30).
     pub fn worth_planning(
         &self,
         slots: &[SlotId],
