@@ -63,6 +63,18 @@ pub(super) const OWN_ROWS: usize = 9;
 const MAX_SPLITS: usize = 16;
 
 /// Keys per split below `MAX_SPLITS` splits: 64, or
+/// Whether a decode or verifying pass's attention launch asks L2 for a
+/// split's key and value rows before it reads them: at one sequence a
+/// split otherwise waits on memory four times in a row (SmolLM2's shape
+/// +4 % at B = 1, the 1B model +1.3 %, both +2 % at B = 64; H100,
+/// BENCHMARKS.md). `TANDEM_ATTENTION_PREFETCH=0`: not (an A/B switch read
+/// once per process).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn prefetch_rows() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TANDEM_ATTENTION_PREFETCH").map_or(true, |v| v != "0"))
+}
+
 /// `TANDEM_ATTENTION_SPLIT_KEYS` (16–4096; a tuning knob read once per
 /// process, so every launch splits alike).
 fn split_keys() -> usize {
@@ -699,6 +711,10 @@ mod kernel {
             };
             let split_keys = super::split_keys() as u32;
             let own_rows = self.own_rows as u32;
+            // Prompt chunks' rows read the same keys many times over (from
+            // L2 after the first): asked again, they only add requests
+            // (prompt passes 1-2 % slower with it, H100).
+            let prefetch = u32::from(super::prefetch_rows() && self.own_rows > 0);
             if self.arrivals.elem_count() < n * heads {
                 candle_core::bail!("pooled attention: arrival counts for fewer rows");
             }
@@ -720,6 +736,7 @@ mod kernel {
                     b.arg(&split_keys);
                     b.arg(&lanes);
                     b.arg(&own_rows);
+                    b.arg(&prefetch);
                     b.arg(&arrivals);
                     b.arg(&out);
                     // SAFETY: argument types and counts match the kernel's

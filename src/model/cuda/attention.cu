@@ -91,6 +91,10 @@ __device__ __forceinline__ T rotated_key(const T *k, const T *cos, const T *sin,
                                 : __fadd_rn(__fmul_rn(x1, s), __fmul_rn(x2, c)));
 }
 
+__device__ __forceinline__ void prefetch_l2(const void *p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // The pool row of position `pos` through a block table of 2^shift-token
 // blocks.
 __device__ __forceinline__ size_t pool_row(const uint32_t *table, uint32_t pos, uint32_t shift) {
@@ -155,7 +159,8 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
                                  const T *sin, float *partial, uint32_t n, uint32_t heads,
                                  uint32_t kv_heads, uint32_t head_dim, float q_scale,
                                  uint32_t shift, uint32_t split_keys, uint32_t lanes,
-                                 uint32_t own_rows, uint32_t *arrivals, T *out) {
+                                 uint32_t own_rows, uint32_t prefetch, uint32_t *arrivals,
+                                 T *out) {
     constexpr uint32_t N = Pack<T>::N;
     constexpr uint32_t D = MAX_PACKS_PER_LANE * N;  // dimensions a lane holds
     extern __shared__ float smem[];
@@ -248,6 +253,21 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
     const T *vbase = v + (size_t)kvh * head_dim;
     const uint32_t group = threadIdx.x / lanes, sub = threadIdx.x % lanes;
     const uint32_t groups = blockDim.x / lanes;
+    // The split's pool rows asked of L2 at once: the key loop reads two
+    // rounds of keys at a time and the value loop starts only after the
+    // softmax, so otherwise a split waits on memory once per pair of
+    // rounds of keys and again per pair of rounds of values. The first two
+    // rounds of keys are loaded right away anyway; staged rows come from
+    // shared memory. A hint: no result depends on it.
+    if (prefetch) {
+        for (uint32_t c = threadIdx.x; c < keys && first + c < staged_from; c += blockDim.x) {
+            const size_t row = pool_row(blocks, first + c - (first_block << shift), shift) * stride;
+            for (uint32_t b = 0; b < head_dim * sizeof(T); b += 128) {
+                if (c >= 2 * groups) prefetch_l2((const char *)(kbase + row) + b);
+                prefetch_l2((const char *)(vbase + row) + b);
+            }
+        }
+    }
     // This lane's dimensions: packs sub, sub + lanes, ... of the head.
     float q[G][D];
 #pragma unroll
@@ -489,10 +509,10 @@ __device__ void hidden_write(T *buffer, const T *hidden, const uint32_t *meta, u
         const T *qkv, T *k, T *v, const uint32_t *meta, const T *cos, const T *sin,           \
         float *partial, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim,     \
         float q_scale, uint32_t shift, uint32_t split_keys, uint32_t lanes,                   \
-        uint32_t own_rows, uint32_t *arrivals, T *out) {                                      \
+        uint32_t own_rows, uint32_t prefetch, uint32_t *arrivals, T *out) {                   \
         pooled_attention<T, 1>(qkv, k, v, meta, cos, sin, partial, n, heads, kv_heads,        \
                                head_dim, q_scale, shift, split_keys, lanes, own_rows,         \
-                               arrivals, out);                                                \
+                               prefetch, arrivals, out);                                      \
     }                                                                                         \
     extern "C" __global__ void pooled_write_##SUFFIX(                                         \
         T *k_pool, T *v_pool, const T *qkv, const uint32_t *meta, const T *cos, const T *sin, \
