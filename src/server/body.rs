@@ -8,12 +8,15 @@
 //! fields are ignored, as OpenAI clients send many the server has no use for
 //! (`user`, `metadata`, `store`, …); `null` counts as absent.
 
+use std::sync::Arc;
+
 use actix_web::{web, HttpRequest, HttpResponse};
 use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use super::errors::ApiError;
+use super::state::{AppState, Ready};
 
 /// Reads the whole body, refusing more than `limit` bytes (413) as soon as
 /// the `Content-Length` header or the bytes received say so.
@@ -117,6 +120,21 @@ impl actix_web::body::MessageBody for HoldPayload {
     ) -> std::task::Poll<Option<Result<web::Bytes, Self::Error>>> {
         std::task::Poll::Ready(self.body.take().map(Ok))
     }
+}
+
+/// A generation route's preamble: the caller authorized, the model ready,
+/// and the body read within the server's limits and parsed as a JSON
+/// object.
+pub async fn accept_json(
+    req: &HttpRequest,
+    payload: &mut web::Payload,
+    state: &AppState,
+) -> Result<(Arc<Ready>, Fields), ApiError> {
+    state.authorize(req)?;
+    let ready = state.ready()?;
+    let limits = &state.config;
+    let body = read_body(req, payload, limits.body_limit, limits.body_timeout).await?;
+    Ok((ready, parse_object(&body)?))
 }
 
 /// Parses a body that must be a JSON object.

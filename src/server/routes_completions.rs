@@ -14,7 +14,7 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::Value;
 use tracing::Instrument;
 
-use super::body::{describe, parse_object, read_body, respond, Fields};
+use super::body::{accept_json, describe, respond, Fields};
 use super::choices::{self, ChoiceParams};
 use super::errors::ApiError;
 use super::openai_types::{
@@ -52,16 +52,7 @@ async fn handle(
     payload: &mut web::Payload,
     state: &AppState,
 ) -> Result<HttpResponse, ApiError> {
-    state.authorize(req)?;
-    let ready = state.ready()?;
-    let body = read_body(
-        req,
-        payload,
-        state.config.body_limit,
-        state.config.body_timeout,
-    )
-    .await?;
-    let f = parse_object(&body)?;
+    let (ready, f) = accept_json(req, payload, state).await?;
     let Parsed {
         request,
         logprobs,
@@ -355,6 +346,7 @@ impl ChunkFormatter for CompletionFormat {
 
 #[cfg(test)]
 mod tests {
+    use super::super::body::parse_object;
     use super::*;
 
     fn prompt(json: &str) -> Result<Prompt, ApiError> {
