@@ -52,6 +52,8 @@
 //! - `cuda`, `metal`: candle's GPU backends.
 
 pub mod api;
+#[cfg(feature = "cuda")]
+mod cuda_only;
 pub mod engine;
 pub mod gguf;
 pub mod handle;

@@ -317,7 +317,7 @@ mod cuda {
         CUgraphInstantiate_flags, CUstreamCaptureMode,
     };
     use candle_core::cuda_backend::cudarc::driver::CudaGraph;
-    use candle_core::{CpuStorage, CudaStorage, Device, InplaceOp1, Layout, Tensor};
+    use candle_core::{CudaStorage, Device, InplaceOp1, Layout, Tensor};
 
     use super::{GraphInputs, PassInputs};
     use crate::model::ModelError;
@@ -493,9 +493,7 @@ mod cuda {
             "graph-input-upload"
         }
 
-        fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-            candle_core::bail!("graph inputs live on CUDA")
-        }
+        crate::cuda_only::cuda_only_cpu_fwd!(InplaceOp1);
 
         fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
             if layout.shape().elem_count() != self.0.len() || !layout.is_contiguous() {

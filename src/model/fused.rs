@@ -160,9 +160,7 @@ mod kernel {
         CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{
-        CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor,
-    };
+    use candle_core::{CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
     use super::super::cuda_view::with_view;
 
@@ -254,17 +252,7 @@ mod kernel {
             "add-rms-norm"
         }
 
-        fn cpu_fwd(
-            &self,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-        ) -> candle_core::Result<(CpuStorage, Shape)> {
-            candle_core::bail!("add_rms_norm's kernel runs on CUDA only")
-        }
+        crate::cuda_only::cuda_only_cpu_fwd!(CustomOp3);
 
         fn cuda_fwd(
             &self,
@@ -328,9 +316,7 @@ mod kernel {
             "silu-mul"
         }
 
-        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-            candle_core::bail!("silu_mul's kernel runs on CUDA only")
-        }
+        crate::cuda_only::cuda_only_cpu_fwd!(CustomOp1);
 
         fn cuda_fwd(
             &self,
@@ -398,15 +384,7 @@ mod kernel {
             "mtp-input"
         }
 
-        fn cpu_fwd(
-            &self,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-        ) -> candle_core::Result<(CpuStorage, Shape)> {
-            candle_core::bail!("mtp_input's kernel runs on CUDA only")
-        }
+        crate::cuda_only::cuda_only_cpu_fwd!(CustomOp2);
 
         fn cuda_fwd(
             &self,

@@ -246,7 +246,7 @@ mod kernel {
         CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CpuStorage, CudaStorage, CustomOp2, DType, Layout, Shape, Tensor};
+    use candle_core::{CudaStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
     const MODULE: &str = "tandem_gemv";
@@ -366,15 +366,7 @@ mod kernel {
             "gemv"
         }
 
-        fn cpu_fwd(
-            &self,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-        ) -> candle_core::Result<(CpuStorage, Shape)> {
-            candle_core::bail!("gemv runs on CUDA only")
-        }
+        crate::cuda_only::cuda_only_cpu_fwd!(CustomOp2);
 
         fn cuda_fwd(
             &self,

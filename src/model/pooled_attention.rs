@@ -416,7 +416,7 @@ mod kernel {
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{
-        CpuStorage, CudaStorage, CustomOp3, DType, InplaceOp2, InplaceOp3, Layout, Shape, Tensor,
+        CudaStorage, CustomOp3, DType, InplaceOp2, InplaceOp3, Layout, Shape, Tensor,
     };
 
     use super::super::cuda_view::with_view;
@@ -507,15 +507,7 @@ mod kernel {
             "hidden-write"
         }
 
-        fn cpu_fwd(
-            &self,
-            _: &mut CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-        ) -> candle_core::Result<()> {
-            candle_core::bail!("hidden write runs on CUDA only")
-        }
+        crate::cuda_only::cuda_only_cpu_fwd!(InplaceOp2);
 
         fn cuda_fwd(
             &self,
@@ -627,17 +619,7 @@ mod kernel {
             "pool-write"
         }
 
-        fn cpu_fwd(
-            &self,
-            _: &mut CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-        ) -> candle_core::Result<()> {
-            candle_core::bail!("pool write runs on CUDA only")
-        }
+        crate::cuda_only::cuda_only_cpu_fwd!(InplaceOp3);
 
         fn cuda_fwd(
             &self,
@@ -763,17 +745,7 @@ mod kernel {
             "pooled-attention"
         }
 
-        fn cpu_fwd(
-            &self,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-        ) -> candle_core::Result<(CpuStorage, Shape)> {
-            candle_core::bail!("pooled attention runs on CUDA only")
-        }
+        crate::cuda_only::cuda_only_cpu_fwd!(CustomOp3);
 
         fn cuda_fwd(
             &self,

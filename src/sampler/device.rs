@@ -342,7 +342,7 @@ mod kernel {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::WrapErr;
-    use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp3, InplaceOp3, Layout, Shape};
+    use candle_core::{CudaStorage, CustomOp1, CustomOp3, InplaceOp3, Layout, Shape};
 
     use super::{out_width, PARAM_WIDTH};
 
@@ -358,9 +358,7 @@ mod kernel {
             "argmax-rows"
         }
 
-        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-            candle_core::bail!("the argmax kernel runs on CUDA only")
-        }
+        crate::cuda_only::cuda_only_cpu_fwd!(CustomOp1);
 
         fn cuda_fwd(
             &self,
@@ -421,17 +419,7 @@ mod kernel {
             "device-sample"
         }
 
-        fn cpu_fwd(
-            &self,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-        ) -> candle_core::Result<(CpuStorage, Shape)> {
-            candle_core::bail!("the device sampler runs on CUDA only")
-        }
+        crate::cuda_only::cuda_only_cpu_fwd!(CustomOp3);
 
         fn cuda_fwd(
             &self,
@@ -497,17 +485,7 @@ mod kernel {
             "device-history-write"
         }
 
-        fn cpu_fwd(
-            &self,
-            _: &mut CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-        ) -> candle_core::Result<()> {
-            candle_core::bail!("the device history write runs on CUDA only")
-        }
+        crate::cuda_only::cuda_only_cpu_fwd!(InplaceOp3);
 
         fn cuda_fwd(
             &self,
