@@ -195,6 +195,22 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
                     ((keys >> shift) + 2) * sizeof(uint32_t)) + 15u) & ~15u;
     T *span_k = (T *)((char *)smem + span_at);
     T *span_v = span_k + own_rows * head_dim;
+    // The split's pool rows asked of L2 first thing (through the global
+    // table): the key loop reads two rounds of keys at a time and the value
+    // loop starts only after the softmax, so otherwise a split waits on
+    // memory once per pair of rounds of keys and again per pair of rounds
+    // of values, and the first keys only after the q rotation and the
+    // staging below. The rows the staging replaces are asked for too
+    // (their pool rows exist; a hint never faults). No result depends on it.
+    if (prefetch) {
+        for (uint32_t c = threadIdx.x; c < keys; c += blockDim.x) {
+            const size_t at = (pool_row(table, first + c, shift) * kv_heads + kvh) * head_dim;
+            for (uint32_t b = 0; b < head_dim * sizeof(T); b += 128) {
+                prefetch_l2((const char *)(k + at) + b);
+                prefetch_l2((const char *)(v + at) + b);
+            }
+        }
+    }
     const uint32_t first_block = first >> shift;
     const uint32_t last_key = first + keys - 1;
     for (uint32_t b = threadIdx.x; b <= (last_key >> shift) - first_block; b += blockDim.x) {
@@ -253,21 +269,6 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
     const T *vbase = v + (size_t)kvh * head_dim;
     const uint32_t group = threadIdx.x / lanes, sub = threadIdx.x % lanes;
     const uint32_t groups = blockDim.x / lanes;
-    // The split's pool rows asked of L2 at once: the key loop reads two
-    // rounds of keys at a time and the value loop starts only after the
-    // softmax, so otherwise a split waits on memory once per pair of
-    // rounds of keys and again per pair of rounds of values. The first two
-    // rounds of keys are loaded right away anyway; staged rows come from
-    // shared memory. A hint: no result depends on it.
-    if (prefetch) {
-        for (uint32_t c = threadIdx.x; c < keys && first + c < staged_from; c += blockDim.x) {
-            const size_t row = pool_row(blocks, first + c - (first_block << shift), shift) * stride;
-            for (uint32_t b = 0; b < head_dim * sizeof(T); b += 128) {
-                if (c >= 2 * groups) prefetch_l2((const char *)(kbase + row) + b);
-                prefetch_l2((const char *)(vbase + row) + b);
-            }
-        }
-    }
     // This lane's dimensions: packs sub, sub + lanes, ... of the head.
     float q[G][D];
 #pragma unroll
