@@ -62,19 +62,20 @@ pub(super) const OWN_ROWS: usize = 9;
 /// attention, see `cuda/attention.cu`).
 const MAX_SPLITS: usize = 16;
 
-/// Keys per split below `MAX_SPLITS` splits: 64, or
 /// Whether a decode or verifying pass's attention launch asks L2 for a
 /// split's key and value rows before it reads them: at one sequence a
-/// split otherwise waits on memory four times in a row (SmolLM2's shape
-/// +4 % at B = 1, the 1B model +1.3 %, both +2 % at B = 64; H100,
-/// BENCHMARKS.md). `TANDEM_ATTENTION_PREFETCH=0`: not (an A/B switch read
-/// once per process).
+/// split otherwise waits on memory four times in a row (H100: SmolLM2's
+/// shape +4–6.5 % at B = 1 and +1–3 % at B = 64, the 1B model 0–1.4 % and
+/// 0–2 %; the real model's speculative runs +0.5–3 %; BENCHMARKS.md).
+/// `TANDEM_ATTENTION_PREFETCH=0`: not (an A/B switch read once per
+/// process).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn prefetch_rows() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("TANDEM_ATTENTION_PREFETCH").map_or(true, |v| v != "0"))
 }
 
+/// Keys per split below `MAX_SPLITS` splits: 64, or
 /// `TANDEM_ATTENTION_SPLIT_KEYS` (16–4096; a tuning knob read once per
 /// process, so every launch splits alike).
 fn split_keys() -> usize {
