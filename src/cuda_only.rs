@@ -7,70 +7,30 @@
 //! input.
 
 /// The `cpu_fwd` of a CUDA-only op of candle's trait `$trait`: an error
-/// naming the op (its `name()`).
+/// naming the op (its `name()`). The `@` arms spell the signatures: an
+/// op's operands as (storage, layout) pairs, an in-place op's first one
+/// mutable.
 macro_rules! cuda_only_cpu_fwd {
-    (CustomOp1) => {
+    (CustomOp1) => { $crate::cuda_only::cuda_only_cpu_fwd!(@custom _a); };
+    (CustomOp2) => { $crate::cuda_only::cuda_only_cpu_fwd!(@custom _a _b); };
+    (CustomOp3) => { $crate::cuda_only::cuda_only_cpu_fwd!(@custom _a _b _c); };
+    (InplaceOp1) => { $crate::cuda_only::cuda_only_cpu_fwd!(@inplace); };
+    (InplaceOp2) => { $crate::cuda_only::cuda_only_cpu_fwd!(@inplace _b); };
+    (InplaceOp3) => { $crate::cuda_only::cuda_only_cpu_fwd!(@inplace _b _c); };
+    (@custom $($operand:ident)+) => {
         fn cpu_fwd(
             &self,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
+            $($operand: &candle_core::CpuStorage, _: &candle_core::Layout),+
         ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
             Err($crate::cuda_only::needs_cuda(self.name()))
         }
     };
-    (CustomOp2) => {
-        fn cpu_fwd(
-            &self,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-            Err($crate::cuda_only::needs_cuda(self.name()))
-        }
-    };
-    (CustomOp3) => {
-        fn cpu_fwd(
-            &self,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-            Err($crate::cuda_only::needs_cuda(self.name()))
-        }
-    };
-    (InplaceOp1) => {
+    (@inplace $($operand:ident)*) => {
         fn cpu_fwd(
             &self,
             _: &mut candle_core::CpuStorage,
-            _: &candle_core::Layout,
-        ) -> candle_core::Result<()> {
-            Err($crate::cuda_only::needs_cuda(self.name()))
-        }
-    };
-    (InplaceOp2) => {
-        fn cpu_fwd(
-            &self,
-            _: &mut candle_core::CpuStorage,
-            _: &candle_core::Layout,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-        ) -> candle_core::Result<()> {
-            Err($crate::cuda_only::needs_cuda(self.name()))
-        }
-    };
-    (InplaceOp3) => {
-        fn cpu_fwd(
-            &self,
-            _: &mut candle_core::CpuStorage,
-            _: &candle_core::Layout,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
+            _: &candle_core::Layout
+            $(, $operand: &candle_core::CpuStorage, _: &candle_core::Layout)*
         ) -> candle_core::Result<()> {
             Err($crate::cuda_only::needs_cuda(self.name()))
         }
