@@ -75,6 +75,43 @@ fn prefetch_rows() -> bool {
     *ON.get_or_init(|| std::env::var("TANDEM_ATTENTION_PREFETCH").map_or(true, |v| v != "0"))
 }
 
+/// Shared bytes a split's key and value rows may take when a decode or
+/// verifying pass's attention copies them into shared memory at once
+/// ([`stage_bytes`]); past it, they are read from global memory.
+const STAGE_BYTES: usize = 32 * 1024;
+
+/// Whether a decode or verifying pass's attention launch of at most one
+/// block per multiprocessor has each block copy its split's key and value
+/// rows into shared memory first thing, all in flight at once: one wait on
+/// memory where the loops over keys and values otherwise wait at every
+/// other round of 16 keys, and nothing else on the multiprocessor hides
+/// those waits (with the one-wait merge, H100 and H200: SmolLM2's shape
+/// +3-6 % at B = 1, the 1B model +1-3.5 %; staging every decode launch
+/// cost 2-2.5 % at B = 64, where other blocks hide the waits and the
+/// shared memory it takes leaves room for fewer blocks; BENCHMARKS.md).
+/// `TANDEM_ATTENTION_STAGE=0`: never (an A/B switch read once per process).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn stage_rows() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TANDEM_ATTENTION_STAGE").map_or(true, |v| v != "0"))
+}
+
+/// The shared bytes a split of a pass over queries of at most `max_keys`
+/// keys takes to copy its key and value rows (elements of `elem` bytes),
+/// or 0 where it cannot: prompt passes (their rows share keys, read from
+/// L2 after the first), splits past [`STAGE_BYTES`], or staging switched
+/// off. Whether a launch stages is decided at its size ([`stage_rows`]);
+/// no result depends on it.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn stage_bytes(cfg: &ModelConfig, max_keys: usize, own_rows: usize, elem: usize) -> usize {
+    let bytes = 2 * split_bound(max_keys) * cfg.head_dim * elem;
+    if own_rows > 0 && bytes <= STAGE_BYTES && stage_rows() {
+        bytes
+    } else {
+        0
+    }
+}
+
 /// Keys per split below `MAX_SPLITS` splits: 64, or
 /// `TANDEM_ATTENTION_SPLIT_KEYS` (16–4096; a tuning knob read once per
 /// process, so every launch splits alike).
@@ -373,6 +410,7 @@ fn run_kernels(
         };
         k_pool.inplace_op3(v_pool, &qkv, &write)?;
     }
+    let elem = qkv.dtype().size_in_bytes();
     let op = kernel::PooledAttentionOp {
         meta: &plan.meta,
         cos,
@@ -384,6 +422,7 @@ fn run_kernels(
             1 << plan.block_shift,
             plan.own_rows,
         ),
+        stage_bytes: stage_bytes(cfg, plan.max_keys, plan.own_rows, elem),
         splits: key_splits(plan.max_keys),
         heads: cfg.num_heads,
         kv_heads: cfg.num_kv_heads,
@@ -440,6 +479,10 @@ mod kernel {
         pub(super) block_shift: u32,
         /// The plan's arrival counts: the last split of a query merges.
         pub(super) arrivals: &'a Tensor,
+        /// The shared bytes a split takes to copy its key and value rows
+        /// first, 0 where it may not ([`super::stage_bytes`]): a launch of
+        /// at most one block per multiprocessor does.
+        pub(super) stage_bytes: usize,
         /// Nonzero: the launch reads the pass's keys from the projection
         /// rows of sequences of at most this many rows and writes the rows'
         /// K and V into the pools (through their storages' device
@@ -643,6 +686,21 @@ mod kernel {
         }
     }
 
+    /// The multiprocessors of `dev`'s GPU (asked once per process: one GPU).
+    fn multiprocessors(dev: &candle_core::cuda_backend::CudaDevice) -> candle_core::Result<usize> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as Attr;
+        static COUNT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        if let Some(&count) = COUNT.get() {
+            return Ok(count);
+        }
+        let stream = dev.cuda_stream();
+        let count = stream
+            .context()
+            .attribute(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .w()?;
+        Ok(*COUNT.get_or_init(|| count.max(1) as usize))
+    }
+
     impl PooledAttentionOp<'_> {
         fn launch<T: CudaDType + DeviceRepr>(
             &self,
@@ -676,12 +734,15 @@ mod kernel {
                 "tandem_pooled_attention",
                 PTX,
             )?;
-            if self.shared_bytes > 48 * 1024 {
+            let blocks = n * heads * self.splits;
+            let stage = self.stage_bytes > 0 && blocks <= multiprocessors(&dev)?;
+            let shared_bytes = self.shared_bytes + if stage { self.stage_bytes } else { 0 };
+            if shared_bytes > 48 * 1024 {
                 // Above 48 KiB a kernel must opt in.
                 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as Attr;
                 func.set_attribute(
                     Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    self.shared_bytes as i32,
+                    shared_bytes as i32,
                 )
                 .w()?;
             }
@@ -690,7 +751,7 @@ mod kernel {
             let cfg = LaunchConfig {
                 grid_dim: (dims[0], dims[1], self.splits as u32),
                 block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: self.shared_bytes as u32,
+                shared_mem_bytes: shared_bytes as u32,
             };
             let split_keys = super::split_keys() as u32;
             let own_rows = self.own_rows as u32;
@@ -698,6 +759,7 @@ mod kernel {
             // L2 after the first): asked again, they only add requests
             // (prompt passes 1-2 % slower with it, H100).
             let prefetch = u32::from(super::prefetch_rows() && self.own_rows > 0);
+            let stage = u32::from(stage);
             if self.arrivals.elem_count() < n * heads {
                 candle_core::bail!("pooled attention: arrival counts for fewer rows");
             }
@@ -720,6 +782,7 @@ mod kernel {
                     b.arg(&lanes);
                     b.arg(&own_rows);
                     b.arg(&prefetch);
+                    b.arg(&stage);
                     b.arg(&arrivals);
                     b.arg(&out);
                     // SAFETY: argument types and counts match the kernel's

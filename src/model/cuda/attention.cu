@@ -6,9 +6,11 @@
 // head_dim], token-major), where `last` is the token's own position
 // (causal) and `first` the start of its sliding window, through the
 // sequence's block table (position p is row table[p >> shift] << shift |
-// p & (2^shift - 1): block sizes are powers of two here). A block first
-// copies the table entries its keys span into shared memory, so the row of
-// a key costs no dependent global load. No gather, no padding, no mask: the
+// p & (2^shift - 1): block sizes are powers of two here). In a small
+// decode or verifying launch (`stage`: the host decides), a block first
+// copies its keys' and values' rows into shared memory, all in flight at
+// once; else it copies the table entries its keys span, so the row of a
+// key costs no dependent global load. No gather, no padding, no mask: the
 // batch may be any mix of decodes, draft verifications and prefill chunks.
 // A query's keys are split across blocks (split-K, below), and the last
 // of them to finish merges the splits; a split's scores live in shared
@@ -95,39 +97,73 @@ __device__ __forceinline__ void prefetch_l2(const void *p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// A 16-byte copy from global to shared memory that holds no register
+// while in flight (cp.async, sm_80 on; a plain copy before), and the wait
+// for every such copy the thread issued.
+__device__ __forceinline__ void copy_async16(void *dst_shared, const void *src_global) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(dst_shared);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src_global));
+#else
+    *(uint4 *)dst_shared = *(const uint4 *)src_global;
+#endif
+}
+
+__device__ __forceinline__ void copy_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // The pool row of position `pos` through a block table of 2^shift-token
 // blocks.
 __device__ __forceinline__ size_t pool_row(const uint32_t *table, uint32_t pos, uint32_t shift) {
     return ((size_t)table[pos >> shift] << shift) | (pos & ((1u << shift) - 1));
 }
 
+#define MAX_SPLITS 16
+
 // Merges the splits of query (tok, h) from `partial` (rows of
 // head_dim + 2 floats: the split's output sum, max score, exp sum;
 // `max_splits` rows per query, the first `splits` written) into its output row
 // of out [n, heads, head_dim], splits in order; the block's threads take
-// the dimensions. Loads bypass L1: the rows come from other blocks of the
-// same launch.
+// the dimensions. One wait on memory: every thread's split values are in
+// flight while warp 0 weighs the splits (lane s: split s) into `weights`
+// (shared, MAX_SPLITS + 1 floats: each split's weight, then 1 / the
+// weighted exp sum). Loads bypass L1: the rows come from other blocks of
+// the same launch.
 template <typename T>
 __device__ void merge_splits(const float *partial, T *out, uint32_t tok, uint32_t h,
                              uint32_t heads, uint32_t head_dim, uint32_t max_splits,
-                             uint32_t splits) {
+                             uint32_t splits, float *weights) {
     const size_t width = head_dim + 2;
     const float *rows = partial + ((size_t)tok * heads + h) * max_splits * width;
-    float m = -INFINITY;
-    for (uint32_t s = 0; s < splits; ++s) m = fmaxf(m, __ldcg(rows + s * width + head_dim));
-    float l = 0.f;
-    for (uint32_t s = 0; s < splits; ++s) {
-        const float split_max = __ldcg(rows + s * width + head_dim);
-        l += __ldcg(rows + s * width + head_dim + 1) * __expf(split_max - m);
+    float values[MAX_SPLITS];
+    const auto load = [&](uint32_t d) {
+#pragma unroll
+        for (uint32_t s = 0; s < MAX_SPLITS; ++s) {
+            values[s] = (s < splits && d < head_dim) ? __ldcg(rows + s * width + d) : 0.f;
+        }
+    };
+    load(threadIdx.x);
+    if (threadIdx.x < 32) {
+        const uint32_t s = threadIdx.x;
+        const float split_max = s < splits ? __ldcg(rows + s * width + head_dim) : -INFINITY;
+        const float split_sum = s < splits ? __ldcg(rows + s * width + head_dim + 1) : 0.f;
+        const float m = warp_max(split_max);
+        const float w = s < splits ? __expf(split_max - m) : 0.f;
+        const float l = warp_sum(split_sum * w);
+        if (s < MAX_SPLITS) weights[s] = w;
+        if (s == 0) weights[MAX_SPLITS] = 1.f / l;
     }
-    const float inv = 1.f / l;
+    __syncthreads();
     T *orow = out + ((size_t)tok * heads + h) * head_dim;
     for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        if (d != threadIdx.x) load(d);
         float sum = 0.f;
-        for (uint32_t s = 0; s < splits; ++s) {
-            sum += __ldcg(rows + s * width + d) * __expf(__ldcg(rows + s * width + head_dim) - m);
-        }
-        orow[d] = from_f32<T>(sum * inv);
+#pragma unroll
+        for (uint32_t s = 0; s < MAX_SPLITS; ++s) sum += values[s] * weights[s];
+        orow[d] = from_f32<T>(sum * weights[MAX_SPLITS]);
     }
 }
 
@@ -141,7 +177,6 @@ __device__ void merge_splits(const float *partial, T *out, uint32_t tok, uint32_
 // sequences share the batch: a decode, a draft verification row and a
 // prefill row at the same position give the same bits. The host uses the
 // same rule (src/model/pooled_attention.rs).
-#define MAX_SPLITS 16
 
 __device__ __forceinline__ uint32_t key_splits(uint32_t keys, uint32_t split_keys) {
     return min((keys + split_keys - 1) / split_keys, (uint32_t)MAX_SPLITS);
@@ -159,8 +194,8 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
                                  const T *sin, float *partial, uint32_t n, uint32_t heads,
                                  uint32_t kv_heads, uint32_t head_dim, float q_scale,
                                  uint32_t shift, uint32_t split_keys, uint32_t lanes,
-                                 uint32_t own_rows, uint32_t prefetch, uint32_t *arrivals,
-                                 T *out) {
+                                 uint32_t own_rows, uint32_t prefetch, uint32_t stage,
+                                 uint32_t *arrivals, T *out) {
     constexpr uint32_t N = Pack<T>::N;
     constexpr uint32_t D = MAX_PACKS_PER_LANE * N;  // dimensions a lane holds
     extern __shared__ float smem[];
@@ -195,38 +230,10 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
                     ((keys >> shift) + 2) * sizeof(uint32_t)) + 15u) & ~15u;
     T *span_k = (T *)((char *)smem + span_at);
     T *span_v = span_k + own_rows * head_dim;
-    // The split's pool rows asked of L2 first thing (through the global
-    // table): the key loop reads two rounds of keys at a time and the value
-    // loop starts only after the softmax, so otherwise a split waits on
-    // memory once per pair of rounds of keys and again per pair of rounds
-    // of values, and the first keys only after the q rotation and the
-    // staging below. The rows the staging replaces are asked for too
-    // (their pool rows exist; a hint never faults). No result depends on it.
-    if (prefetch) {
-        for (uint32_t c = threadIdx.x; c < keys; c += blockDim.x) {
-            const size_t at = (pool_row(table, first + c, shift) * kv_heads + kvh) * head_dim;
-            for (uint32_t b = 0; b < head_dim * sizeof(T); b += 128) {
-                prefetch_l2((const char *)(k + at) + b);
-                prefetch_l2((const char *)(v + at) + b);
-            }
-        }
-    }
-    const uint32_t first_block = first >> shift;
-    const uint32_t last_key = first + keys - 1;
-    for (uint32_t b = threadIdx.x; b <= (last_key >> shift) - first_block; b += blockDim.x) {
-        blocks[b] = table[first_block + b];
-    }
-
-    const size_t width = (size_t)(heads + 2 * kv_heads) * head_dim;
-    const T *qrow = qkv + (size_t)tok * width + (size_t)h0 * head_dim;
-    const uint32_t half = head_dim / 2;
-    for (uint32_t i = threadIdx.x; i < hb * half; i += blockDim.x) {
-        const uint32_t g = i / half, d = i % half;
-        float o1, o2;
-        rope_pair(qrow + g * head_dim, cos, sin, last, half, d, &o1, &o2);
-        qs[g * head_dim + d] = o1 * q_scale;
-        qs[g * head_dim + d + half] = o2 * q_scale;
-    }
+    // With `stage`, then the split's key rows the pool holds, then its
+    // value rows (`keys` rows each at most).
+    T *stage_k = span_v + own_rows * head_dim;
+    T *stage_v = stage_k + keys * head_dim;
     // With own_rows, the pass's rows of this sequence before this one
     // (consecutive rows of the same table at consecutive positions, at
     // most own_rows - 1) and its own hold the keys from `span_first` on:
@@ -245,6 +252,51 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
     const bool reads_span = own_rows && first + keys > span_first;
     // Positions from here on come from the staged rows (none without).
     const uint32_t staged_from = reads_span ? span_first : 0xffffffffu;
+    // The split's rows the pool holds (those before the staged span),
+    // asked for first thing, through the global table: with `stage`, all
+    // copied into shared memory at once (one wait on memory for every key
+    // and value; the loops below then read shared memory only); else, with
+    // `prefetch`, asked of L2 (the key loop reads two rounds of keys at a
+    // time and the value loop starts only after the softmax, so otherwise a
+    // split waits on memory once per pair of rounds of keys and again per
+    // pair of rounds of values). No result depends on either.
+    const uint32_t pool_keys = min(keys, max(staged_from, first) - first);
+    if (stage) {
+        const uint32_t packs = head_dim / N;
+        for (uint32_t i = threadIdx.x; i < pool_keys * packs; i += blockDim.x) {
+            const uint32_t c = i / packs, at_row = (i % packs) * N;
+            const size_t at =
+                (pool_row(table, first + c, shift) * kv_heads + kvh) * head_dim + at_row;
+            copy_async16(stage_k + c * head_dim + at_row, k + at);
+            copy_async16(stage_v + c * head_dim + at_row, v + at);
+        }
+    } else if (prefetch) {
+        for (uint32_t c = threadIdx.x; c < pool_keys; c += blockDim.x) {
+            const size_t at = (pool_row(table, first + c, shift) * kv_heads + kvh) * head_dim;
+            for (uint32_t b = 0; b < head_dim * sizeof(T); b += 128) {
+                prefetch_l2((const char *)(k + at) + b);
+                prefetch_l2((const char *)(v + at) + b);
+            }
+        }
+    }
+    const uint32_t first_block = first >> shift;
+    const uint32_t last_key = first + keys - 1;
+    if (!stage) {
+        for (uint32_t b = threadIdx.x; b <= (last_key >> shift) - first_block; b += blockDim.x) {
+            blocks[b] = table[first_block + b];
+        }
+    }
+
+    const size_t width = (size_t)(heads + 2 * kv_heads) * head_dim;
+    const T *qrow = qkv + (size_t)tok * width + (size_t)h0 * head_dim;
+    const uint32_t half = head_dim / 2;
+    for (uint32_t i = threadIdx.x; i < hb * half; i += blockDim.x) {
+        const uint32_t g = i / half, d = i % half;
+        float o1, o2;
+        rope_pair(qrow + g * head_dim, cos, sin, last, half, d, &o1, &o2);
+        qs[g * head_dim + d] = o1 * q_scale;
+        qs[g * head_dim + d + half] = o2 * q_scale;
+    }
     if (reads_span || writes) {
         for (uint32_t i = threadIdx.x; i <= before * head_dim + head_dim - 1; i += blockDim.x) {
             const uint32_t j = i / head_dim, d = i % head_dim;
@@ -254,6 +306,7 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
             span_v[i] = krow[(size_t)kv_heads * head_dim + d];
         }
     }
+    if (stage) copy_async_wait();
     __syncthreads();
     if (writes) {
         const size_t at = pool_row(table, last, shift) * kv_heads * head_dim + (size_t)kvh * head_dim;
@@ -293,7 +346,11 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
 #pragma unroll
         for (uint32_t g = 0; g < G; ++g) acc[g] = 0.f;
         if (c < keys) {
-            const bool staged = first + c >= staged_from;
+            // Shared rows and pool rows apart, so that each load keeps its
+            // own state space (a generic load cost 1-2 % at B = 16-64).
+            const bool shared = c >= pool_keys || stage;
+            const T *srow = c >= pool_keys ? span_k + (first + c - staged_from) * head_dim
+                                           : stage_k + c * head_dim;
             const T *krow =
                 kbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
 #pragma unroll
@@ -301,8 +358,8 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
                 const uint32_t d = (j * lanes + sub) * N;
                 if (d < head_dim) {
                     float x[N];
-                    if (staged) {
-                        Pack<T>::load(span_k + (first + c - staged_from) * head_dim + d, x);
+                    if (shared) {
+                        Pack<T>::load(srow + d, x);
                     } else {
                         Pack<T>::load(krow + d, x);
                     }
@@ -352,7 +409,9 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
     }
 #pragma unroll 2
     for (uint32_t c = group; c < keys; c += groups) {
-        const bool staged = first + c >= staged_from;
+        const bool shared = c >= pool_keys || stage;
+        const T *srow = c >= pool_keys ? span_v + (first + c - staged_from) * head_dim
+                                       : stage_v + c * head_dim;
         const T *vrow = vbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
         float p[G];
 #pragma unroll
@@ -362,8 +421,8 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
             const uint32_t d = (j * lanes + sub) * N;
             if (d < head_dim) {
                 float x[N];
-                if (staged) {
-                    Pack<T>::load(span_v + (first + c - staged_from) * head_dim + d, x);
+                if (shared) {
+                    Pack<T>::load(srow + d, x);
                 } else {
                     Pack<T>::load(vrow + d, x);
                 }
@@ -447,7 +506,9 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
     __threadfence();
 #pragma unroll
     for (uint32_t g = 0; g < G; ++g) {
-        if (g < hb) merge_splits<T>(partial, out, tok, h0 + g, heads, head_dim, gridDim.z, splits);
+        if (g < hb) {
+            merge_splits<T>(partial, out, tok, h0 + g, heads, head_dim, gridDim.z, splits, red);
+        }
     }
 }
 
@@ -510,10 +571,10 @@ __device__ void hidden_write(T *buffer, const T *hidden, const uint32_t *meta, u
         const T *qkv, T *k, T *v, const uint32_t *meta, const T *cos, const T *sin,           \
         float *partial, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim,     \
         float q_scale, uint32_t shift, uint32_t split_keys, uint32_t lanes,                   \
-        uint32_t own_rows, uint32_t prefetch, uint32_t *arrivals, T *out) {                   \
+        uint32_t own_rows, uint32_t prefetch, uint32_t stage, uint32_t *arrivals, T *out) {   \
         pooled_attention<T, 1>(qkv, k, v, meta, cos, sin, partial, n, heads, kv_heads,        \
                                head_dim, q_scale, shift, split_keys, lanes, own_rows,         \
-                               prefetch, arrivals, out);                                      \
+                               prefetch, stage, arrivals, out);                               \
     }                                                                                         \
     extern "C" __global__ void pooled_write_##SUFFIX(                                         \
         T *k_pool, T *v_pool, const T *qkv, const uint32_t *meta, const T *cos, const T *sin, \
