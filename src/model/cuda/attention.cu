@@ -115,6 +115,17 @@ __device__ __forceinline__ void copy_async_wait() {
 #endif
 }
 
+// Adds one to a split count at GPU scope with release and acquire
+// semantics; returns the count before.
+__device__ __forceinline__ uint32_t arrive(uint32_t *count) {
+    uint32_t before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                 : "=r"(before)
+                 : "l"(count)
+                 : "memory");
+    return before;
+}
+
 // The pool row of position `pos` through a block table of 2^shift-token
 // blocks.
 __device__ __forceinline__ size_t pool_row(const uint32_t *table, uint32_t pos, uint32_t shift) {
@@ -493,17 +504,19 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
     }
     // The last of a query's splits to finish merges them (and resets the
     // query's arrival count to zero for the next launch): no merge launch.
+    // The barrier orders the block's partial rows before thread 0's
+    // arrival, whose release publishes them and whose acquire, in the last
+    // split, makes the others' visible to its block after the next barrier
+    // (CUTLASS's semaphore pattern): no fence of every thread.
     __shared__ bool merges;
-    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
         uint32_t *count = arrivals + (size_t)tok * heads + h0;
-        merges = atomicAdd(count, 1) == splits - 1;
+        merges = arrive(count) == splits - 1;
         if (merges) *count = 0;
     }
     __syncthreads();
     if (!merges) return;
-    __threadfence();
 #pragma unroll
     for (uint32_t g = 0; g < G; ++g) {
         if (g < hb) {
