@@ -10,7 +10,8 @@
 # SETTINGS="default;BENCH=/tmp/bin/forward-bench-base".
 #
 # Expects run_graphs.sh to have run in this call (binaries in /tmp/bin,
-# models in /tmp). SETTINGS, MODELS (folders), ROUNDS; logs to $LOGS/ab.log.
+# models in /tmp). SETTINGS, MODELS (folders), ROUNDS; logs to $LOGS/ab.log,
+# then prints each setting's medians and ratios to the first (ab_medians.py).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 IFS=';' read -ra settings <<<"${SETTINGS:-default;TANDEM_GEMV=0}"
@@ -30,3 +31,5 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     done
   done
 done
+# Medians and ratios against the first setting.
+python3 "$(dirname "$0")/ab_medians.py" "$LOGS/ab.log" "${settings[0]}"
