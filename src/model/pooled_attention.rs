@@ -36,6 +36,8 @@
 //! power-of-two block sizes (the default 16 is one), others go through
 //! [`super::batched_attention`].
 
+use std::sync::OnceLock;
+
 use candle_core::{Device, Tensor};
 
 use super::{Batch, ModelConfig, ModelError};
@@ -71,8 +73,14 @@ const MAX_SPLITS: usize = 16;
 /// process).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn prefetch_rows() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TANDEM_ATTENTION_PREFETCH").map_or(true, |v| v != "0"))
+    static ON: OnceLock<bool> = OnceLock::new();
+    switched_on(&ON, "TANDEM_ATTENTION_PREFETCH")
+}
+
+/// An A/B switch read once per process into `cell`: on unless `var` is `0`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn switched_on(cell: &OnceLock<bool>, var: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v != "0"))
 }
 
 /// Shared bytes a split's key and value rows may take when a decode or
@@ -92,8 +100,8 @@ const STAGE_BYTES: usize = 32 * 1024;
 /// `TANDEM_ATTENTION_STAGE=0`: never (an A/B switch read once per process).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn stage_rows() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TANDEM_ATTENTION_STAGE").map_or(true, |v| v != "0"))
+    static ON: OnceLock<bool> = OnceLock::new();
+    switched_on(&ON, "TANDEM_ATTENTION_STAGE")
 }
 
 /// The shared bytes a split of a pass over queries of at most `max_keys`
@@ -116,7 +124,7 @@ fn stage_bytes(cfg: &ModelConfig, max_keys: usize, own_rows: usize, elem: usize)
 /// `TANDEM_ATTENTION_SPLIT_KEYS` (16–4096; a tuning knob read once per
 /// process, so every launch splits alike).
 fn split_keys() -> usize {
-    static KEYS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    static KEYS: OnceLock<usize> = OnceLock::new();
     *KEYS.get_or_init(|| {
         std::env::var("TANDEM_ATTENTION_SPLIT_KEYS")
             .ok()
