@@ -93,10 +93,11 @@ const STAGE_BYTES: usize = 32 * 1024;
 /// rows into shared memory first thing, all in flight at once: one wait on
 /// memory where the loops over keys and values otherwise wait at every
 /// other round of 16 keys, and nothing else on the multiprocessor hides
-/// those waits (with the one-wait merge, H100 and H200: SmolLM2's shape
-/// +3-6 % at B = 1, the 1B model +1-3.5 %; staging every decode launch
-/// cost 2-2.5 % at B = 64, where other blocks hide the waits and the
-/// shared memory it takes leaves room for fewer blocks; BENCHMARKS.md).
+/// those waits (with the one-wait merge, on an H100: SmolLM2's shape
+/// +3.0 % at B = 1, the 1B model +3.5 %; earlier versions on an H200 and
+/// an H100, +5-6 % and +1-2.6 %; staging every decode launch cost
+/// 2-2.5 % at B = 64, where other blocks hide the waits and the shared
+/// memory it takes leaves room for fewer blocks; BENCHMARKS.md).
 /// `TANDEM_ATTENTION_STAGE=0`: never (an A/B switch read once per process).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn stage_rows() -> bool {
