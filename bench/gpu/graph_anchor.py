@@ -188,7 +188,37 @@ def decode_seconds(model, step, prompts, new: int) -> float:
     return time.perf_counter() - t0
 
 
-def bench(model_dir: str, batches, prompt: int, new: int, reps: int, skip_check: bool) -> None:
+def profile_kernels(model, step, prompts, steps: int, name: str) -> None:
+    """The GPU kernels of `steps` decode steps by the PyTorch profiler
+    (CUPTI; a replayed graph's kernels included): per kernel, the time a
+    step and the launches a step, longest first, and their sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b, p = prompts.shape
+    tok = model.next_token(prompts, torch.arange(p, device="cuda"))
+    tok = step(tok, torch.tensor([p], device="cuda")).clone()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(1, steps + 1):
+            tok = step(tok, torch.tensor([p + i], device="cuda")).clone()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = e.self_cuda_time_total
+        if us > 0:
+            rows.append((us / steps, e.count / steps, e.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"profile {name} B={b}: {total:.1f} us of kernels a step, "
+          f"{sum(r[1] for r in rows):.0f} launches a step", flush=True)
+    for us, count, key in rows[:25]:
+        print(f"  {us:9.1f} us {count:6.1f}x  {key[:110]}", flush=True)
+
+
+def bench(model_dir: str, batches, prompt: int, new: int, reps: int, skip_check: bool,
+          profile_steps: int = 0) -> None:
     cfg, state = load(model_dir)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, {model_dir}", flush=True)
     if not skip_check:
@@ -213,6 +243,9 @@ def bench(model_dir: str, batches, prompt: int, new: int, reps: int, skip_check:
                   f"({1e3 * decode / (new - 1):.3f} ms/step; runs "
                   f"{', '.join(f'{b * (new - 1) / r:.0f}' for r in runs)}; warm-up {warm:.1f} s)",
                   flush=True)
+            if profile_steps:
+                with torch.inference_mode():
+                    profile_kernels(model, step, prompts, profile_steps, name.split()[0])
         del model, compiled
         torch.cuda.empty_cache()
     print("json " + json.dumps(results), flush=True)
@@ -228,11 +261,14 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="bench: print each kernel's time over STEPS decode steps (PyTorch profiler)")
     a = p.parse_args()
     if a.what == "make":
         make(a.dir, a.config)
     else:
-        bench(a.dir, [int(b) for b in a.batches.split(",")], a.prompt, a.new, a.reps, a.skip_check)
+        bench(a.dir, [int(b) for b in a.batches.split(",")], a.prompt, a.new, a.reps, a.skip_check,
+              a.profile)
 
 
 if __name__ == "__main__":
