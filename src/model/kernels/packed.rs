@@ -673,8 +673,13 @@ mod x86 {
     /// 5-bit 32-element formats' records (2½–3 lines, two prefetched) did
     /// not gain (Q4_1 single stream 217–249 → 190–215 tok/s with two lines
     /// into L2, level with three), so they keep L1. Not measured on Intel
-    /// hosts. BENCHMARKS.md, issue 22, session 36.
-    const L2_PREFETCH_ROWS: usize = 4;
+    /// hosts. BENCHMARKS.md, issue 22, session 36. Five and six rows
+    /// (a lone stream's verifying passes of 4-5 drafts) take it too, with
+    /// the 8-lane tile ([`PAIR_ROWS_ABOVE`]): together, on the same EPYC,
+    /// SmolLM2's passes of 5 and 6 rows ran 22-27 % faster as Q8_0 and
+    /// Q4_K, 11-12 % as the Q4_1 file; either alone, no faster
+    /// (BENCHMARKS.md, issue 18, session 42).
+    const L2_PREFETCH_ROWS: usize = 6;
 
     /// Where a call's tiles prefetch the records ahead of their reads.
     #[derive(Clone, Copy)]
@@ -1218,8 +1223,11 @@ mod x86 {
     /// the Q8_0 pair measured +2 / 0 / −4 % at 1 / 2 / 4 rows and +3 / +10
     /// / +17 % at 8 / 16 / 64, prompts +27 %; SmolLM2's Q4_1 GGUF +11–13 %
     /// at 16 and 64 rows, prompts +18 % (2 threads, Sapphire Rapids class;
-    /// BENCHMARKS.md, session 28).
-    const PAIR_ROWS_ABOVE: usize = 4;
+    /// BENCHMARKS.md, session 28). On a Zen 4 EPYC, 5- and 6-row calls on
+    /// the 8-lane tile with the L2 prefetch ([`L2_PREFETCH_ROWS`]) ran
+    /// 11-27 % faster than as pairs (session 42); 7 rows and more stay
+    /// pairs (measured level there).
+    const PAIR_ROWS_ABOVE: usize = 6;
 
     /// Row groups `group` and `group + 1` (Q8_0, Q4_0, Q4_1) against the
     /// `R` activation rows from `r0`, in 512-bit vectors: the low 8 lanes

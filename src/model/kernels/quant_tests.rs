@@ -452,7 +452,7 @@ fn packed_tiers_batches_and_threads_give_the_same_bits() {
     // Every tier forms the same block sums and adds them in the same
     // order, so all of them, every batch and every thread count agree.
     // (VNNI takes Q8_0's, Q4_0's and Q4_1's row groups in pairs in calls of
-    // more than 4 rows: the batched calls here do, the solo rows do not.)
+    // more than 6 rows: the batched calls here do, the solo rows do not.)
     let mut rng = ChaCha8Rng::seed_from_u64(22);
     let (rows, k, n) = (19, 512, 27);
     let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
