@@ -676,7 +676,7 @@ mod x86 {
     /// hosts. BENCHMARKS.md, issue 22, session 36. Five and six rows
     /// (a lone stream's verifying passes of 4-5 drafts) take it too, with
     /// the 8-lane tile ([`PAIR_ROWS_ABOVE`]): together, on the same EPYC,
-    /// SmolLM2's passes of 5 and 6 rows ran 22-27 % faster as Q8_0 and
+    /// SmolLM2's passes of 5 and 6 rows ran 22-28 % faster as Q8_0 and
     /// Q4_K, 11-12 % as the Q4_1 file; either alone, no faster
     /// (BENCHMARKS.md, issue 18, session 42).
     const L2_PREFETCH_ROWS: usize = 6;
@@ -1225,7 +1225,7 @@ mod x86 {
     /// at 16 and 64 rows, prompts +18 % (2 threads, Sapphire Rapids class;
     /// BENCHMARKS.md, session 28). On a Zen 4 EPYC, 5- and 6-row calls on
     /// the 8-lane tile with the L2 prefetch ([`L2_PREFETCH_ROWS`]) ran
-    /// 11-27 % faster than as pairs (session 42); 7 rows and more stay
+    /// 11-28 % faster than as pairs (session 42); 7 rows and more stay
     /// pairs (measured level there).
     const PAIR_ROWS_ABOVE: usize = 6;
 
