@@ -436,6 +436,7 @@ pub(crate) fn matmul_t(
             rows,
             out,
             accumulate,
+            isa,
         };
         let groups = n.div_ceil(ROWS);
         let grain = (groups / (threads * GRABS_PER_THREAD)).max(1);
@@ -476,6 +477,8 @@ struct Job<'a> {
     rows: usize,
     out: SharedMut<f32>,
     accumulate: bool,
+    /// The tier the call runs on (its prefetch rule differs).
+    isa: Isa,
 }
 
 // SAFETY: workers only read `w` and `acts`, and write disjoint columns of `out`.
@@ -673,13 +676,18 @@ mod x86 {
     /// 5-bit 32-element formats' records (2½–3 lines, two prefetched) did
     /// not gain (Q4_1 single stream 217–249 → 190–215 tok/s with two lines
     /// into L2, level with three), so they keep L1. Not measured on Intel
-    /// hosts. BENCHMARKS.md, issue 22, session 36. Five and six rows
-    /// (a lone stream's verifying passes of 4-5 drafts) take it too, with
-    /// the 8-lane tile ([`PAIR_ROWS_ABOVE`]): together, on the same EPYC,
-    /// SmolLM2's passes of 5 and 6 rows ran 22-28 % faster as Q8_0 and
-    /// Q4_K, 11-12 % as the Q4_1 file; either alone, no faster
-    /// (BENCHMARKS.md, issue 18, session 42).
-    const L2_PREFETCH_ROWS: usize = 6;
+    /// hosts. BENCHMARKS.md, issue 22, session 36.
+    const L2_PREFETCH_ROWS: usize = 4;
+
+    /// [`L2_PREFETCH_ROWS`] on the VNNI tier, whose calls of 5 and 6 rows
+    /// (a lone stream's verifying passes of 4-5 drafts) keep the 8-lane
+    /// tile ([`PAIR_ROWS_ABOVE`]): the two together, on the same EPYC,
+    /// ran SmolLM2's passes of 5 and 6 rows 22-28 % faster as Q8_0 and
+    /// Q4_K, 11-12 % as the Q4_1 file; either alone, no faster. The AVX2
+    /// tier's 5- and 6-row Q8_0 passes measured 6-9 % slower with it
+    /// (medians of six noisy rounds), so it keeps 4 (BENCHMARKS.md, issue
+    /// 18, session 42).
+    const L2_PREFETCH_ROWS_VNNI: usize = 6;
 
     /// Where a call's tiles prefetch the records ahead of their reads.
     #[derive(Clone, Copy)]
@@ -690,11 +698,16 @@ mod x86 {
     }
 
     impl Prefetch {
-        /// For a call of `rows` activation rows against format `F`.
-        fn of<const F: u8>(rows: usize) -> Self {
+        /// For `job`'s call against format `F`.
+        fn of<const F: u8>(job: &Job<'_>) -> Self {
+            let l2_rows = match job.isa {
+                super::Isa::Avx512Vnni => L2_PREFETCH_ROWS_VNNI,
+                _ => L2_PREFETCH_ROWS,
+            };
+            let rows = job.rows;
             if rows > PREFETCH_ROWS {
                 Self::Off
-            } else if rows <= L2_PREFETCH_ROWS && matches!(F, Q8_0 | Q4K | Q6K) {
+            } else if rows <= l2_rows && matches!(F, Q8_0 | Q4K | Q6K) {
                 Self::L2
             } else {
                 Self::L1
@@ -900,7 +913,7 @@ mod x86 {
         let recs = job.w.group(group);
         let len = record(job.w.format);
         let mut acc = [_mm256_setzero_ps(); R];
-        let prefetch = Prefetch::of::<F>(job.rows);
+        let prefetch = Prefetch::of::<F>(job);
         for g in 0..job.w.k / job.w.format.group() {
             let rec = recs.add(g * len);
             prefetch.ahead(rec, lines);
@@ -1224,7 +1237,7 @@ mod x86 {
     /// / +17 % at 8 / 16 / 64, prompts +27 %; SmolLM2's Q4_1 GGUF +11–13 %
     /// at 16 and 64 rows, prompts +18 % (2 threads, Sapphire Rapids class;
     /// BENCHMARKS.md, session 28). On a Zen 4 EPYC, 5- and 6-row calls on
-    /// the 8-lane tile with the L2 prefetch ([`L2_PREFETCH_ROWS`]) ran
+    /// the 8-lane tile with the L2 prefetch ([`L2_PREFETCH_ROWS_VNNI`]) ran
     /// 11-28 % faster than as pairs (session 42); 7 rows and more stay
     /// pairs (measured level there).
     const PAIR_ROWS_ABOVE: usize = 6;
@@ -1246,7 +1259,7 @@ mod x86 {
         let act = Acts::<R>::new(job, r0);
         let (lo, hi) = (job.w.group(group), job.w.group(group + 1));
         let (len, lb) = (record(format_of(F)), level_bytes(format_of(F)));
-        let prefetch = Prefetch::of::<F>(job.rows);
+        let prefetch = Prefetch::of::<F>(job);
         // 32 bytes of each group's record at `at`, as one vector.
         let both = |a: *const u8, b: *const u8, at: usize| {
             _mm512_inserti64x4::<1>(
