@@ -1238,8 +1238,8 @@ mod x86 {
     /// at 16 and 64 rows, prompts +18 % (2 threads, Sapphire Rapids class;
     /// BENCHMARKS.md, session 28). On a Zen 4 EPYC, 5- and 6-row calls on
     /// the 8-lane tile with the L2 prefetch ([`L2_PREFETCH_ROWS_VNNI`]) ran
-    /// 11-28 % faster than as pairs (session 42); 7 rows and more stay
-    /// pairs (measured level there).
+    /// 11-28 % faster than as pairs (session 42; not measured on Intel
+    /// hosts); 7 rows and more stay pairs (measured mixed there).
     const PAIR_ROWS_ABOVE: usize = 6;
 
     /// Row groups `group` and `group + 1` (Q8_0, Q4_0, Q4_1) against the
