@@ -444,13 +444,13 @@ pub(crate) fn matmul_t(
         // columns belong to one worker.
         for_each_range(groups, grain, threads, |range| unsafe {
             match w.format {
-                QFormat::Q8_0 => dispatch::<Q8_0>(isa, &job, range),
-                QFormat::Q4_0 => dispatch::<Q4_0>(isa, &job, range),
-                QFormat::Q4_1 => dispatch::<Q4_1>(isa, &job, range),
-                QFormat::Q5_0 => dispatch::<Q5_0>(isa, &job, range),
-                QFormat::Q5_1 => dispatch::<Q5_1>(isa, &job, range),
-                QFormat::Q4K => dispatch::<Q4K>(isa, &job, range),
-                _ => dispatch::<Q6K>(isa, &job, range),
+                QFormat::Q8_0 => dispatch::<Q8_0>(&job, range),
+                QFormat::Q4_0 => dispatch::<Q4_0>(&job, range),
+                QFormat::Q4_1 => dispatch::<Q4_1>(&job, range),
+                QFormat::Q5_0 => dispatch::<Q5_0>(&job, range),
+                QFormat::Q5_1 => dispatch::<Q5_1>(&job, range),
+                QFormat::Q4K => dispatch::<Q4K>(&job, range),
+                _ => dispatch::<Q6K>(&job, range),
             }
         });
     });
@@ -477,7 +477,7 @@ struct Job<'a> {
     rows: usize,
     out: SharedMut<f32>,
     accumulate: bool,
-    /// The tier the call runs on (its prefetch rule differs).
+    /// The tier the call runs on (its kernels and their prefetch rule).
     isa: Isa,
 }
 
@@ -510,8 +510,8 @@ const fn format_of(f: u8) -> QFormat {
     }
 }
 
-unsafe fn dispatch<const F: u8>(isa: Isa, job: &Job<'_>, groups: std::ops::Range<usize>) {
-    match isa {
+unsafe fn dispatch<const F: u8>(job: &Job<'_>, groups: std::ops::Range<usize>) {
+    match job.isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => x86::groups_vnni::<F>(job, groups),
         #[cfg(target_arch = "x86_64")]
