@@ -452,7 +452,9 @@ fn packed_tiers_batches_and_threads_give_the_same_bits() {
     // Every tier forms the same block sums and adds them in the same
     // order, so all of them, every batch and every thread count agree.
     // (VNNI takes Q8_0's, Q4_0's and Q4_1's row groups in pairs in calls of
-    // more than 6 rows: the batched calls here do, the solo rows do not.)
+    // more than 6 rows: the 19-row calls here do; the calls of 5 and 6
+    // rows, which take the 8-lane tile and another prefetch, and the solo
+    // rows do not.)
     let mut rng = ChaCha8Rng::seed_from_u64(22);
     let (rows, k, n) = (19, 512, 27);
     let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
@@ -471,6 +473,15 @@ fn packed_tiers_batches_and_threads_give_the_same_bits() {
                     bits(&batched),
                     bits(&reference),
                     "{format:?} {isa:?} threads {threads}"
+                );
+            }
+            for few in [5, 6] {
+                let mut part = vec![0f32; few * n];
+                packed::matmul_t(isa, 2, &x[..few * k], few, &packed, &mut part, false);
+                assert_eq!(
+                    bits(&part),
+                    bits(&reference[..few * n]),
+                    "{format:?} {isa:?}: a call of {few} rows differs from the batch"
                 );
             }
             for r in 0..rows {
