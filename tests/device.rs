@@ -163,13 +163,35 @@ fn smollm2_wide_model_in(device: &Device, dtype: DType) -> Model {
     Model::load(cfg, &w, &options(device, dtype)).unwrap()
 }
 
+/// Two layers of a 1B-class Llama's attention layout (32 query heads over
+/// 8 KV heads, four a KV head) at heads of 32 and narrow projections, so
+/// every projection takes the GEMV at 8 rows in f32 and bf16.
+fn gqa4_model_in(device: &Device, dtype: DType) -> Model {
+    let json = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 97, "hidden_size": 576, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 32, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": false,
+    });
+    let cfg = ModelConfig::from_json(&json.to_string()).unwrap();
+    let w = Weights::random(&cfg, 13, 0.05).unwrap();
+    Model::load(cfg, &w, &options(device, dtype)).unwrap()
+}
+
 /// Decode batches of up to 8 rows against weights up to 4 MiB (2 rows
 /// against larger ones) take Tandem's GEMV kernel on a GPU, whose sums do
 /// not depend on the row count, beside per-row attention and norms (folded
 /// into the projections for every row count or for none): there a
 /// sequence's logits are the same bits in any decode batch the GEMV takes,
-/// in any order, at a toy model's widths and at SmolLM2's. Larger batches
-/// (cuBLAS) and the CPU agree within rounding.
+/// in any order, at a toy model's widths, at SmolLM2's and at a 1B-class
+/// attention layout. Attention launches three ways, the same bits each: a
+/// solo decode's stages its rows in shared memory; batches run a block a
+/// query head; and in the four-heads-a-KV-head model the 8-row batch, whose
+/// 190-key history splits in three, launches 8 x 8 x 3 = 192 grouped
+/// blocks (a KV head's four query heads in one block), at least one per
+/// multiprocessor (H100 and H200: 132). Larger batches (cuBLAS) and the CPU
+/// agree within rounding.
 #[test]
 fn small_decode_batches_are_batch_invariant() {
     let device = test_device();
@@ -178,7 +200,7 @@ fn small_decode_batches_are_batch_invariant() {
     } else {
         &[DType::F32]
     };
-    let histories = [3usize, 17, 40, 1, 64, 9, 25, 33, 12];
+    let histories = [3usize, 17, 40, 1, 190, 9, 25, 33, 12];
     // (name, model, the largest batch whose projections all take the GEMV):
     // SmolLM2's gate/up projection is 7 MiB in f32, 3.5 MiB in bf16.
     let models = |dtype| {
@@ -190,6 +212,7 @@ fn small_decode_batches_are_batch_invariant() {
                 smollm2_wide_model_in(&device, dtype),
                 smollm2_rows,
             ),
+            ("GQA-4 layout", gqa4_model_in(&device, dtype), 8),
         ]
     };
     for (&dtype, (name, model, exact_rows)) in
@@ -199,7 +222,7 @@ fn small_decode_batches_are_batch_invariant() {
         let prefilled = || {
             let mut kv = KvCache::pooled(model.kv_layout(), device.clone(), 4096);
             for (i, &h) in histories.iter().enumerate() {
-                kv.allocate(i as u32, 128).unwrap();
+                kv.allocate(i as u32, 256).unwrap();
                 let mut b = Batch::default();
                 b.push(i as u32, 0, &prompt(i as u32, h, 97), OutputRows::Last);
                 step(&model, &mut kv, &b);

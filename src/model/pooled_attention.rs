@@ -11,7 +11,10 @@
 //! sequence's block table: no gather, no padding, no mask, whatever mix of
 //! decodes, draft verifications and prefill chunks the batch holds; the
 //! last of a query's splits to finish merges them (an arrival count per
-//! query and head, which that block resets to zero). A query's split count
+//! query and head, which that block resets to zero). Where a KV head has a
+//! multiple of four query heads and the launch is large, one block attends
+//! four of them (the grouped kernel), each head's sums in the same order.
+//! A query's split count
 //! is a function of its own key count alone ([`key_splits`]), and the merge
 //! adds the splits in order whichever block runs it, so a single decoding
 //! sequence fills the GPU and its sums still never depend on the rest of
@@ -152,17 +155,67 @@ fn split_bound(keys: usize) -> usize {
     }
 }
 
-/// Shared bytes a block needs for a split of at most `keys` keys in blocks
-/// of `block_size`: the query, reduction scratch, one partial output row
-/// per warp, one score per key and the table entries the keys span; then,
-/// 16-byte aligned, the K and V of up to `own_rows` rows read from the
-/// projection (f32 at most).
-fn shared_bytes(cfg: &ModelConfig, keys: usize, block_size: usize, own_rows: usize) -> usize {
+/// Shared bytes a block of `group` query heads needs for a split of at
+/// most `keys` keys in blocks of `block_size`: each head's query, reduction
+/// scratch, one partial output row per warp and head, one score per key and
+/// head and the table entries the keys span; then, 16-byte aligned, the K
+/// and V of up to `own_rows` rows read from the projection (f32 at most).
+fn shared_bytes(
+    cfg: &ModelConfig,
+    keys: usize,
+    block_size: usize,
+    own_rows: usize,
+    group: usize,
+) -> usize {
     let own = match own_rows {
         0 => 0,
         rows => 16 + 4 * 2 * rows * cfg.head_dim,
     };
-    4 * (cfg.head_dim + 32 + WARPS * cfg.head_dim + keys + keys / block_size + 2) + own
+    let per_head = cfg.head_dim + WARPS * cfg.head_dim + keys;
+    4 * (group * per_head + 32 + keys / block_size + 2) + own
+}
+
+/// Query heads a grouped attention block attends (the kernel's grouped
+/// instantiation: `G = 4`, one 16-byte pack of a head per lane).
+const GROUP: usize = 4;
+
+/// Whether a launch of many blocks may run the grouped kernel: the query
+/// heads of a KV head in one block, each key's row address and loads
+/// shared by them (the same sums per head, so no result depends on it).
+/// `TANDEM_ATTENTION_GROUP=0`: never (an A/B switch read once per process).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn group_heads() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    switched_on(&ON, "TANDEM_ATTENTION_GROUP")
+}
+
+/// The shared bytes of a grouped block for `plan`'s pass, or 0 where the
+/// grouped kernel does not apply: query heads per KV head not a multiple of
+/// [`GROUP`] (SmolLM2's 3 would leave a quarter of every block's lanes
+/// idle: 0.89x at B = 16 and 0.98x at 64 on an H100, BENCHMARKS.md), a head
+/// wider than a lane's pack times 32, more shared memory than a block may
+/// take, or grouping switched off. Whether a launch groups is decided at
+/// its size (the grouped grid still fills the multiprocessors).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn grouped_bytes(cfg: &ModelConfig, plan: &PooledAttention, elem: usize) -> usize {
+    let per_kv = cfg.num_heads / cfg.num_kv_heads.max(1);
+    let pack = 16 / elem;
+    let bytes = shared_bytes(
+        cfg,
+        split_bound(plan.max_keys),
+        1 << plan.block_shift,
+        plan.own_rows,
+        GROUP,
+    );
+    if per_kv.is_multiple_of(GROUP)
+        && cfg.head_dim <= 32 * pack
+        && bytes <= SHARED_BYTES
+        && group_heads()
+    {
+        bytes
+    } else {
+        0
+    }
 }
 
 /// The per-pass part: where each query token's keys are.
@@ -287,7 +340,7 @@ impl PooledAttention {
     /// shared memory, beside the most rows a launch reads from the
     /// projection.
     pub(super) fn fits(cfg: &ModelConfig, keys: usize, block_size: usize) -> bool {
-        shared_bytes(cfg, split_bound(keys), block_size, OWN_ROWS) <= SHARED_BYTES
+        shared_bytes(cfg, split_bound(keys), block_size, OWN_ROWS, 1) <= SHARED_BYTES
     }
 
     /// The metadata of `batch`'s queries (see [`PooledAttention::meta`]) in
@@ -430,8 +483,10 @@ fn run_kernels(
             split_bound(plan.max_keys),
             1 << plan.block_shift,
             plan.own_rows,
+            1,
         ),
         stage_bytes: stage_bytes(cfg, plan.max_keys, plan.own_rows, elem),
+        grouped_bytes: grouped_bytes(cfg, plan, elem),
         splits: key_splits(plan.max_keys),
         heads: cfg.num_heads,
         kv_heads: cfg.num_kv_heads,
@@ -492,6 +547,10 @@ mod kernel {
         /// first, 0 where it may not ([`super::stage_bytes`]): a launch of
         /// at most one block per multiprocessor does.
         pub(super) stage_bytes: usize,
+        /// The shared bytes of a grouped block, 0 where the grouped kernel
+        /// may not run ([`super::grouped_bytes`]): a launch whose grouped
+        /// grid has at least a block per multiprocessor does.
+        pub(super) grouped_bytes: usize,
         /// Nonzero: the launch reads the pass's keys from the projection
         /// rows of sequences of at most this many rows and writes the rows'
         /// K and V into the pools (through their storages' device
@@ -738,14 +797,21 @@ mod kernel {
             // split past a query's own count is never read).
             let partial = unsafe { dev.alloc::<f32>(n * heads * self.splits * (head_dim + 2))? };
             let out = unsafe { dev.alloc::<T>(n * heads * head_dim)? };
+            let sms = multiprocessors(&dev)?;
+            let stage = self.stage_bytes > 0 && n * heads * self.splits <= sms;
+            let group_blocks = heads / super::GROUP;
+            let grouped = self.grouped_bytes > 0 && n * group_blocks * self.splits >= sms;
+            let (name, head_blocks, shared_bytes) = if grouped {
+                ("pooled_attention_grouped", group_blocks, self.grouped_bytes)
+            } else {
+                let staged = if stage { self.stage_bytes } else { 0 };
+                ("pooled_attention", heads, self.shared_bytes + staged)
+            };
             let func = dev.get_or_load_custom_func(
-                &format!("pooled_attention_{suffix}"),
+                &format!("{name}_{suffix}"),
                 "tandem_pooled_attention",
                 PTX,
             )?;
-            let blocks = n * heads * self.splits;
-            let stage = self.stage_bytes > 0 && blocks <= multiprocessors(&dev)?;
-            let shared_bytes = self.shared_bytes + if stage { self.stage_bytes } else { 0 };
             if shared_bytes > 48 * 1024 {
                 // Above 48 KiB a kernel must opt in.
                 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as Attr;
@@ -758,7 +824,7 @@ mod kernel {
             debug_assert_eq!(kv_heads, self.kv_heads);
             let dims = [n, heads, kv_heads, head_dim, self.block_shift as usize].map(|x| x as u32);
             let cfg = LaunchConfig {
-                grid_dim: (dims[0], dims[1], self.splits as u32),
+                grid_dim: (dims[0], head_blocks as u32, self.splits as u32),
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: shared_bytes as u32,
             };

@@ -194,13 +194,16 @@ __device__ __forceinline__ uint32_t key_splits(uint32_t keys, uint32_t split_key
 }
 
 // G: query heads one block attends with the keys of their shared KV head
-// (grouped-query attention then reads each key once for all of them); a KV
-// head with more query heads gives them ceil(heads per KV head / G)
-// blocks. Only G = 1 is built: 2 and 4 were slower on the H200 at every
-// batch size (fewer, longer blocks; the shared rows sit in L2 anyway;
-// BENCHMARKS.md, session 17).
+// (grouped-query attention then reads each key and its row address once
+// for all of them); a KV head with more query heads gives them
+// ceil(heads per KV head / G) blocks. P: the 16-byte packs of a head one
+// lane holds (head_dim <= 32 * P * Pack<T>::N). Every head's sums run in
+// the same order whatever G and P are (its own accumulators, the same
+// loops), so the grouped kernel (G = 4, P = 1, for launches of many
+// blocks, where one block a head leaves the SMs busy with the same
+// addressing and loads per head) gives the bits of the ungrouped one.
 
-template <typename T, uint32_t G>
+template <typename T, uint32_t G, uint32_t P>
 __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta, const T *cos,
                                  const T *sin, float *partial, uint32_t n, uint32_t heads,
                                  uint32_t kv_heads, uint32_t head_dim, float q_scale,
@@ -208,7 +211,7 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
                                  uint32_t own_rows, uint32_t prefetch, uint32_t stage,
                                  uint32_t *arrivals, T *out) {
     constexpr uint32_t N = Pack<T>::N;
-    constexpr uint32_t D = MAX_PACKS_PER_LANE * N;  // dimensions a lane holds
+    constexpr uint32_t D = P * N;  // dimensions a lane holds
     extern __shared__ float smem[];
     const uint32_t tok = blockIdx.x, split = blockIdx.z;
     const uint32_t per_kv = heads / kv_heads;
@@ -338,7 +341,7 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
 #pragma unroll
     for (uint32_t g = 0; g < G; ++g) {
 #pragma unroll
-        for (uint32_t j = 0; j < MAX_PACKS_PER_LANE; ++j) {
+        for (uint32_t j = 0; j < P; ++j) {
             const uint32_t d = (j * lanes + sub) * N;
 #pragma unroll
             for (uint32_t e = 0; e < N; ++e) {
@@ -365,7 +368,7 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
             const T *krow =
                 kbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
 #pragma unroll
-            for (uint32_t j = 0; j < MAX_PACKS_PER_LANE; ++j) {
+            for (uint32_t j = 0; j < P; ++j) {
                 const uint32_t d = (j * lanes + sub) * N;
                 if (d < head_dim) {
                     float x[N];
@@ -428,7 +431,7 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
 #pragma unroll
         for (uint32_t g = 0; g < G; ++g) p[g] = g < hb ? scores[g * keys + c] : 0.f;
 #pragma unroll
-        for (uint32_t j = 0; j < MAX_PACKS_PER_LANE; ++j) {
+        for (uint32_t j = 0; j < P; ++j) {
             const uint32_t d = (j * lanes + sub) * N;
             if (d < head_dim) {
                 float x[N];
@@ -461,7 +464,7 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
 #pragma unroll
         for (uint32_t g = 0; g < G; ++g) {
 #pragma unroll
-            for (uint32_t j = 0; j < MAX_PACKS_PER_LANE; ++j) {
+            for (uint32_t j = 0; j < P; ++j) {
                 const uint32_t d = (j * lanes + sub) * N;
 #pragma unroll
                 for (uint32_t e = 0; e < N; ++e) {
@@ -481,9 +484,19 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
         float sum = 0.f;
         for (uint32_t w = 0; w < warps; ++w) sum += wpart[(w * G + g) * head_dim + d];
         if (alone) {
-            const float scale = __expf(m[g] - m[g]);
+            // m[g] and l[g] by unrolled selection: an index that varies
+            // per thread would put the arrays in local memory.
+            float mg = m[0], lg = l[0];
+#pragma unroll
+            for (uint32_t x = 1; x < G; ++x) {
+                if (g == x) {
+                    mg = m[x];
+                    lg = l[x];
+                }
+            }
+            const float scale = __expf(mg - mg);
             float total = 0.f, weighted = 0.f;
-            total += l[g] * scale;
+            total += lg * scale;
             weighted += sum * scale;
             const float inv = 1.f / total;
             out[((size_t)tok * heads + h0 + g) * head_dim + d] = from_f32<T>(weighted * inv);
@@ -520,6 +533,8 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
 #pragma unroll
     for (uint32_t g = 0; g < G; ++g) {
         if (g < hb) {
+            // The previous head's merge reads its weights until here.
+            if (g > 0) __syncthreads();
             merge_splits<T>(partial, out, tok, h0 + g, heads, head_dim, gridDim.z, splits, red);
         }
     }
@@ -578,17 +593,22 @@ __device__ void hidden_write(T *buffer, const T *hidden, const uint32_t *meta, u
 // The host launches 128-thread attention blocks (pooled_attention.rs'
 // WARPS); at 10 blocks an SM the registers stay at the 48 the kernel needed
 // before it kept its own K and V (no spills), since ptxas would otherwise
-// take 55 and fit only 9.
-#define POOLED_KERNELS(SUFFIX, T)                                                             \
-    extern "C" __global__ void __launch_bounds__(128, 10) pooled_attention_##SUFFIX(          \
+// take 55 and fit only 9. The grouped kernel holds four heads' q and
+// accumulators: GROUPED_BLOCKS blocks an SM leave it the registers for them.
+#define GROUPED_BLOCKS 5
+#define POOLED_ATTENTION_KERNEL(NAME, T, G, P, BLOCKS)                                        \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) NAME(                           \
         const T *qkv, T *k, T *v, const uint32_t *meta, const T *cos, const T *sin,           \
         float *partial, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim,     \
         float q_scale, uint32_t shift, uint32_t split_keys, uint32_t lanes,                   \
         uint32_t own_rows, uint32_t prefetch, uint32_t stage, uint32_t *arrivals, T *out) {   \
-        pooled_attention<T, 1>(qkv, k, v, meta, cos, sin, partial, n, heads, kv_heads,        \
-                               head_dim, q_scale, shift, split_keys, lanes, own_rows,         \
-                               prefetch, stage, arrivals, out);                               \
-    }                                                                                         \
+        pooled_attention<T, G, P>(qkv, k, v, meta, cos, sin, partial, n, heads, kv_heads,     \
+                                  head_dim, q_scale, shift, split_keys, lanes, own_rows,      \
+                                  prefetch, stage, arrivals, out);                            \
+    }
+#define POOLED_KERNELS(SUFFIX, T)                                                             \
+    POOLED_ATTENTION_KERNEL(pooled_attention_##SUFFIX, T, 1, MAX_PACKS_PER_LANE, 10)          \
+    POOLED_ATTENTION_KERNEL(pooled_attention_grouped_##SUFFIX, T, 4, 1, GROUPED_BLOCKS)       \
     extern "C" __global__ void pooled_write_##SUFFIX(                                         \
         T *k_pool, T *v_pool, const T *qkv, const uint32_t *meta, const T *cos, const T *sin, \
         uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim, uint32_t shift) {   \
