@@ -191,8 +191,8 @@ fn group_heads() -> bool {
 
 /// The shared bytes of a grouped block for `plan`'s pass, or 0 where the
 /// grouped kernel does not apply: query heads per KV head not a multiple of
-/// [`GROUP`] (SmolLM2's 3 would leave a quarter of every block's lanes
-/// idle: 0.89x at B = 16 and 0.98x at 64 on an H100, BENCHMARKS.md), a head
+/// [`GROUP`] (over SmolLM2's 3 the kernel computes a fourth head for
+/// nothing: 0.90x at B = 16 and 0.98x at 64 on an H100, BENCHMARKS.md), a head
 /// wider than a lane's pack times 32, more shared memory than a block may
 /// take, or grouping switched off. Whether a launch groups is decided at
 /// its size (the grouped grid still fills the multiprocessors).
