@@ -14,8 +14,8 @@
 //! query and head, which that block resets to zero). Where a KV head has a
 //! multiple of four query heads and the launch is large, one block attends
 //! four of them (the grouped kernel), each head's sums in the same order.
-//! A query's split count
-//! is a function of its own key count alone ([`key_splits`]), and the merge
+//! A query's split count is a function of its own key count alone
+//! ([`key_splits`]), and the merge
 //! adds the splits in order whichever block runs it, so a single decoding
 //! sequence fills the GPU and its sums still never depend on the rest of
 //! the batch. All read the `[n, (heads + 2·kv_heads)·head_dim]` projection
