@@ -179,6 +179,23 @@ fn gqa4_model_in(device: &Device, dtype: DType) -> Model {
     Model::load(cfg, &w, &options(device, dtype)).unwrap()
 }
 
+/// Many narrow heads on narrow projections (every projection a GEMV at 8
+/// rows in f32 and bf16): 512 query heads of 8 over 128 KV heads, so that
+/// a decode batch of a few rows launches as many (query, head group)
+/// blocks as a large batch of a 1B-class model.
+fn many_grouped_heads_model_in(device: &Device, dtype: DType) -> Model {
+    let json = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 97, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 512, "num_key_value_heads": 128,
+        "head_dim": 8, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": false,
+    });
+    let cfg = ModelConfig::from_json(&json.to_string()).unwrap();
+    let w = Weights::random(&cfg, 17, 0.05).unwrap();
+    Model::load(cfg, &w, &options(device, dtype)).unwrap()
+}
+
 /// Decode batches of up to 8 rows against weights up to 4 MiB (2 rows
 /// against larger ones) take Tandem's GEMV kernel on a GPU, whose sums do
 /// not depend on the row count, beside per-row attention and norms (folded
@@ -190,8 +207,12 @@ fn gqa4_model_in(device: &Device, dtype: DType) -> Model {
 /// query head; and in the four-heads-a-KV-head model the 8-row batch, whose
 /// 190-key history splits in three, launches 8 x 8 x 3 = 192 grouped
 /// blocks (a KV head's four query heads in one block), at least one per
-/// multiprocessor (H100 and H200: 132). Larger batches (cuBLAS) and the CPU
-/// agree within rounding.
+/// multiprocessor (H100 and H200: 132). In the many-grouped-heads model
+/// (512 heads of 8 over 128 KV heads) a batch of 5 or 8 rows with that
+/// history launches 5 x 128 = 640 or more grouped blocks: past the serial
+/// threshold (2 or 4 blocks an SM), each block runs its query's three
+/// splits itself, staged in shared memory, and merges them there. Larger
+/// batches (cuBLAS) and the CPU agree within rounding.
 #[test]
 fn small_decode_batches_are_batch_invariant() {
     let device = test_device();
@@ -213,6 +234,11 @@ fn small_decode_batches_are_batch_invariant() {
                 smollm2_rows,
             ),
             ("GQA-4 layout", gqa4_model_in(&device, dtype), 8),
+            (
+                "many grouped heads",
+                many_grouped_heads_model_in(&device, dtype),
+                8,
+            ),
         ]
     };
     for (&dtype, (name, model, exact_rows)) in

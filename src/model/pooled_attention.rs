@@ -13,8 +13,11 @@
 //! last of a query's splits to finish merges them (an arrival count per
 //! query and head, which that block resets to zero). Where a KV head has a
 //! multiple of four query heads and the launch is large, one block attends
-//! four of them (the grouped kernel), each head's sums in the same order.
-//! A query's split count is a function of its own key count alone
+//! four of them (the grouped kernel), each head's sums in the same order;
+//! where those grouped blocks alone fill the GPU (a decode or verifying
+//! launch past [`serial_threshold`]), each runs all its query's splits
+//! itself, one after the other, and merges them in shared memory (the
+//! same sums and merge, no arrival). A query's split count is a function of its own key count alone
 //! ([`key_splits`]), and the merge
 //! adds the splits in order whichever block runs it, so a single decoding
 //! sequence fills the GPU and its sums still never depend on the rest of
@@ -216,6 +219,37 @@ fn grouped_bytes(cfg: &ModelConfig, plan: &PooledAttention, elem: usize) -> usiz
     } else {
         0
     }
+}
+
+/// How many blocks per multiprocessor a grouped decode or verifying
+/// launch's (query, head group) blocks must reach for each of them to run
+/// all its query's splits itself, one after the other (the kernel's
+/// `SERIAL`: the split grid's sums and merge, without its per-split setup,
+/// partial rows in global memory and arrival round trip; where those
+/// blocks alone fill the GPU, the split grid only multiplies them). H100,
+/// 1B shape at B = 64: 1.10x; ungrouped over SmolLM2's shape it read 0.97x
+/// at B = 64 (BENCHMARKS.md), so ungrouped launches keep the split grid.
+/// `TANDEM_ATTENTION_SERIAL`: the threshold (read once per process; 0:
+/// never).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn serial_threshold() -> usize {
+    static BLOCKS: OnceLock<usize> = OnceLock::new();
+    *BLOCKS.get_or_init(|| {
+        std::env::var("TANDEM_ATTENTION_SERIAL")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2)
+    })
+}
+
+/// The shared bytes a serial grouped block adds to a grouped split block's
+/// for `plan`'s pass: the table entries of all its query's keys and each
+/// head's partial row per split.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn serial_extra_bytes(cfg: &ModelConfig, plan: &PooledAttention) -> usize {
+    let block_size = 1 << plan.block_shift;
+    let table = plan.max_keys / block_size - split_bound(plan.max_keys) / block_size;
+    4 * (table + GROUP * key_splits(plan.max_keys) * (cfg.head_dim + 2))
 }
 
 /// The per-pass part: where each query token's keys are.
@@ -487,6 +521,7 @@ fn run_kernels(
         ),
         stage_bytes: stage_bytes(cfg, plan.max_keys, plan.own_rows, elem),
         grouped_bytes: grouped_bytes(cfg, plan, elem),
+        serial_bytes: serial_extra_bytes(cfg, plan),
         splits: key_splits(plan.max_keys),
         heads: cfg.num_heads,
         kv_heads: cfg.num_kv_heads,
@@ -551,6 +586,9 @@ mod kernel {
         /// may not run ([`super::grouped_bytes`]): a launch whose grouped
         /// grid has at least a block per multiprocessor does.
         pub(super) grouped_bytes: usize,
+        /// The shared bytes a serial grouped block adds to a grouped one
+        /// ([`super::serial_extra_bytes`]).
+        pub(super) serial_bytes: usize,
         /// Nonzero: the launch reads the pass's keys from the projection
         /// rows of sequences of at most this many rows and writes the rows'
         /// K and V into the pools (through their storages' device
@@ -793,20 +831,38 @@ mod kernel {
             let qkv = view::<T>(qkv, ql)?;
             let k = view::<T>(k, kl)?;
             let v = view::<T>(v, vl)?;
-            // SAFETY: every element is written by the kernel below (a
-            // split past a query's own count is never read).
-            let partial = unsafe { dev.alloc::<f32>(n * heads * self.splits * (head_dim + 2))? };
+            // SAFETY: the kernel below writes every element.
             let out = unsafe { dev.alloc::<T>(n * heads * head_dim)? };
             let sms = multiprocessors(&dev)?;
-            let stage = self.stage_bytes > 0 && n * heads * self.splits <= sms;
             let group_blocks = heads / super::GROUP;
             let grouped = self.grouped_bytes > 0 && n * group_blocks * self.splits >= sms;
-            let (name, head_blocks, shared_bytes) = if grouped {
-                ("pooled_attention_grouped", group_blocks, self.grouped_bytes)
+            let head_blocks = if grouped { group_blocks } else { heads };
+            let threshold = super::serial_threshold();
+            let serial = grouped
+                && self.splits > 1
+                && self.own_rows > 0
+                && threshold > 0
+                && n * group_blocks >= threshold * sms;
+            let (name, stage, shared_bytes) = if serial {
+                let bytes = self.grouped_bytes + self.serial_bytes;
+                // Two splits' rows: the next copied while one computes.
+                let staged = 2 * self.stage_bytes;
+                let stage = self.stage_bytes > 0 && bytes + staged <= super::SHARED_BYTES;
+                let name = "pooled_attention_grouped_serial";
+                (name, stage, bytes + if stage { staged } else { 0 })
+            } else if grouped {
+                ("pooled_attention_grouped", false, self.grouped_bytes)
             } else {
+                let stage = self.stage_bytes > 0 && n * heads * self.splits <= sms;
                 let staged = if stage { self.stage_bytes } else { 0 };
-                ("pooled_attention", heads, self.shared_bytes + staged)
+                ("pooled_attention", stage, self.shared_bytes + staged)
             };
+            let depth = if serial { 1 } else { self.splits };
+            // SAFETY: every element is written by the kernel below before
+            // it is read (a split past a query's own count is never read;
+            // a serial block keeps its splits' rows in shared memory).
+            let partial_rows = if serial { 1 } else { n * heads * depth };
+            let partial = unsafe { dev.alloc::<f32>(partial_rows * (head_dim + 2))? };
             let func = dev.get_or_load_custom_func(
                 &format!("{name}_{suffix}"),
                 "tandem_pooled_attention",
@@ -824,7 +880,7 @@ mod kernel {
             debug_assert_eq!(kv_heads, self.kv_heads);
             let dims = [n, heads, kv_heads, head_dim, self.block_shift as usize].map(|x| x as u32);
             let cfg = LaunchConfig {
-                grid_dim: (dims[0], head_blocks as u32, self.splits as u32),
+                grid_dim: (dims[0], head_blocks as u32, depth as u32),
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: shared_bytes as u32,
             };

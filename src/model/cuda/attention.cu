@@ -115,6 +115,21 @@ __device__ __forceinline__ void copy_async_wait() {
 #endif
 }
 
+// Closes the thread's copies issued since the last call into a group, and
+// waits until at most `PENDING` groups are still in flight.
+__device__ __forceinline__ void copy_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int PENDING>
+__device__ __forceinline__ void copy_async_wait_groups() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+#endif
+}
+
 // Adds one to a split count at GPU scope with release and acquire
 // semantics; returns the count before.
 __device__ __forceinline__ uint32_t arrive(uint32_t *count) {
@@ -134,33 +149,39 @@ __device__ __forceinline__ size_t pool_row(const uint32_t *table, uint32_t pos, 
 
 #define MAX_SPLITS 16
 
-// Merges the splits of query (tok, h) from `partial` (rows of
-// head_dim + 2 floats: the split's output sum, max score, exp sum;
-// `max_splits` rows per query, the first `splits` written) into its output row
-// of out [n, heads, head_dim], splits in order; the block's threads take
-// the dimensions. One wait on memory: every thread's split values are in
-// flight while warp 0 weighs the splits (lane s: split s) into `weights`
-// (shared, MAX_SPLITS + 1 floats: each split's weight, then 1 / the
-// weighted exp sum). Loads bypass L1: the rows come from other blocks of
-// the same launch.
-template <typename T>
-__device__ void merge_splits(const float *partial, T *out, uint32_t tok, uint32_t h,
-                             uint32_t heads, uint32_t head_dim, uint32_t max_splits,
-                             uint32_t splits, float *weights) {
+// Merges the splits of one query head from `rows` (one row per split of
+// head_dim + 2 floats: the split's output sum, max score, exp sum; the
+// first `splits` written, `width` floats apart) into its output row `orow`
+// (head_dim), splits in order; the block's threads take the dimensions.
+// One wait on memory: every thread's split values are in flight while
+// warp 0 weighs the splits (lane s: split s) into `weights` (shared,
+// MAX_SPLITS + 1 floats: each split's weight, then 1 / the weighted exp
+// sum). From global memory (SHARED false) the loads bypass L1: the rows
+// come from other blocks of the same launch. Rows in shared memory (a
+// block that ran every split itself) give the same bits.
+template <typename T, bool SHARED>
+__device__ void merge_rows(const float *rows, T *orow, uint32_t head_dim, uint32_t splits,
+                           float *weights) {
     const size_t width = head_dim + 2;
-    const float *rows = partial + ((size_t)tok * heads + h) * max_splits * width;
+    const auto at = [&](size_t i) {
+        if constexpr (SHARED) {
+            return rows[i];
+        } else {
+            return __ldcg(rows + i);
+        }
+    };
     float values[MAX_SPLITS];
     const auto load = [&](uint32_t d) {
 #pragma unroll
         for (uint32_t s = 0; s < MAX_SPLITS; ++s) {
-            values[s] = (s < splits && d < head_dim) ? __ldcg(rows + s * width + d) : 0.f;
+            values[s] = (s < splits && d < head_dim) ? at(s * width + d) : 0.f;
         }
     };
     load(threadIdx.x);
     if (threadIdx.x < 32) {
         const uint32_t s = threadIdx.x;
-        const float split_max = s < splits ? __ldcg(rows + s * width + head_dim) : -INFINITY;
-        const float split_sum = s < splits ? __ldcg(rows + s * width + head_dim + 1) : 0.f;
+        const float split_max = s < splits ? at(s * width + head_dim) : -INFINITY;
+        const float split_sum = s < splits ? at(s * width + head_dim + 1) : 0.f;
         const float m = warp_max(split_max);
         const float w = s < splits ? __expf(split_max - m) : 0.f;
         const float l = warp_sum(split_sum * w);
@@ -168,7 +189,6 @@ __device__ void merge_splits(const float *partial, T *out, uint32_t tok, uint32_
         if (s == 0) weights[MAX_SPLITS] = 1.f / l;
     }
     __syncthreads();
-    T *orow = out + ((size_t)tok * heads + h) * head_dim;
     for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
         if (d != threadIdx.x) load(d);
         float sum = 0.f;
@@ -202,8 +222,20 @@ __device__ __forceinline__ uint32_t key_splits(uint32_t keys, uint32_t split_key
 // loops), so the grouped kernel (G = 4, P = 1, for launches of many
 // blocks, where one block a head leaves the SMs busy with the same
 // addressing and loads per head) gives the bits of the ungrouped one.
+//
+// SERIAL: one block runs every split of its query heads, one after the
+// other, each with the loops and sums of a split's own block, keeps the
+// splits' partial rows in shared memory and merges them with
+// merge_rows' arithmetic: the bits of the split grid (gridDim.z is 1),
+// without its per-split setup, global partial rows and arrival round
+// trip. With `stage`, split s + 1's key and value rows are copied into
+// shared memory while split s computes (two buffers); without, with
+// `prefetch`, every split's rows are asked of L2 first thing. The host
+// runs it grouped, for launches whose (query, head group) blocks alone
+// fill the GPU (H100, 1B shape at B = 64: 1.10x; one block a head over
+// SmolLM2's shape read 0.97x, so that instantiation does not exist).
 
-template <typename T, uint32_t G, uint32_t P>
+template <typename T, uint32_t G, uint32_t P, bool SERIAL>
 __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta, const T *cos,
                                  const T *sin, float *partial, uint32_t n, uint32_t heads,
                                  uint32_t kv_heads, uint32_t head_dim, float q_scale,
@@ -213,7 +245,7 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
     constexpr uint32_t N = Pack<T>::N;
     constexpr uint32_t D = P * N;  // dimensions a lane holds
     extern __shared__ float smem[];
-    const uint32_t tok = blockIdx.x, split = blockIdx.z;
+    const uint32_t tok = blockIdx.x, split0 = SERIAL ? 0 : blockIdx.z;
     const uint32_t per_kv = heads / kv_heads;
     const uint32_t chunks = (per_kv + G - 1) / G;
     const uint32_t kvh = blockIdx.y / chunks;
@@ -223,35 +255,48 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
     const uint32_t first_visible = meta[n + tok], last = meta[2 * n + tok];
     const uint32_t all_keys = last + 1 - first_visible;
     const uint32_t splits = key_splits(all_keys, split_keys);
-    if (split >= splits) return;
+    if (split0 >= splits) return;
     const uint32_t chunk = (all_keys + splits - 1) / splits;
-    const uint32_t first = first_visible + split * chunk;
     // chunk * (splits - 1) < all_keys: every split holds a key.
-    const uint32_t keys = min(chunk, last + 1 - first);
+    const auto split_first = [&](uint32_t s) { return first_visible + s * chunk; };
+    const auto split_size = [&](uint32_t s) { return min(chunk, last + 1 - split_first(s)); };
+    // The keys this block attends: one split's, or (SERIAL) all of them.
+    const uint32_t span_keys = SERIAL ? all_keys : split_size(split0);
+    const uint32_t key_cap = SERIAL ? chunk : span_keys;  // one split's at most
+    const uint32_t first_block = split_first(split0) >> shift;
+    const uint32_t last_key = split_first(split0) + span_keys - 1;
+    const uint32_t table_words = (span_keys >> shift) + 2;
 
     const uint32_t warps = blockDim.x >> 5;
     float *qs = smem;                                  // G * head_dim
-    float *red = qs + G * head_dim;            // 32
+    float *red = qs + G * head_dim;                    // 32
     float *wpart = red + 32;                           // warps * G * head_dim
-    float *scores = wpart + warps * G * head_dim;  // G * keys
-    // The table entries of blocks first >> shift ..= (first + keys - 1) >> shift.
-    uint32_t *blocks = (uint32_t *)(scores + G * keys);
+    float *scores = wpart + warps * G * head_dim;      // G * key_cap
+    // The table entries of blocks first_block ..= last_key >> shift.
+    uint32_t *blocks = (uint32_t *)(scores + G * key_cap);
+    // SERIAL: each head's split rows (splits of head_dim + 2 floats).
+    float *split_rows = (float *)(blocks + table_words);
     // Then, 16-byte aligned, the pass's rows of this query's sequence up to
     // its own (keys, then values: own_rows rows each at most).
     // (An offset from `smem`, so the compiler keeps shared-space pointers.)
+    const uint32_t rows_floats = SERIAL ? G * splits * (head_dim + 2) : 0;
     const uint32_t span_at =
-        ((uint32_t)((G * head_dim + 32 + warps * G * head_dim + G * keys) * sizeof(float) +
-                    ((keys >> shift) + 2) * sizeof(uint32_t)) + 15u) & ~15u;
+        ((uint32_t)((G * head_dim + 32 + warps * G * head_dim + G * key_cap + rows_floats) *
+                        sizeof(float) +
+                    table_words * sizeof(uint32_t)) +
+         15u) & ~15u;
     T *span_k = (T *)((char *)smem + span_at);
     T *span_v = span_k + own_rows * head_dim;
-    // With `stage`, then the split's key rows the pool holds, then its
-    // value rows (`keys` rows each at most).
-    T *stage_k = span_v + own_rows * head_dim;
-    T *stage_v = stage_k + keys * head_dim;
+    // With `stage`, then a split's key rows the pool holds, then its value
+    // rows (key_cap rows each at most); SERIAL: two such buffers.
+    T *const stage_at = span_v + own_rows * head_dim;
+    const auto stage_k_of = [&](uint32_t s) {
+        return stage_at + (SERIAL ? (s & 1) * 2 * key_cap * head_dim : 0);
+    };
     // With own_rows, the pass's rows of this sequence before this one
     // (consecutive rows of the same table at consecutive positions, at
     // most own_rows - 1) and its own hold the keys from `span_first` on:
-    // staged from their projection rows where this split reads them, and
+    // staged from their projection rows where a split reads them, and
     // the row's own written into the pool by the first block of each
     // (row, KV head). Without, the pool holds every key already.
     uint32_t before = 0;
@@ -262,40 +307,53 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
         }
     }
     const uint32_t span_first = last - before;
-    const bool writes = own_rows && split == 0 && blockIdx.y % chunks == 0;
-    const bool reads_span = own_rows && first + keys > span_first;
-    // Positions from here on come from the staged rows (none without).
-    const uint32_t staged_from = reads_span ? span_first : 0xffffffffu;
-    // The split's rows the pool holds (those before the staged span),
-    // asked for first thing, through the global table: with `stage`, all
-    // copied into shared memory at once (one wait on memory for every key
-    // and value; the loops below then read shared memory only); else, with
-    // `prefetch`, asked of L2 (the key loop reads two rounds of keys at a
-    // time and the value loop starts only after the softmax, so otherwise a
-    // split waits on memory once per pair of rounds of keys and again per
-    // pair of rounds of values). No result depends on either.
-    const uint32_t pool_keys = min(keys, max(staged_from, first) - first);
-    if (stage) {
-        const uint32_t packs = head_dim / N;
-        for (uint32_t i = threadIdx.x; i < pool_keys * packs; i += blockDim.x) {
+    const bool writes = own_rows && split0 == 0 && blockIdx.y % chunks == 0;
+    // Positions from `staged_from` on come from the staged rows; a split
+    // reads `pool_keys` of its keys from the pool.
+    const auto staged_from = [&](uint32_t s) {
+        const bool reads_span = own_rows && split_first(s) + split_size(s) > span_first;
+        return reads_span ? span_first : 0xffffffffu;
+    };
+    const auto pool_keys_of = [&](uint32_t s) {
+        const uint32_t f = split_first(s);
+        return min(split_size(s), max(staged_from(s), f) - f);
+    };
+    // Copies split s's pool rows into its stage buffer (cp.async).
+    const auto stage_split = [&](uint32_t s) {
+        const uint32_t packs = head_dim / N, f = split_first(s);
+        T *stage_k = stage_k_of(s), *stage_v = stage_k + key_cap * head_dim;
+        for (uint32_t i = threadIdx.x; i < pool_keys_of(s) * packs; i += blockDim.x) {
             const uint32_t c = i / packs, at_row = (i % packs) * N;
             const size_t at =
-                (pool_row(table, first + c, shift) * kv_heads + kvh) * head_dim + at_row;
+                (pool_row(table, f + c, shift) * kv_heads + kvh) * head_dim + at_row;
             copy_async16(stage_k + c * head_dim + at_row, k + at);
             copy_async16(stage_v + c * head_dim + at_row, v + at);
         }
+    };
+    // The block's rows the pool holds (those before the staged span),
+    // asked for first thing, through the global table: with `stage`, the
+    // (first) split's all copied into shared memory at once (one wait on
+    // memory for every key and value; the loops below then read shared
+    // memory only); else, with `prefetch`, asked of L2 (the key loop reads
+    // two rounds of keys at a time and the value loop starts only after
+    // the softmax, so otherwise a split waits on memory once per pair of
+    // rounds of keys and again per pair of rounds of values). No result
+    // depends on either.
+    if (stage) {
+        stage_split(split0);
+        if (SERIAL) copy_async_commit();
     } else if (prefetch) {
-        for (uint32_t c = threadIdx.x; c < pool_keys; c += blockDim.x) {
-            const size_t at = (pool_row(table, first + c, shift) * kv_heads + kvh) * head_dim;
+        const uint32_t f = split_first(split0);
+        const uint32_t to = SERIAL ? min(last + 1, staged_from(splits - 1)) : f + pool_keys_of(split0);
+        for (uint32_t c = f + threadIdx.x; c < to; c += blockDim.x) {
+            const size_t at = (pool_row(table, c, shift) * kv_heads + kvh) * head_dim;
             for (uint32_t b = 0; b < head_dim * sizeof(T); b += 128) {
                 prefetch_l2((const char *)(k + at) + b);
                 prefetch_l2((const char *)(v + at) + b);
             }
         }
     }
-    const uint32_t first_block = first >> shift;
-    const uint32_t last_key = first + keys - 1;
-    if (!stage) {
+    if (!stage || SERIAL) {
         for (uint32_t b = threadIdx.x; b <= (last_key >> shift) - first_block; b += blockDim.x) {
             blocks[b] = table[first_block + b];
         }
@@ -311,7 +369,7 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
         qs[g * head_dim + d] = o1 * q_scale;
         qs[g * head_dim + d + half] = o2 * q_scale;
     }
-    if (reads_span || writes) {
+    if (staged_from(SERIAL ? splits - 1 : split0) != 0xffffffffu || writes) {
         for (uint32_t i = threadIdx.x; i <= before * head_dim + head_dim - 1; i += blockDim.x) {
             const uint32_t j = i / head_dim, d = i % head_dim;
             const T *krow =
@@ -320,7 +378,7 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
             span_v[i] = krow[(size_t)kv_heads * head_dim + d];
         }
     }
-    if (stage) copy_async_wait();
+    if (stage && !SERIAL) copy_async_wait();
     __syncthreads();
     if (writes) {
         const size_t at = pool_row(table, last, shift) * kv_heads * head_dim + (size_t)kvh * head_dim;
@@ -349,24 +407,114 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
             }
         }
     }
+    const bool alone = splits == 1;
+    // A split's keys (hoisted: the split grid's block runs one).
+    uint32_t first = split_first(split0), keys = key_cap;
+    uint32_t from_span = staged_from(split0), pool_keys = pool_keys_of(split0);
+    const T *stage_k = stage_at, *stage_v = stage_at + key_cap * head_dim;
+    // (The split grid's block runs its one split: no loop to carry.)
+    for (uint32_t split = split0;; ++split) {
+        if (SERIAL) {
+            first = split_first(split);
+            keys = split_size(split);
+            from_span = staged_from(split);
+            pool_keys = pool_keys_of(split);
+            stage_k = stage_k_of(split);
+            stage_v = stage_k + key_cap * head_dim;
+        }
+        if (SERIAL && stage) {
+            // The next split's copies go out before this one's are awaited.
+            if (split + 1 < splits) {
+                stage_split(split + 1);
+                copy_async_commit();
+                copy_async_wait_groups<1>();
+            } else {
+                copy_async_wait_groups<0>();
+            }
+            __syncthreads();
+        }
 
-    float local[G];
+        float local[G];
 #pragma unroll
-    for (uint32_t g = 0; g < G; ++g) local[g] = -INFINITY;
+        for (uint32_t g = 0; g < G; ++g) local[g] = -INFINITY;
 #pragma unroll 2
-    for (uint32_t round = 0; round < keys; round += groups) {
-        const uint32_t c = round + group;
-        float acc[G];
+        for (uint32_t round = 0; round < keys; round += groups) {
+            const uint32_t c = round + group;
+            float acc[G];
 #pragma unroll
-        for (uint32_t g = 0; g < G; ++g) acc[g] = 0.f;
-        if (c < keys) {
-            // Shared rows and pool rows apart, so that each load keeps its
-            // own state space (a generic load cost 1-2 % at B = 16-64).
+            for (uint32_t g = 0; g < G; ++g) acc[g] = 0.f;
+            if (c < keys) {
+                // Shared rows and pool rows apart, so that each load keeps its
+                // own state space (a generic load cost 1-2 % at B = 16-64).
+                const bool shared = c >= pool_keys || stage;
+                const T *srow = c >= pool_keys ? span_k + (first + c - from_span) * head_dim
+                                               : stage_k + c * head_dim;
+                const T *krow =
+                    kbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
+#pragma unroll
+                for (uint32_t j = 0; j < P; ++j) {
+                    const uint32_t d = (j * lanes + sub) * N;
+                    if (d < head_dim) {
+                        float x[N];
+                        if (shared) {
+                            Pack<T>::load(srow + d, x);
+                        } else {
+                            Pack<T>::load(krow + d, x);
+                        }
+#pragma unroll
+                        for (uint32_t g = 0; g < G; ++g) {
+#pragma unroll
+                            for (uint32_t e = 0; e < N; ++e) acc[g] += q[g][j * N + e] * x[e];
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (uint32_t g = 0; g < G; ++g) {
+                if (g >= hb) continue;  // uniform across the block
+                for (uint32_t o = lanes >> 1; o > 0; o >>= 1) {
+                    acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
+                }
+                if (c < keys && g < hb) {
+                    if (sub == 0) scores[g * key_cap + c] = acc[g];
+                    local[g] = fmaxf(local[g], acc[g]);
+                }
+            }
+        }
+        __syncthreads();
+        float m[G], l[G];
+#pragma unroll
+        for (uint32_t g = 0; g < G; ++g) {
+            if (g < hb) m[g] = block_reduce<true>(local[g], red);
+        }
+#pragma unroll
+        for (uint32_t g = 0; g < G; ++g) {
+            if (g >= hb) continue;
+            float sum = 0.f;
+            for (uint32_t c = threadIdx.x; c < keys; c += blockDim.x) {
+                const float e = __expf(scores[g * key_cap + c] - m[g]);
+                scores[g * key_cap + c] = e;
+                sum += e;
+            }
+            l[g] = block_reduce<false>(sum, red);
+        }
+
+        float acc[G][D];
+#pragma unroll
+        for (uint32_t g = 0; g < G; ++g) {
+#pragma unroll
+            for (uint32_t i = 0; i < D; ++i) acc[g][i] = 0.f;
+        }
+#pragma unroll 2
+        for (uint32_t c = group; c < keys; c += groups) {
             const bool shared = c >= pool_keys || stage;
-            const T *srow = c >= pool_keys ? span_k + (first + c - staged_from) * head_dim
-                                           : stage_k + c * head_dim;
-            const T *krow =
-                kbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
+            const T *srow = c >= pool_keys ? span_v + (first + c - from_span) * head_dim
+                                           : stage_v + c * head_dim;
+            const T *vrow =
+                vbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
+            float p[G];
+#pragma unroll
+            for (uint32_t g = 0; g < G; ++g) p[g] = g < hb ? scores[g * key_cap + c] : 0.f;
 #pragma unroll
             for (uint32_t j = 0; j < P; ++j) {
                 const uint32_t d = (j * lanes + sub) * N;
@@ -375,145 +523,105 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
                     if (shared) {
                         Pack<T>::load(srow + d, x);
                     } else {
-                        Pack<T>::load(krow + d, x);
+                        Pack<T>::load(vrow + d, x);
                     }
 #pragma unroll
                     for (uint32_t g = 0; g < G; ++g) {
 #pragma unroll
-                        for (uint32_t e = 0; e < N; ++e) acc[g] += q[g][j * N + e] * x[e];
+                        for (uint32_t e = 0; e < N; ++e) acc[g][j * N + e] += p[g] * x[e];
                     }
                 }
             }
         }
+        // Across the warp's lane groups (lanes differing above the group bits).
 #pragma unroll
         for (uint32_t g = 0; g < G; ++g) {
             if (g >= hb) continue;  // uniform across the block
-            for (uint32_t o = lanes >> 1; o > 0; o >>= 1) {
-                acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
-            }
-            if (c < keys && g < hb) {
-                if (sub == 0) scores[g * keys + c] = acc[g];
-                local[g] = fmaxf(local[g], acc[g]);
-            }
-        }
-    }
-    __syncthreads();
-    float m[G], l[G];
 #pragma unroll
-    for (uint32_t g = 0; g < G; ++g) {
-        if (g < hb) m[g] = block_reduce<true>(local[g], red);
-    }
-#pragma unroll
-    for (uint32_t g = 0; g < G; ++g) {
-        if (g >= hb) continue;
-        float sum = 0.f;
-        for (uint32_t c = threadIdx.x; c < keys; c += blockDim.x) {
-            const float e = __expf(scores[g * keys + c] - m[g]);
-            scores[g * keys + c] = e;
-            sum += e;
-        }
-        l[g] = block_reduce<false>(sum, red);
-    }
-
-    float acc[G][D];
-#pragma unroll
-    for (uint32_t g = 0; g < G; ++g) {
-#pragma unroll
-        for (uint32_t i = 0; i < D; ++i) acc[g][i] = 0.f;
-    }
-#pragma unroll 2
-    for (uint32_t c = group; c < keys; c += groups) {
-        const bool shared = c >= pool_keys || stage;
-        const T *srow = c >= pool_keys ? span_v + (first + c - staged_from) * head_dim
-                                       : stage_v + c * head_dim;
-        const T *vrow = vbase + pool_row(blocks, first + c - (first_block << shift), shift) * stride;
-        float p[G];
-#pragma unroll
-        for (uint32_t g = 0; g < G; ++g) p[g] = g < hb ? scores[g * keys + c] : 0.f;
-#pragma unroll
-        for (uint32_t j = 0; j < P; ++j) {
-            const uint32_t d = (j * lanes + sub) * N;
-            if (d < head_dim) {
-                float x[N];
-                if (shared) {
-                    Pack<T>::load(srow + d, x);
-                } else {
-                    Pack<T>::load(vrow + d, x);
-                }
-#pragma unroll
-                for (uint32_t g = 0; g < G; ++g) {
-#pragma unroll
-                    for (uint32_t e = 0; e < N; ++e) acc[g][j * N + e] += p[g] * x[e];
+            for (uint32_t i = 0; i < D; ++i) {
+                for (uint32_t o = 16; o >= lanes; o >>= 1) {
+                    acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], o);
                 }
             }
         }
-    }
-    // Across the warp's lane groups (lanes differing above the group bits).
+        const uint32_t warp = threadIdx.x >> 5;
+        if ((threadIdx.x & 31) < lanes) {
 #pragma unroll
-    for (uint32_t g = 0; g < G; ++g) {
-        if (g >= hb) continue;  // uniform across the block
+            for (uint32_t g = 0; g < G; ++g) {
 #pragma unroll
-        for (uint32_t i = 0; i < D; ++i) {
-            for (uint32_t o = 16; o >= lanes; o >>= 1) {
-                acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], o);
-            }
-        }
-    }
-    const uint32_t warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) < lanes) {
+                for (uint32_t j = 0; j < P; ++j) {
+                    const uint32_t d = (j * lanes + sub) * N;
 #pragma unroll
-        for (uint32_t g = 0; g < G; ++g) {
-#pragma unroll
-            for (uint32_t j = 0; j < P; ++j) {
-                const uint32_t d = (j * lanes + sub) * N;
-#pragma unroll
-                for (uint32_t e = 0; e < N; ++e) {
-                    if (g < hb && d < head_dim) {
-                        wpart[(warp * G + g) * head_dim + d + e] = acc[g][j * N + e];
+                    for (uint32_t e = 0; e < N; ++e) {
+                        if (g < hb && d < head_dim) {
+                            wpart[(warp * G + g) * head_dim + d + e] = acc[g][j * N + e];
+                        }
                     }
                 }
             }
         }
-    }
-    __syncthreads();
-    // A query of one split writes its output here, with merge_splits'
-    // arithmetic for one split.
-    const bool alone = splits == 1;
-    for (uint32_t i = threadIdx.x; i < hb * head_dim; i += blockDim.x) {
-        const uint32_t g = i / head_dim, d = i % head_dim;
-        float sum = 0.f;
-        for (uint32_t w = 0; w < warps; ++w) sum += wpart[(w * G + g) * head_dim + d];
-        if (alone) {
-            // m[g] and l[g] by unrolled selection: an index that varies
-            // per thread would put the arrays in local memory.
-            float mg = m[0], lg = l[0];
+        __syncthreads();
+        // A query of one split writes its output here, with merge_rows'
+        // arithmetic for one split.
+        for (uint32_t i = threadIdx.x; i < hb * head_dim; i += blockDim.x) {
+            const uint32_t g = i / head_dim, d = i % head_dim;
+            float sum = 0.f;
+            for (uint32_t w = 0; w < warps; ++w) sum += wpart[(w * G + g) * head_dim + d];
+            if (alone) {
+                // m[g] and l[g] by unrolled selection: an index that varies
+                // per thread would put the arrays in local memory.
+                float mg = m[0], lg = l[0];
 #pragma unroll
-            for (uint32_t x = 1; x < G; ++x) {
-                if (g == x) {
-                    mg = m[x];
-                    lg = l[x];
+                for (uint32_t x = 1; x < G; ++x) {
+                    if (g == x) {
+                        mg = m[x];
+                        lg = l[x];
+                    }
                 }
+                const float scale = __expf(mg - mg);
+                float total = 0.f, weighted = 0.f;
+                total += lg * scale;
+                weighted += sum * scale;
+                const float inv = 1.f / total;
+                out[((size_t)tok * heads + h0 + g) * head_dim + d] = from_f32<T>(weighted * inv);
+                continue;
             }
-            const float scale = __expf(mg - mg);
-            float total = 0.f, weighted = 0.f;
-            total += lg * scale;
-            weighted += sum * scale;
-            const float inv = 1.f / total;
-            out[((size_t)tok * heads + h0 + g) * head_dim + d] = from_f32<T>(weighted * inv);
-            continue;
+            if (SERIAL) {
+                split_rows[(g * splits + split) * (head_dim + 2) + d] = sum;
+            } else {
+                const size_t at = ((size_t)tok * heads + h0 + g) * gridDim.z + split;
+                partial[at * (head_dim + 2) + d] = sum;
+            }
         }
-        const size_t at = ((size_t)tok * heads + h0 + g) * gridDim.z + split;
-        partial[at * (head_dim + 2) + d] = sum;
+        if (alone) return;
+        if (threadIdx.x == 0) {
+#pragma unroll
+            for (uint32_t g = 0; g < G; ++g) {
+                if (g >= hb) continue;
+                float *row = SERIAL ? split_rows + (g * splits + split) * (head_dim + 2)
+                                    : partial + (((size_t)tok * heads + h0 + g) * gridDim.z +
+                                                 split) * (head_dim + 2);
+                row[head_dim] = m[g];
+                row[head_dim + 1] = l[g];
+            }
+        }
+        if (!SERIAL || split + 1 == splits) break;
+        // The next split reuses the scores, the partial rows per warp and
+        // (staged) the buffer of the split after it.
+        __syncthreads();
     }
-    if (alone) return;
-    if (threadIdx.x == 0) {
+    if (SERIAL) {
 #pragma unroll
         for (uint32_t g = 0; g < G; ++g) {
-            if (g >= hb) continue;
-            const size_t at = ((size_t)tok * heads + h0 + g) * gridDim.z + split;
-            partial[at * (head_dim + 2) + head_dim] = m[g];
-            partial[at * (head_dim + 2) + head_dim + 1] = l[g];
+            if (g < hb) {
+                // The previous head's merge reads its weights until here.
+                if (g > 0) __syncthreads();
+                T *orow = out + ((size_t)tok * heads + h0 + g) * head_dim;
+                merge_rows<T, true>(split_rows + g * splits * (head_dim + 2), orow, head_dim,
+                                    splits, red);
+            }
         }
+        return;
     }
     // The last of a query's splits to finish merges them (and resets the
     // query's arrival count to zero for the next launch): no merge launch.
@@ -535,7 +643,9 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
         if (g < hb) {
             // The previous head's merge reads its weights until here.
             if (g > 0) __syncthreads();
-            merge_splits<T>(partial, out, tok, h0 + g, heads, head_dim, gridDim.z, splits, red);
+            const float *rows = partial + ((size_t)tok * heads + h0 + g) * gridDim.z * (head_dim + 2);
+            T *orow = out + ((size_t)tok * heads + h0 + g) * head_dim;
+            merge_rows<T, false>(rows, orow, head_dim, splits, red);
         }
     }
 }
@@ -595,20 +705,26 @@ __device__ void hidden_write(T *buffer, const T *hidden, const uint32_t *meta, u
 // before it kept its own K and V (no spills), since ptxas would otherwise
 // take 55 and fit only 9. The grouped kernel holds four heads' q and
 // accumulators: GROUPED_BLOCKS blocks an SM leave it the registers for them.
+// The serial grouped kernel's loop holds more: at GROUPED_SERIAL_BLOCKS it
+// takes 127 registers without spills (at 5, 96 with spills).
 #define GROUPED_BLOCKS 5
-#define POOLED_ATTENTION_KERNEL(NAME, T, G, P, BLOCKS)                                        \
+#define GROUPED_SERIAL_BLOCKS 4
+#define POOLED_ATTENTION_KERNEL(NAME, T, G, P, SERIAL, BLOCKS)                                \
     extern "C" __global__ void __launch_bounds__(128, BLOCKS) NAME(                           \
         const T *qkv, T *k, T *v, const uint32_t *meta, const T *cos, const T *sin,           \
         float *partial, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim,     \
         float q_scale, uint32_t shift, uint32_t split_keys, uint32_t lanes,                   \
         uint32_t own_rows, uint32_t prefetch, uint32_t stage, uint32_t *arrivals, T *out) {   \
-        pooled_attention<T, G, P>(qkv, k, v, meta, cos, sin, partial, n, heads, kv_heads,     \
-                                  head_dim, q_scale, shift, split_keys, lanes, own_rows,      \
-                                  prefetch, stage, arrivals, out);                            \
+        pooled_attention<T, G, P, SERIAL>(qkv, k, v, meta, cos, sin, partial, n, heads,       \
+                                          kv_heads, head_dim, q_scale, shift, split_keys,     \
+                                          lanes, own_rows, prefetch, stage, arrivals, out);   \
     }
 #define POOLED_KERNELS(SUFFIX, T)                                                             \
-    POOLED_ATTENTION_KERNEL(pooled_attention_##SUFFIX, T, 1, MAX_PACKS_PER_LANE, 10)          \
-    POOLED_ATTENTION_KERNEL(pooled_attention_grouped_##SUFFIX, T, 4, 1, GROUPED_BLOCKS)       \
+    POOLED_ATTENTION_KERNEL(pooled_attention_##SUFFIX, T, 1, MAX_PACKS_PER_LANE, false, 10)   \
+    POOLED_ATTENTION_KERNEL(pooled_attention_grouped_##SUFFIX, T, 4, 1, false,                \
+                            GROUPED_BLOCKS)                                                   \
+    POOLED_ATTENTION_KERNEL(pooled_attention_grouped_serial_##SUFFIX, T, 4, 1, true,          \
+                            GROUPED_SERIAL_BLOCKS)                                            \
     extern "C" __global__ void pooled_write_##SUFFIX(                                         \
         T *k_pool, T *v_pool, const T *qkv, const uint32_t *meta, const T *cos, const T *sin, \
         uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t head_dim, uint32_t shift) {   \
