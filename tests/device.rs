@@ -202,7 +202,7 @@ fn many_grouped_heads_model_in(device: &Device, dtype: DType) -> Model {
 /// into the projections for every row count or for none): there a
 /// sequence's logits are the same bits in any decode batch the GEMV takes,
 /// in any order, at a toy model's widths, at SmolLM2's and at a 1B-class
-/// attention layout. Attention launches three ways, the same bits each: a
+/// attention layout. Attention launches four ways, the same bits each: a
 /// solo decode's stages its rows in shared memory; batches run a block a
 /// query head; and in the four-heads-a-KV-head model the 8-row batch, whose
 /// 190-key history splits in three, launches 8 x 8 x 3 = 192 grouped
