@@ -242,14 +242,21 @@ fn serial_threshold() -> usize {
     })
 }
 
-/// The shared bytes a serial grouped block adds to a grouped split block's
-/// for `plan`'s pass: the table entries of all its query's keys and each
-/// head's partial row per split.
+/// The shared bytes of a serial grouped block for `plan`'s pass without
+/// staged rows (a grouped split block's `grouped` bytes, the table entries
+/// of all its query's keys and each head's partial row per split), or 0
+/// where it may not run: no grouped kernel, or more than a block may take.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn serial_extra_bytes(cfg: &ModelConfig, plan: &PooledAttention) -> usize {
+fn serial_bytes(cfg: &ModelConfig, plan: &PooledAttention, grouped: usize) -> usize {
     let block_size = 1 << plan.block_shift;
     let table = plan.max_keys / block_size - split_bound(plan.max_keys) / block_size;
-    4 * (table + GROUP * key_splits(plan.max_keys) * (cfg.head_dim + 2))
+    let rows = GROUP * key_splits(plan.max_keys) * (cfg.head_dim + 2);
+    let bytes = grouped + 4 * (table + rows);
+    if grouped > 0 && bytes <= SHARED_BYTES {
+        bytes
+    } else {
+        0
+    }
 }
 
 /// The per-pass part: where each query token's keys are.
@@ -507,6 +514,7 @@ fn run_kernels(
         k_pool.inplace_op3(v_pool, &qkv, &write)?;
     }
     let elem = qkv.dtype().size_in_bytes();
+    let grouped_bytes = grouped_bytes(cfg, plan, elem);
     let op = kernel::PooledAttentionOp {
         meta: &plan.meta,
         cos,
@@ -520,8 +528,8 @@ fn run_kernels(
             1,
         ),
         stage_bytes: stage_bytes(cfg, plan.max_keys, plan.own_rows, elem),
-        grouped_bytes: grouped_bytes(cfg, plan, elem),
-        serial_bytes: serial_extra_bytes(cfg, plan),
+        grouped_bytes,
+        serial_bytes: serial_bytes(cfg, plan, grouped_bytes),
         splits: key_splits(plan.max_keys),
         heads: cfg.num_heads,
         kv_heads: cfg.num_kv_heads,
@@ -586,8 +594,8 @@ mod kernel {
         /// may not run ([`super::grouped_bytes`]): a launch whose grouped
         /// grid has at least a block per multiprocessor does.
         pub(super) grouped_bytes: usize,
-        /// The shared bytes a serial grouped block adds to a grouped one
-        /// ([`super::serial_extra_bytes`]).
+        /// The shared bytes of a serial grouped block before staging, 0
+        /// where none may run ([`super::serial_bytes`]).
         pub(super) serial_bytes: usize,
         /// Nonzero: the launch reads the pass's keys from the projection
         /// rows of sequences of at most this many rows and writes the rows'
@@ -839,12 +847,13 @@ mod kernel {
             let head_blocks = if grouped { group_blocks } else { heads };
             let threshold = super::serial_threshold();
             let serial = grouped
+                && self.serial_bytes > 0
                 && self.splits > 1
                 && self.own_rows > 0
                 && threshold > 0
                 && n * group_blocks >= threshold * sms;
             let (name, stage, shared_bytes) = if serial {
-                let bytes = self.grouped_bytes + self.serial_bytes;
+                let bytes = self.serial_bytes;
                 // Two splits' rows: the next copied while one computes.
                 let staged = 2 * self.stage_bytes;
                 let stage = self.stage_bytes > 0 && bytes + staged <= super::SHARED_BYTES;
@@ -1050,6 +1059,42 @@ mod tests {
         assert_eq!(own_rows(&batch), 2, "a decode token and one draft");
         batch.push(6, 8, &[3; OWN_ROWS + 1], OutputRows::All);
         assert_eq!(own_rows(&batch), 0, "a ten-row chunk");
+    }
+
+    /// A serial grouped block's shared memory is a grouped block's plus the
+    /// table entries of all its query's keys and a partial row per split
+    /// and head; where that passes what a block may take (heads of 256 over
+    /// 32 Ki keys: 16 splits of four heads' 258-float rows), or no grouped
+    /// kernel runs, no serial block does.
+    #[test]
+    fn serial_blocks_run_only_where_their_shared_memory_fits() {
+        let (kv, _) = cache_and_batch();
+        let cfg = |head_dim: usize| {
+            ModelConfig::from_json(&format!(
+                r#"{{"architectures": ["LlamaForCausalLM"], "vocab_size": 97,
+                    "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 1,
+                    "num_attention_heads": 32, "num_key_value_heads": 8,
+                    "head_dim": {head_dim}, "max_position_embeddings": 65536}}"#
+            ))
+            .unwrap()
+        };
+        let plan = |cfg: &ModelConfig, max_keys| {
+            let meta = Tensor::zeros(1, candle_core::DType::U32, &Device::Cpu).unwrap();
+            PooledAttention::over(meta, &kv, cfg, 1, max_keys, 1).unwrap()
+        };
+        let (narrow, wide) = (cfg(64), cfg(256));
+        let short = plan(&narrow, 256);
+        let grouped = grouped_bytes(&narrow, &short, 2);
+        assert!(grouped > 0);
+        // Four splits of 64 keys in blocks of 16: 12 more table entries,
+        // four heads' four rows of 66 floats.
+        let serial = grouped + 4 * (256 / 16 - 64 / 16 + 4 * 4 * 66);
+        assert_eq!(serial_bytes(&narrow, &short, grouped), serial);
+        assert_eq!(serial_bytes(&narrow, &short, 0), 0, "no grouped kernel");
+        let long = plan(&wide, 32 * 1024);
+        let grouped = grouped_bytes(&wide, &long, 2);
+        assert!(grouped > 0, "a grouped split block fits");
+        assert_eq!(serial_bytes(&wide, &long, grouped), 0);
     }
 
     /// Split counts depend on a query's own keys, never exceed the kernel's
