@@ -53,6 +53,20 @@ fn small_model_for(device: &Device, sliding_window: Option<usize>, max_positions
     small_model_in(device, sliding_window, max_positions, DType::F32)
 }
 
+/// A model of `json`'s config with random weights (`seed`, the head's
+/// spread `lm_head_std`) on `device` in `dtype`.
+fn random_model(
+    device: &Device,
+    dtype: DType,
+    json: &serde_json::Value,
+    seed: u64,
+    lm_head_std: f32,
+) -> Model {
+    let cfg = ModelConfig::from_json(&json.to_string()).unwrap();
+    let w = Weights::random(&cfg, seed, lm_head_std).unwrap();
+    Model::load(cfg, &w, &options(device, dtype)).unwrap()
+}
+
 /// [`small_model_for`] computing in `dtype`.
 fn small_model_in(
     device: &Device,
@@ -67,9 +81,7 @@ fn small_model_in(
         "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": false, "sliding_window": sliding_window,
     });
-    let cfg = ModelConfig::from_json(&json.to_string()).unwrap();
-    let w = Weights::random(&cfg, 7, 0.5).unwrap();
-    Model::load(cfg, &w, &options(device, dtype)).unwrap()
+    random_model(device, dtype, &json, 7, 0.5)
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -158,9 +170,7 @@ fn smollm2_wide_model_in(device: &Device, dtype: DType) -> Model {
         "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": false,
     });
-    let cfg = ModelConfig::from_json(&json.to_string()).unwrap();
-    let w = Weights::random(&cfg, 11, 0.05).unwrap();
-    Model::load(cfg, &w, &options(device, dtype)).unwrap()
+    random_model(device, dtype, &json, 11, 0.05)
 }
 
 /// Two layers of a 1B-class Llama's attention layout (32 query heads over
@@ -174,9 +184,7 @@ fn gqa4_model_in(device: &Device, dtype: DType) -> Model {
         "head_dim": 32, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "tie_word_embeddings": false,
     });
-    let cfg = ModelConfig::from_json(&json.to_string()).unwrap();
-    let w = Weights::random(&cfg, 13, 0.05).unwrap();
-    Model::load(cfg, &w, &options(device, dtype)).unwrap()
+    random_model(device, dtype, &json, 13, 0.05)
 }
 
 /// Many narrow heads on narrow projections (every projection a GEMV at 8
@@ -191,9 +199,7 @@ fn many_grouped_heads_model_in(device: &Device, dtype: DType) -> Model {
         "head_dim": 8, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "tie_word_embeddings": false,
     });
-    let cfg = ModelConfig::from_json(&json.to_string()).unwrap();
-    let w = Weights::random(&cfg, 17, 0.05).unwrap();
-    Model::load(cfg, &w, &options(device, dtype)).unwrap()
+    random_model(device, dtype, &json, 17, 0.05)
 }
 
 /// Decode batches of up to 8 rows against weights up to 4 MiB (2 rows
