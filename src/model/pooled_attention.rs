@@ -17,9 +17,9 @@
 //! where those grouped blocks alone fill the GPU (a decode or verifying
 //! launch past [`serial_threshold`]), each runs all its query's splits
 //! itself, one after the other, and merges them in shared memory (the
-//! same sums and merge, no arrival). A query's split count is a function of its own key count alone
-//! ([`key_splits`]), and the merge
-//! adds the splits in order whichever block runs it, so a single decoding
+//! same sums and merge, no arrival). A query's split count is a function
+//! of its own key count alone ([`key_splits`]), and the merge adds the
+//! splits in order whichever block runs it, so a single decoding
 //! sequence fills the GPU and its sums still never depend on the rest of
 //! the batch. All read the `[n, (heads + 2·kv_heads)·head_dim]` projection
 //! rows as they are, so the q/k/v split copies and the RoPE launches of

@@ -344,7 +344,8 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
         if (SERIAL) copy_async_commit();
     } else if (prefetch) {
         const uint32_t f = split_first(split0);
-        const uint32_t to = SERIAL ? min(last + 1, staged_from(splits - 1)) : f + pool_keys_of(split0);
+        const uint32_t to =
+            SERIAL ? min(last + 1, staged_from(splits - 1)) : f + pool_keys_of(split0);
         for (uint32_t c = f + threadIdx.x; c < to; c += blockDim.x) {
             const size_t at = (pool_row(table, c, shift) * kv_heads + kvh) * head_dim;
             for (uint32_t b = 0; b < head_dim * sizeof(T); b += 128) {
@@ -408,11 +409,11 @@ __device__ void pooled_attention(const T *qkv, T *k, T *v, const uint32_t *meta,
         }
     }
     const bool alone = splits == 1;
-    // A split's keys (hoisted: the split grid's block runs one).
+    // The split's keys, set before the loop: the split grid's block runs
+    // its one split (the loop ends at the bottom) with nothing carried.
     uint32_t first = split_first(split0), keys = key_cap;
     uint32_t from_span = staged_from(split0), pool_keys = pool_keys_of(split0);
     const T *stage_k = stage_at, *stage_v = stage_at + key_cap * head_dim;
-    // (The split grid's block runs its one split: no loop to carry.)
     for (uint32_t split = split0;; ++split) {
         if (SERIAL) {
             first = split_first(split);
