@@ -21,7 +21,9 @@
 //!   `candle-f16` for the candle-op reference path; a `-flat` suffix,
 //!   e.g. `q8_0-flat`, keeps Q8_0 blocks in GGML's layout instead of
 //!   repacking them for the register tile);
-//! - `TANDEM_BENCH_REPS=3`, `TANDEM_BENCH_STEPS=128`;
+//! - `TANDEM_BENCH_REPS=3`, `TANDEM_BENCH_STEPS=128`, `TANDEM_BENCH_PROMPT=128`
+//!   (prompt tokens per sequence; a prompt longer than 512 prefills in
+//!   one pass of its own);
 //! - `TANDEM_BENCH_THREADS=N` caps the lean kernels' threads;
 //! - `TANDEM_BENCH_ACTIVATIONS=int16` runs quantised weights with 15-bit
 //!   activations instead of the default 8-bit ones;
@@ -68,7 +70,11 @@ const LLAMA_100M: &str = r#"{
   "rope_theta": 10000.0, "tie_word_embeddings": false
 }"#;
 
-const PROMPT: usize = 128;
+/// Prompt tokens per sequence (`TANDEM_BENCH_PROMPT`, 128 by default).
+fn prompt_len() -> usize {
+    static LEN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LEN.get_or_init(|| env_usize("TANDEM_BENCH_PROMPT", 128).max(1))
+}
 /// Tokens per prefill forward pass (llama.cpp's `-ub 512`).
 const UBATCH: usize = 512;
 
@@ -91,7 +97,7 @@ fn env_usize(name: &str, default: usize) -> usize {
 /// A prompt of ids below `vocab` (the same ids for every model of at
 /// least 32 000 tokens).
 fn prompt(seq: u32, vocab: u32) -> Vec<u32> {
-    (0..PROMPT as u32)
+    (0..prompt_len() as u32)
         .map(|i| (seq * 7919 + i * 104_729) % 32_000 % vocab)
         .collect()
 }
@@ -171,9 +177,13 @@ fn run(model: &Model, b: usize, steps: usize, profile: bool) -> RunTimes {
     model.set_profiling(profile);
     let device = model.device().clone();
     let vocab = model.config().vocab_size as u32;
-    let mut kv = KvCache::new(model.kv_layout(), device.clone(), b * (PROMPT + steps));
+    let mut kv = KvCache::new(
+        model.kv_layout(),
+        device.clone(),
+        b * (prompt_len() + steps),
+    );
     for s in 0..b as u32 {
-        kv.allocate(s, PROMPT + steps).expect("KV room");
+        kv.allocate(s, prompt_len() + steps).expect("KV room");
     }
     // A GPU step ends as the engine's does: its greedy ids through the
     // sampler (an all-greedy call: one argmax launch, the ids to the host).
@@ -188,7 +198,7 @@ fn run(model: &Model, b: usize, steps: usize, profile: bool) -> RunTimes {
     let mut batch = Batch::default();
     for s in 0..b as u32 {
         batch.push(s, 0, &prompt(s, vocab), OutputRows::Last);
-        if batch.tokens.len() + PROMPT > UBATCH || s as usize == b - 1 {
+        if batch.tokens.len() + prompt_len() > UBATCH || s as usize == b - 1 {
             let h = model.forward(&batch, &mut kv).expect("prefill");
             std::hint::black_box(model.unembed(&h).expect("unembed"));
             device.synchronize().expect("sync");
@@ -216,7 +226,7 @@ fn run(model: &Model, b: usize, steps: usize, profile: bool) -> RunTimes {
         let mut batch = Batch::default();
         for s in 0..b as u32 {
             let tok = (s * 31 + step as u32 * 17 + 5) % vocab;
-            batch.push(s, PROMPT + step, &[tok], OutputRows::Last);
+            batch.push(s, prompt_len() + step, &[tok], OutputRows::Last);
         }
         let h = model.forward(&batch, &mut kv).expect("decode");
         mark(0, &mut t);
@@ -454,11 +464,11 @@ fn roofline(configs: &[Config], steps: usize) {
     println!("\nsingle-stream decode vs the memory roofline (a streaming sum of the same bytes before each step):");
     for c in configs {
         let projections = c.model.projection_bytes();
-        let (head, bytes) = bytes_per_step(&projections, &c.model, PROMPT + steps / 2);
+        let (head, bytes) = bytes_per_step(&projections, &c.model, prompt_len() + steps / 2);
         let buf = huge_page_buffer(bytes);
         stream_sum(&buf);
-        let mut kv = KvCache::new(c.model.kv_layout(), Device::Cpu, PROMPT + steps);
-        kv.allocate(0, PROMPT + steps).expect("KV room");
+        let mut kv = KvCache::new(c.model.kv_layout(), Device::Cpu, prompt_len() + steps);
+        kv.allocate(0, prompt_len() + steps).expect("KV room");
         let vocab = c.model.config().vocab_size as u32;
         let mut batch = Batch::default();
         batch.push(0, 0, &prompt(0, vocab), OutputRows::Last);
@@ -474,7 +484,7 @@ fn roofline(configs: &[Config], steps: usize) {
             let mut batch = Batch::default();
             batch.push(
                 0,
-                PROMPT + step,
+                prompt_len() + step,
                 &[(step as u32 * 17 + 5) % vocab],
                 OutputRows::Last,
             );
@@ -508,7 +518,7 @@ fn roofline(configs: &[Config], steps: usize) {
         );
         let phases = c.model.take_profile();
         c.model.set_profiling(false);
-        let kv = ((PROMPT + steps / 2) * c.model.kv_layout().bytes_per_token()) as f64;
+        let kv = ((prompt_len() + steps / 2) * c.model.kv_layout().bytes_per_token()) as f64;
         for (name, time) in phases.iter().filter(|(_, t)| !t.is_zero()) {
             let per_step = time.as_secs_f64() / steps as f64;
             let share = 100.0 * time.as_secs_f64() / step_time.as_secs_f64();
@@ -592,8 +602,9 @@ fn main() {
         format!("{device:?}")
     };
     println!(
-        "{what} ({:.0} M parameters); {on}; prompt {PROMPT}, {steps} decode steps, {reps} reps (medians)",
-        cfg.num_parameters() as f64 / 1e6
+        "{what} ({:.0} M parameters); {on}; prompt {}, {steps} decode steps, {reps} reps (medians)",
+        cfg.num_parameters() as f64 / 1e6,
+        prompt_len()
     );
 
     if !device.is_cpu() {
@@ -631,7 +642,7 @@ fn main() {
         for (bi, &b) in batches.iter().enumerate() {
             for (ci, c) in configs.iter().enumerate() {
                 let t = run(&c.model, b, steps, false);
-                pp[ci][bi].push((b * PROMPT) as f64 / t.prefill.as_secs_f64());
+                pp[ci][bi].push((b * prompt_len()) as f64 / t.prefill.as_secs_f64());
                 tg[ci][bi].push((b * steps) as f64 / t.decode.as_secs_f64());
             }
         }
@@ -693,7 +704,12 @@ fn main() {
                 } = run(&c.model, b, steps, true);
                 for (what, total, phases, per) in [
                     ("decode", d, dec, steps),
-                    ("prefill", p, pre, b.div_ceil(UBATCH / PROMPT)),
+                    (
+                        "prefill",
+                        p,
+                        pre,
+                        b.div_ceil((UBATCH / prompt_len()).max(1)),
+                    ),
                 ] {
                     if phases.is_empty() {
                         continue;

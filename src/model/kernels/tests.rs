@@ -244,46 +244,54 @@ fn a_scattered_block_table_gives_the_contiguous_result_bit_for_bit() {
                 head_dim: hd,
                 sliding_window: window,
             };
-            let (offset, len) = (13usize, 6usize);
-            let n = offset + len;
-            let blocks = n.div_ceil(block);
-            let ldkv = nkv * hd;
-            let q = randn(&mut rng, len * nh * hd);
-            let k = randn(&mut rng, blocks * block * ldkv);
-            let v = randn(&mut rng, blocks * block * ldkv);
-            // The same rows scattered over a bigger pool, blocks reversed
-            // and spread out.
-            let table: Vec<u32> = (0..blocks).map(|b| (3 * (blocks - b) + 1) as u32).collect();
-            let pool_rows = (3 * blocks + 2) * block;
-            let (mut kp, mut vp) = (vec![0f32; pool_rows * ldkv], vec![0f32; pool_rows * ldkv]);
-            for pos in 0..blocks * block {
-                let row = table[pos / block] as usize * block + pos % block;
-                kp[row * ldkv..(row + 1) * ldkv].copy_from_slice(&k[pos * ldkv..(pos + 1) * ldkv]);
-                vp[row * ldkv..(row + 1) * ldkv].copy_from_slice(&v[pos * ldkv..(pos + 1) * ldkv]);
+            // A short row (one key chunk) and long ones (several).
+            for (offset, len) in [(13usize, 6usize), (130, 6)] {
+                let n = offset + len;
+                let blocks = n.div_ceil(block);
+                let ldkv = nkv * hd;
+                let q = randn(&mut rng, len * nh * hd);
+                let k = randn(&mut rng, blocks * block * ldkv);
+                let v = randn(&mut rng, blocks * block * ldkv);
+                // The same rows scattered over a bigger pool, blocks reversed
+                // and spread out.
+                let table: Vec<u32> = (0..blocks).map(|b| (3 * (blocks - b) + 1) as u32).collect();
+                let pool_rows = (3 * blocks + 2) * block;
+                let (mut kp, mut vp) = (vec![0f32; pool_rows * ldkv], vec![0f32; pool_rows * ldkv]);
+                for pos in 0..blocks * block {
+                    let row = table[pos / block] as usize * block + pos % block;
+                    kp[row * ldkv..(row + 1) * ldkv]
+                        .copy_from_slice(&k[pos * ldkv..(pos + 1) * ldkv]);
+                    vp[row * ldkv..(row + 1) * ldkv]
+                        .copy_from_slice(&v[pos * ldkv..(pos + 1) * ldkv]);
+                }
+                let ld = nh * hd;
+                let run = |k: &[f32], v: &[f32], table: &[u32]| {
+                    let mut out = vec![0f32; len * ld];
+                    let seqs = [SeqAttn {
+                        q: q.as_ptr(),
+                        ldq: ld,
+                        out: SharedMut(out.as_mut_ptr()),
+                        ldo: ld,
+                        offset,
+                        len,
+                        k: k.as_ptr(),
+                        v: v.as_ptr(),
+                        table: table.as_ptr(),
+                        block,
+                    }];
+                    // SAFETY: the tables cover `n` positions of live pools.
+                    unsafe { attention(isa, 2, h, &seqs) };
+                    out
+                };
+                let contiguous = run(&k, &v, &IDENTITY);
+                let scattered = run(&kp, &vp, &table);
+                let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&contiguous),
+                    bits(&scattered),
+                    "{isa:?} {h:?} {offset}"
+                );
             }
-            let ld = nh * hd;
-            let run = |k: &[f32], v: &[f32], table: &[u32]| {
-                let mut out = vec![0f32; len * ld];
-                let seqs = [SeqAttn {
-                    q: q.as_ptr(),
-                    ldq: ld,
-                    out: SharedMut(out.as_mut_ptr()),
-                    ldo: ld,
-                    offset,
-                    len,
-                    k: k.as_ptr(),
-                    v: v.as_ptr(),
-                    table: table.as_ptr(),
-                    block,
-                }];
-                // SAFETY: the tables cover `n` positions of live pools.
-                unsafe { attention(isa, 2, h, &seqs) };
-                out
-            };
-            let contiguous = run(&k, &v, &IDENTITY);
-            let scattered = run(&kp, &vp, &table);
-            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&contiguous), bits(&scattered), "{isa:?} {h:?}");
         }
     }
 }
@@ -301,9 +309,18 @@ fn a_sequence_attends_to_the_same_bits_alone_or_in_a_batch_on_any_threads() {
                 sliding_window: window,
             };
             let ld = nh * hd;
-            // A decode, a verifying pass of three rows, and three longer
-            // sequences to batch them with.
-            let shapes = [(40usize, 1usize), (30, 3), (20, 17), (9, 1), (0, 12)];
+            // Decodes and verifying passes over one key chunk and over
+            // several (alone, few units: one per row, KV head and chunk),
+            // and longer sequences to batch them with (one per query block
+            // and KV head, a row's chunks merged in turn).
+            let shapes = [
+                (150usize, 1usize),
+                (130, 3),
+                (20, 17),
+                (9, 1),
+                (0, 12),
+                (70, 2),
+            ];
             let data: Vec<_> = shapes
                 .iter()
                 .map(|&(offset, len)| {
@@ -342,8 +359,8 @@ fn a_sequence_attends_to_the_same_bits_alone_or_in_a_batch_on_any_threads() {
                     .map(|o| o.iter().map(|f| f.to_bits()).collect::<Vec<_>>())
                     .collect::<Vec<_>>()
             };
-            let batched = run(&[2, 0, 3, 1, 4], 2);
-            for (i, s) in [2, 0, 3, 1, 4].into_iter().enumerate() {
+            let batched = run(&[2, 0, 3, 5, 1, 4], 2);
+            for (i, s) in [2, 0, 3, 5, 1, 4].into_iter().enumerate() {
                 let alone = run(&[s], 2);
                 let alone_one_thread = run(&[s], 1);
                 assert_eq!(
@@ -380,8 +397,9 @@ fn attention_matches_reference() {
                 head_dim: hd,
                 sliding_window: window,
             };
-            // (offset, len) per sequence: decode, prefill, chunk after history.
-            let shapes = [(0, 1), (9, 1), (0, 37), (20, 5)];
+            // (offset, len) per sequence: decode, prefill, chunk after history,
+            // rows of several key chunks.
+            let shapes = [(0, 1), (9, 1), (0, 37), (20, 5), (140, 2)];
             let mut data = Vec::new();
             for &(offset, len) in &shapes {
                 let q = randn(&mut rng, len * nh * hd);
@@ -544,6 +562,83 @@ fn matmul_speed() {
                 rows as f64 / min,
                 bytes / min / 1e9,
                 2.0 * 100.1e6 * rows as f64 / min / 1e9
+            );
+        }
+    }
+}
+
+/// Single-stream attention on SmolLM2's heads alone (9 query heads over 3
+/// KV heads of 64, an f16 cache): a pass over 30 layers' pools of `keys`
+/// positions, on one thread and on the pool, cache-warm and after
+/// streaming 256 MB. A report, not a check:
+/// `cargo test --release --lib kernels::tests::attention_speed -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn attention_speed() {
+    use std::time::Instant;
+    let h = Heads {
+        num_heads: 9,
+        num_kv_heads: 3,
+        head_dim: 64,
+        sliding_window: None,
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let isa = Isa::detect();
+    let pool_threads = super::pool::threads(None);
+    let block = 16;
+    let table: Vec<u32> = (0..256u32).collect();
+    let flush: Vec<f32> = vec![1.0; 64 << 20];
+    for keys in [16usize, 160, 2048] {
+        let ld = 3 * 64;
+        let half = |x: Vec<f32>| x.into_iter().map(f16::from_f32).collect::<Vec<_>>();
+        let pools: Vec<(Vec<f16>, Vec<f16>)> = (0..30)
+            .map(|_| {
+                let n = keys.div_ceil(block) * block * ld;
+                (half(randn(&mut rng, n)), half(randn(&mut rng, n)))
+            })
+            .collect();
+        let q = randn(&mut rng, 9 * 64);
+        let mut out = vec![0f32; 9 * 64];
+        for threads in [1, pool_threads] {
+            let mut pass = |cold: bool| {
+                let mut times = Vec::new();
+                for _ in 0..21 {
+                    if cold {
+                        let mut acc = [0f32; 16];
+                        for c in flush.chunks_exact(16) {
+                            acc.iter_mut().zip(c).for_each(|(a, &x)| *a += x);
+                        }
+                        std::hint::black_box(acc);
+                    }
+                    let start = Instant::now();
+                    for (k, v) in &pools {
+                        let seqs = [SeqAttn {
+                            q: q.as_ptr(),
+                            ldq: 9 * 64,
+                            out: SharedMut(out.as_mut_ptr()),
+                            ldo: 9 * 64,
+                            offset: keys - 1,
+                            len: 1,
+                            k: k.as_ptr(),
+                            v: v.as_ptr(),
+                            table: table.as_ptr(),
+                            block,
+                        }];
+                        // SAFETY: pools of `keys` rows, an identity table.
+                        unsafe { attention(isa, threads, h, &seqs) };
+                    }
+                    times.push(start.elapsed().as_secs_f64() * 1e3);
+                }
+                times.sort_by(f64::total_cmp);
+                times[times.len() / 2]
+            };
+            let (warm, cold) = (pass(false), pass(true));
+            let per_key = warm * 1e6 / (30.0 * 3.0 * keys as f64);
+            let mb = 30.0 * 2.0 * keys as f64 * 384.0 / 1e6;
+            println!(
+                "keys {keys:5}, {threads} threads: {mb:5.1} MB a pass; warm {warm:.3} ms \
+                 ({per_key:.1} ns a key and KV head), cold {cold:.3} ms ({:.1} GB/s)",
+                mb / cold
             );
         }
     }
