@@ -244,7 +244,7 @@ fn a_scattered_block_table_gives_the_contiguous_result_bit_for_bit() {
                 head_dim: hd,
                 sliding_window: window,
             };
-            // A short row (one key chunk) and long ones (several).
+            // A short history (a few block runs) and a long one (dozens).
             for (offset, len) in [(13usize, 6usize), (130, 6)] {
                 let n = offset + len;
                 let blocks = n.div_ceil(block);
@@ -309,10 +309,8 @@ fn a_sequence_attends_to_the_same_bits_alone_or_in_a_batch_on_any_threads() {
                 sliding_window: window,
             };
             let ld = nh * hd;
-            // Decodes and verifying passes over one key chunk and over
-            // several (alone, few units: one per row, KV head and chunk),
-            // and longer sequences to batch them with (one per query block
-            // and KV head, a row's chunks merged in turn).
+            // Decodes and verifying passes over long and short histories,
+            // and longer sequences to batch them with.
             let shapes = [
                 (150usize, 1usize),
                 (130, 3),
@@ -398,7 +396,7 @@ fn attention_matches_reference() {
                 sliding_window: window,
             };
             // (offset, len) per sequence: decode, prefill, chunk after history,
-            // rows of several key chunks.
+            // a verifying pass after a long history.
             let shapes = [(0, 1), (9, 1), (0, 37), (20, 5), (140, 2)];
             let mut data = Vec::new();
             for &(offset, len) in &shapes {
