@@ -159,32 +159,36 @@ fn pooled_batched_attention_equals_per_sequence() {
     }
 }
 
-/// Two layers of SmolLM2-135M's widths (hidden 576, 9 heads of 64 over 3
-/// KV heads, MLP 1 536), random weights and a small vocabulary: the
-/// kernels' real row widths at a test's cost.
-fn smollm2_wide_model_in(device: &Device, dtype: DType) -> Model {
+/// A two-layer Llama of random weights and a 97-token vocabulary with the
+/// given widths: hidden, MLP, query heads, KV heads, head size.
+fn two_layer_model_in(
+    device: &Device,
+    dtype: DType,
+    seed: u64,
+    (hidden, mlp, heads, kv_heads, head_dim): (usize, usize, usize, usize, usize),
+) -> Model {
     let json = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 97, "hidden_size": 576, "intermediate_size": 1536,
-        "num_hidden_layers": 2, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "vocab_size": 97, "hidden_size": hidden, "intermediate_size": mlp,
+        "num_hidden_layers": 2, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": false,
     });
-    random_model(device, dtype, &json, 11, 0.05)
+    random_model(device, dtype, &json, seed, 0.05)
+}
+
+/// Two layers of SmolLM2-135M's widths (hidden 576, 9 heads of 64 over 3
+/// KV heads, MLP 1 536): the kernels' real row widths at a test's cost.
+fn smollm2_wide_model_in(device: &Device, dtype: DType) -> Model {
+    two_layer_model_in(device, dtype, 11, (576, 1536, 9, 3, 64))
 }
 
 /// Two layers of a 1B-class Llama's attention layout (32 query heads over
 /// 8 KV heads, four a KV head) at heads of 32 and narrow projections, so
 /// every projection takes the GEMV at 8 rows in f32 and bf16.
 fn gqa4_model_in(device: &Device, dtype: DType) -> Model {
-    let json = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 97, "hidden_size": 576, "intermediate_size": 512,
-        "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 32, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": false,
-    });
-    random_model(device, dtype, &json, 13, 0.05)
+    two_layer_model_in(device, dtype, 13, (576, 512, 32, 8, 32))
 }
 
 /// Many narrow heads on narrow projections (every projection a GEMV at 8
@@ -192,14 +196,7 @@ fn gqa4_model_in(device: &Device, dtype: DType) -> Model {
 /// a decode batch of a few rows launches as many (query, head group)
 /// blocks as a large batch of a 1B-class model.
 fn many_grouped_heads_model_in(device: &Device, dtype: DType) -> Model {
-    let json = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 97, "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 512, "num_key_value_heads": 128,
-        "head_dim": 8, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": false,
-    });
-    random_model(device, dtype, &json, 17, 0.05)
+    two_layer_model_in(device, dtype, 17, (128, 256, 512, 128, 8))
 }
 
 /// Decode batches of up to 8 rows against weights up to 4 MiB (2 rows
