@@ -9,7 +9,8 @@
 #   FORWARD=target/release/deps/forward-… LLAMA=/work/llama.cpp/bin \
 #   ROUNDS=3 NPP=2048 BATCHES=1,4 bash bench/cpu/long_context_sitting.sh
 # (llama.cpp from bench/llama_cpp/build.sh; the forward bench from
-# `cargo bench --bench forward --no-run`.)
+# `cargo bench --bench forward --no-run`.) The AVX2 pairing: TANDEM_CPU_ISA=avx2
+# and LLAMA= a build of `ISA=avx2 bench/llama_cpp/build.sh`.
 set -euo pipefail
 GGUF=${GGUF:-../shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf}
 Q8=${Q8:-/tmp/smollm2-Q8_0.gguf}
