@@ -12,6 +12,7 @@
 # `cargo bench --bench forward --no-run`.) The AVX2 pairing: TANDEM_CPU_ISA=avx2
 # and LLAMA= a build of `ISA=avx2 bench/llama_cpp/build.sh`.
 set -euo pipefail
+: "${FORWARD:?the forward bench binary}" "${LLAMA:?the bin folder of a llama.cpp build}"
 GGUF=${GGUF:-../shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf}
 Q8=${Q8:-/tmp/smollm2-Q8_0.gguf}
 NPP=${NPP:-2048}

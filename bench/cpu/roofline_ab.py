@@ -9,8 +9,12 @@ from collections import defaultdict
 
 slow_below = float(sys.argv[2]) if len(sys.argv) > 2 else 40.0
 runs = defaultdict(list)  # (bin, fmt) -> [(round, gbps, tok, roof, att)]
-key = None
+key, order = None, []
 for line in open(sys.argv[1]):
+    m = re.match(r'# BINS="([^"]*)"', line)
+    if m:
+        order = [b.split("=", 1)[0] for b in m[1].split()]
+        continue
     m = re.match(r"=== round (\d+) (\S+) (\S+)", line)
     if m:
         key, rnd = (m[2], m[3]), int(m[1])
@@ -29,11 +33,6 @@ for (b, f), rs in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
           f" [{min((r[3] for r in slow), default=float('nan')):.1f}-{max((r[3] for r in slow), default=float('nan')):.1f}],"
           f" attention med {med([r[4] for r in rs]):.3f} ms (slow {med([r[4] for r in slow]):.3f})")
 # Pairwise, per round: each binary against the first one BINS names.
-order = []
-for line in open(sys.argv[1]):
-    m = re.match(r'# BINS="([^"]*)"', line)
-    if m:
-        order = [b.split("=", 1)[0] for b in m[1].split()]
 bins = order or sorted({b for b, _ in runs})
 for f in sorted({f for _, f in runs}):
     names = [b for b in bins if (b, f) in runs]

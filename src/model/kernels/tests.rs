@@ -586,8 +586,11 @@ fn attention_speed() {
     let block = 16;
     let table: Vec<u32> = (0..256u32).collect();
     let flush: Vec<f32> = vec![1.0; 64 << 20];
+    // Query width, and a pool row's width (elements and f16 bytes).
+    let qw = h.num_heads * h.head_dim;
+    let ld = h.num_kv_heads * h.head_dim;
+    let row_bytes = (ld * std::mem::size_of::<f16>()) as f64;
     for keys in [16usize, 160, 2048] {
-        let ld = 3 * 64;
         let half = |x: Vec<f32>| x.into_iter().map(f16::from_f32).collect::<Vec<_>>();
         let pools: Vec<(Vec<f16>, Vec<f16>)> = (0..30)
             .map(|_| {
@@ -595,8 +598,8 @@ fn attention_speed() {
                 (half(randn(&mut rng, n)), half(randn(&mut rng, n)))
             })
             .collect();
-        let q = randn(&mut rng, 9 * 64);
-        let mut out = vec![0f32; 9 * 64];
+        let q = randn(&mut rng, qw);
+        let mut out = vec![0f32; qw];
         for threads in [1, pool_threads] {
             let mut pass = |cold: bool| {
                 let mut times = Vec::new();
@@ -612,9 +615,9 @@ fn attention_speed() {
                     for (k, v) in &pools {
                         let seqs = [SeqAttn {
                             q: q.as_ptr(),
-                            ldq: 9 * 64,
+                            ldq: qw,
                             out: SharedMut(out.as_mut_ptr()),
-                            ldo: 9 * 64,
+                            ldo: qw,
                             offset: keys - 1,
                             len: 1,
                             k: k.as_ptr(),
@@ -631,8 +634,9 @@ fn attention_speed() {
                 times[times.len() / 2]
             };
             let (warm, cold) = (pass(false), pass(true));
-            let per_key = warm * 1e6 / (30.0 * 3.0 * keys as f64);
-            let mb = 30.0 * 2.0 * keys as f64 * 384.0 / 1e6;
+            let layers = pools.len() as f64;
+            let per_key = warm * 1e6 / (layers * h.num_kv_heads as f64 * keys as f64);
+            let mb = layers * 2.0 * keys as f64 * row_bytes / 1e6;
             println!(
                 "keys {keys:5}, {threads} threads: {mb:5.1} MB a pass; warm {warm:.3} ms \
                  ({per_key:.1} ns a key and KV head), cold {cold:.3} ms ({:.1} GB/s)",
