@@ -160,20 +160,22 @@ fn pooled_batched_attention_equals_per_sequence() {
 }
 
 /// A two-layer Llama of random weights and a 97-token vocabulary with the
-/// given widths: hidden, MLP, query heads, KV heads, head size.
+/// given widths: hidden, MLP, query heads, KV heads, head size; a Mistral
+/// where it has a sliding window.
 fn two_layer_model_in(
     device: &Device,
     dtype: DType,
     seed: u64,
     (hidden, mlp, heads, kv_heads, head_dim): (usize, usize, usize, usize, usize),
+    sliding_window: Option<usize>,
 ) -> Model {
     let json = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": [if sliding_window.is_some() { "MistralForCausalLM" } else { "LlamaForCausalLM" }],
         "vocab_size": 97, "hidden_size": hidden, "intermediate_size": mlp,
         "num_hidden_layers": 2, "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": false,
+        "tie_word_embeddings": false, "sliding_window": sliding_window,
     });
     random_model(device, dtype, &json, seed, 0.05)
 }
@@ -181,22 +183,27 @@ fn two_layer_model_in(
 /// Two layers of SmolLM2-135M's widths (hidden 576, 9 heads of 64 over 3
 /// KV heads, MLP 1 536): the kernels' real row widths at a test's cost.
 fn smollm2_wide_model_in(device: &Device, dtype: DType) -> Model {
-    two_layer_model_in(device, dtype, 11, (576, 1536, 9, 3, 64))
+    two_layer_model_in(device, dtype, 11, (576, 1536, 9, 3, 64), None)
 }
 
 /// Two layers of a 1B-class Llama's attention layout (32 query heads over
 /// 8 KV heads, four a KV head) at heads of 32 and narrow projections, so
 /// every projection takes the GEMV at 8 rows in f32 and bf16.
 fn gqa4_model_in(device: &Device, dtype: DType) -> Model {
-    two_layer_model_in(device, dtype, 13, (576, 512, 32, 8, 32))
+    two_layer_model_in(device, dtype, 13, (576, 512, 32, 8, 32), None)
 }
 
 /// Many narrow heads on narrow projections (every projection a GEMV at 8
 /// rows in f32 and bf16): 512 query heads of 8 over 128 KV heads, so that
 /// a decode batch of a few rows launches as many (query, head group)
-/// blocks as a large batch of a 1B-class model.
-fn many_grouped_heads_model_in(device: &Device, dtype: DType) -> Model {
-    two_layer_model_in(device, dtype, 17, (128, 256, 512, 128, 8))
+/// blocks as a large batch of a 1B-class model; with `sliding_window`
+/// where given.
+fn many_grouped_heads_model_in(
+    device: &Device,
+    dtype: DType,
+    sliding_window: Option<usize>,
+) -> Model {
+    two_layer_model_in(device, dtype, 17, (128, 256, 512, 128, 8), sliding_window)
 }
 
 /// Decode batches of up to 8 rows against weights up to 4 MiB (2 rows
@@ -214,8 +221,10 @@ fn many_grouped_heads_model_in(device: &Device, dtype: DType) -> Model {
 /// (512 heads of 8 over 128 KV heads) a batch of 5 or 8 rows with that
 /// history launches 5 x 128 = 640 or more grouped blocks: past the serial
 /// threshold (2 or 4 blocks an SM), each block runs its query's three
-/// splits itself, staged in shared memory, and merges them there. Larger
-/// batches (cuBLAS) and the CPU agree within rounding.
+/// splits itself, staged in shared memory, and merges them there; with a
+/// sliding window of 150 that history's decode sees keys 41..=190, still
+/// three splits, from a first key inside a block. Larger batches (cuBLAS)
+/// and the CPU agree within rounding.
 #[test]
 fn small_decode_batches_are_batch_invariant() {
     let device = test_device();
@@ -239,7 +248,12 @@ fn small_decode_batches_are_batch_invariant() {
             ("GQA-4 layout", gqa4_model_in(&device, dtype), 8),
             (
                 "many grouped heads",
-                many_grouped_heads_model_in(&device, dtype),
+                many_grouped_heads_model_in(&device, dtype, None),
+                8,
+            ),
+            (
+                "many grouped heads, window 150",
+                many_grouped_heads_model_in(&device, dtype, Some(150)),
                 8,
             ),
         ]
