@@ -3,12 +3,16 @@
 //! through each sequence's block table.
 //!
 //! Work units are (sequence, KV head, block of query rows): the query heads
-//! sharing a KV head are scored together, so each key and value is loaded
-//! once for the whole group. Per query row: scores = q·kᵀ over the visible
-//! keys (the dot kernel of [`super::dot`], q already scaled), an exact
-//! softmax (max-shifted, vectorised exp), then the probability-weighted sum
-//! of values. Nothing is copied out of the cache and nothing is allocated
-//! per call beyond per-thread score scratch that is kept between calls.
+//! sharing a KV head, and the unit's query rows, are scored together (one
+//! dot call a run of keys for all their query vectors), so each key is
+//! loaded once for the unit and each value once for the group. Per query
+//! row: scores = q·kᵀ over the visible keys (the dot kernel of
+//! [`super::dot`], q already scaled; each score computed the same way
+//! whatever else the call holds, so a row's bits do not depend on the
+//! rows scored with it), an exact softmax (max-shifted, vectorised exp),
+//! then the probability-weighted sum of values. Nothing is copied out of
+//! the cache and nothing is allocated per call beyond per-thread scratch
+//! (scores, a unit's gathered query vectors) kept between calls.
 //!
 //! Paging: keys are scored one block run at a time (each score is its own
 //! dot product, so the split changes nothing), and the weighted sum walks
@@ -120,8 +124,20 @@ unsafe impl<T: Send> Send for SeqAttn<T> {}
 /// Query rows per work unit: long prefills split across threads.
 const Q_BLOCK: usize = 16;
 
+/// A worker's buffers, kept between calls: a unit's scores (then
+/// probabilities), `[query vector, key]`, and its gathered query vectors.
+struct Scratch {
+    scores: Vec<f32>,
+    q: Vec<f32>,
+}
+
 thread_local! {
-    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH: RefCell<Scratch> = const {
+        RefCell::new(Scratch {
+            scores: Vec::new(),
+            q: Vec::new(),
+        })
+    };
 }
 
 /// Runs attention for every sequence, on up to `threads` threads.
@@ -150,88 +166,109 @@ pub(crate) unsafe fn attention<T: WElem>(
             let (block, kvh) = (local / heads.num_kv_heads, local % heads.num_kv_heads);
             let seq = &seqs[s];
             let rows = block * Q_BLOCK..((block + 1) * Q_BLOCK).min(seq.len);
-            SCORES.with(|sc| run_unit(isa, heads, seq, kvh, rows, &mut sc.borrow_mut()));
+            SCRATCH.with(|sc| run_unit(isa, heads, seq, kvh, rows, &mut sc.borrow_mut()));
         }
     });
 }
 
-/// The query rows `rows` of one sequence, for the heads of KV head `kvh`.
+/// The query rows `rows` of one sequence, for the heads of KV head `kvh`:
+/// every row's scores in one pass over the keys the rows see between them
+/// (one dot call a run for all their query vectors: each score is its own
+/// dot product, computed the same way whatever else the call holds, so
+/// scoring the rows together changes no bit; a row's scores past its own
+/// position are computed and never read), then each row's softmax and
+/// weighted sum over its own keys.
 unsafe fn run_unit<T: WElem>(
     isa: Isa,
     h: Heads,
     s: &SeqAttn<T>,
     kvh: usize,
     rows: std::ops::Range<usize>,
-    scores: &mut Vec<f32>,
+    scratch: &mut Scratch,
 ) {
     let g = h.num_heads / h.num_kv_heads;
     let hd = h.head_dim;
     let ldkv = h.num_kv_heads * hd;
-    let need = g * (s.offset + rows.end);
-    if scores.len() < need {
-        scores.resize(need, 0.0);
-    }
-    let first_row = rows.start;
-    for i in rows {
+    let first_key = |i: usize| {
         let pos = s.offset + i;
-        let first = match h.sliding_window {
+        match h.sliding_window {
             Some(w) if pos + 1 > w => pos + 1 - w,
             _ => 0,
-        };
-        let keys = pos + 1 - first;
-        let q = s.q.add(i * s.ldq + kvh * g * hd);
-        let sc = scores.as_mut_ptr();
-        let rows = |base: *const T| Rows {
-            base: base.add(kvh * hd),
-            ld: ldkv,
-            table: s.table,
-            block: s.block,
-            first,
-            keys,
-        };
-        // The unit's first query row asks for each run's value rows while
-        // it scores the run's keys, and for the next run's keys: its
-        // weighted sum and its next dots then find them in cache (the
-        // later rows find them there after it). A decode's keys and values
-        // come from memory, a few rows of each per block, and waiting for
-        // them was most of its attention (single-stream SmolLM2 Q8_0: 0.36
-        // ms a pass before the values, 0.33 after; with the next keys,
-        // 0.42-0.62 ms against 0.52-0.70 on an EPYC; BENCHMARKS.md).
-        let values = rows(s.v);
-        let key_rows = rows(s.k);
-        let bytes = hd * std::mem::size_of::<T>();
-        let ahead = i == first_row;
-        if ahead {
-            key_rows.prefetch(0, bytes);
         }
-        key_rows.runs(|t, k, n| {
-            if ahead {
-                values.prefetch(t, bytes);
-                if t + n < keys {
-                    key_rows.prefetch(t + n, bytes);
-                }
-            }
-            dot_rows(isa, q, hd, g, hd, k, ldkv, n, sc.add(t), keys)
-        });
+    };
+    let first = first_key(rows.start);
+    // Keys from the first row's first to the last row's position.
+    let span = s.offset + rows.end - first;
+    let vecs = rows.len() * g;
+    // The rows' query vectors `hd` apart: in place for one row, else
+    // gathered (a prompt's rows are `ldq` apart).
+    let q = if rows.len() == 1 {
+        s.q.add(rows.start * s.ldq + kvh * g * hd)
+    } else {
+        scratch.q.clear();
+        for i in rows.clone() {
+            let at = s.q.add(i * s.ldq + kvh * g * hd);
+            scratch
+                .q
+                .extend_from_slice(std::slice::from_raw_parts(at, g * hd));
+        }
+        scratch.q.as_ptr()
+    };
+    if scratch.scores.len() < vecs * span {
+        scratch.scores.resize(vecs * span, 0.0);
+    }
+    let sc = scratch.scores.as_mut_ptr();
+    let rows_of = |base: *const T, first: usize, keys: usize| Rows {
+        base: base.add(kvh * hd),
+        ld: ldkv,
+        table: s.table,
+        block: s.block,
+        first,
+        keys,
+    };
+    // The scoring pass asks for each run's value rows while it scores the
+    // run's keys, and for the next run's keys: the weighted sums and the
+    // next dots then find them in cache. A decode's keys and values come
+    // from memory, a few rows of each per block, and waiting for them was
+    // most of its attention (single-stream SmolLM2 Q8_0: 0.36 ms a pass
+    // before the values, 0.33 after; with the next keys, 0.42-0.62 ms
+    // against 0.52-0.70 on an EPYC; BENCHMARKS.md).
+    let key_rows = rows_of(s.k, first, span);
+    let values = rows_of(s.v, first, span);
+    let bytes = hd * std::mem::size_of::<T>();
+    key_rows.prefetch(0, bytes);
+    key_rows.runs(|t, k, n| {
+        values.prefetch(t, bytes);
+        if t + n < span {
+            key_rows.prefetch(t + n, bytes);
+        }
+        dot_rows(isa, q, hd, vecs, hd, k, ldkv, n, sc.add(t), span)
+    });
+    for i in rows.clone() {
+        let first_i = first_key(i);
+        let keys = s.offset + i + 1 - first_i;
+        // Row i's probabilities: head j's at `p + j · span`.
+        let p = sc.add((i - rows.start) * g * span + (first_i - first));
         for j in 0..g {
-            let row = std::slice::from_raw_parts_mut(sc.add(j * keys), keys);
+            let row = std::slice::from_raw_parts_mut(p.add(j * span), keys);
             let m = max(isa, row);
             let sum = exp_shifted_sum(isa, row, m);
             let inv = 1.0 / sum;
-            for p in row.iter_mut() {
-                *p *= inv;
+            for x in row.iter_mut() {
+                *x *= inv;
             }
         }
         let out = s.out.at(i * s.ldo + kvh * g * hd);
-        weighted_sum(isa, sc, g, rows(s.v), hd, out);
+        weighted_sum(isa, p, span, g, rows_of(s.v, first_i, keys), hd, out);
     }
 }
 
-/// `out[j·hd + d] = Σ_t p[j·keys + t] · v_t[d]` for `j < g`, `d < hd`,
+/// `out[j·hd + d] = Σ_t p[j·ldp + t] · v_t[d]` for `j < g`, `d < hd`,
 /// where `v_t` is the value row of key `t` in `v` (summed in key order).
 unsafe fn weighted_sum<T: WElem>(
     isa: Isa,
     p: *const f32,
+    ldp: usize,
     g: usize,
     v: Rows<T>,
     hd: usize,
@@ -242,7 +279,7 @@ unsafe fn weighted_sum<T: WElem>(
         Isa::Avx512 | Isa::Avx512Vnni => {
             // Common head shapes keep every accumulator in registers and
             // read each value row once; the rest go 16 dimensions a pass.
-            let a = x86::Args { p, v, out, hd };
+            let a = x86::Args { p, ldp, v, out, hd };
             match (hd, g) {
                 (64, 1) => x86::ws_regs::<4, 1, T>(a),
                 (64, 2) => x86::ws_regs::<4, 2, T>(a),
@@ -253,13 +290,12 @@ unsafe fn weighted_sum<T: WElem>(
                 (128, 1) => x86::ws_regs::<8, 1, T>(a),
                 (128, 2) => x86::ws_regs::<8, 2, T>(a),
                 (128, 3) => x86::ws_regs::<8, 3, T>(a),
-                _ => x86::weighted_sum_avx512(p, g, v, hd, out),
+                _ => x86::weighted_sum_avx512(p, ldp, g, v, hd, out),
             }
         }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => x86::weighted_sum_avx2(p, g, v, hd, out),
+        Isa::Avx2 => x86::weighted_sum_avx2(p, ldp, g, v, hd, out),
         _ => {
-            let keys = v.keys;
             for j in 0..g {
                 std::slice::from_raw_parts_mut(out.add(j * hd), hd).fill(0.0);
             }
@@ -267,7 +303,7 @@ unsafe fn weighted_sum<T: WElem>(
                 for i in 0..n {
                     let vt = rows.add(i * v.ld);
                     for j in 0..g {
-                        let pj = *p.add(j * keys + t0 + i);
+                        let pj = *p.add(j * ldp + t0 + i);
                         let o = out.add(j * hd);
                         for d in 0..hd {
                             *o.add(d) += pj * (*vt.add(d)).to_f32();
@@ -292,6 +328,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn weighted_sum_avx2<T: WElem>(
         p: *const f32,
+        ldp: usize,
         g: usize,
         v: Rows<T>,
         hd: usize,
@@ -315,7 +352,7 @@ mod x86 {
                             T::load8_partial(rows.add(i * ldv + d), lanes)
                         };
                         for (j, a) in acc.iter_mut().enumerate().take(nj) {
-                            let pj = _mm256_set1_ps(*p.add((j0 + j) * keys + t0 + i));
+                            let pj = _mm256_set1_ps(*p.add((j0 + j) * ldp + t0 + i));
                             *a = _mm256_fmadd_ps(pj, vt, *a);
                         }
                     }
@@ -337,6 +374,8 @@ mod x86 {
     /// Operands of one weighted sum (see `super::weighted_sum`).
     pub(super) struct Args<T> {
         pub p: *const f32,
+        /// The probabilities' head stride.
+        pub ldp: usize,
         pub v: Rows<T>,
         pub out: *mut f32,
         pub hd: usize,
@@ -354,7 +393,7 @@ mod x86 {
                 let vt: [__m512; C] =
                     std::array::from_fn(|c| T::load16(rows.add(i * ldv + 16 * c)));
                 for (j, aj) in acc.iter_mut().enumerate() {
-                    let pj = _mm512_set1_ps(*a.p.add(j * keys + t0 + i));
+                    let pj = _mm512_set1_ps(*a.p.add(j * a.ldp + t0 + i));
                     for (x, &vc) in aj.iter_mut().zip(&vt) {
                         *x = _mm512_fmadd_ps(pj, vc, *x);
                     }
@@ -372,6 +411,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn weighted_sum_avx512<T: WElem>(
         p: *const f32,
+        ldp: usize,
         g: usize,
         v: Rows<T>,
         hd: usize,
@@ -396,7 +436,7 @@ mod x86 {
                             T::load16_masked(rows.add(i * ldv + d), mask)
                         };
                         for (j, a) in acc.iter_mut().enumerate().take(nj) {
-                            let pj = _mm512_set1_ps(*p.add((j0 + j) * keys + t0 + i));
+                            let pj = _mm512_set1_ps(*p.add((j0 + j) * ldp + t0 + i));
                             *a = _mm512_fmadd_ps(pj, vt, *a);
                         }
                     }

@@ -297,7 +297,7 @@ fn a_scattered_block_table_gives_the_contiguous_result_bit_for_bit() {
 }
 
 #[test]
-fn a_sequence_attends_to_the_same_bits_alone_or_in_a_batch_on_any_threads() {
+fn a_sequence_attends_to_the_same_bits_alone_or_in_a_batch_on_any_threads_and_row_by_row() {
     let mut rng = ChaCha8Rng::seed_from_u64(21);
     let block = 16;
     for isa in Isa::supported() {
@@ -357,6 +357,26 @@ fn a_sequence_attends_to_the_same_bits_alone_or_in_a_batch_on_any_threads() {
                     .map(|o| o.iter().map(|f| f.to_bits()).collect::<Vec<_>>())
                     .collect::<Vec<_>>()
             };
+            // Row `r` of sequence `s` attended as a decode of its own (one
+            // query row at its position, over the same cache).
+            let decode = |s: usize, r: usize| {
+                let mut out = vec![0f32; ld];
+                let seq = SeqAttn {
+                    q: data[s].0[r * ld..].as_ptr(),
+                    ldq: ld,
+                    out: SharedMut(out.as_mut_ptr()),
+                    ldo: ld,
+                    offset: shapes[s].0 + r,
+                    len: 1,
+                    k: data[s].1.as_ptr(),
+                    v: data[s].2.as_ptr(),
+                    table: IDENTITY.as_ptr(),
+                    block,
+                };
+                // SAFETY: as in `run`: the cache holds `offset + r + 1` rows.
+                unsafe { attention(isa, 1, h, &[seq]) };
+                out.iter().map(|f| f.to_bits()).collect::<Vec<_>>()
+            };
             let batched = run(&[2, 0, 3, 5, 1, 4], 2);
             for (i, s) in [2, 0, 3, 5, 1, 4].into_iter().enumerate() {
                 let alone = run(&[s], 2);
@@ -369,6 +389,15 @@ fn a_sequence_attends_to_the_same_bits_alone_or_in_a_batch_on_any_threads() {
                     alone_one_thread[0], batched[i],
                     "{isa:?} {h:?} seq {s}: 1 thread"
                 );
+                // A prompt's or a verification's rows, scored together,
+                // equal each row decoded alone.
+                for r in 0..shapes[s].1 {
+                    assert_eq!(
+                        decode(s, r),
+                        batched[i][r * ld..(r + 1) * ld],
+                        "{isa:?} {h:?} seq {s}: row {r} against its decode"
+                    );
+                }
             }
         }
     }
