@@ -175,8 +175,9 @@ pub(crate) unsafe fn attention<T: WElem>(
 /// every row's scores in one pass over the keys the rows see between them
 /// (one dot call a run for all their query vectors: each score is its own
 /// dot product, computed the same way whatever else the call holds, so
-/// scoring the rows together changes no bit; a row's scores past its own
-/// position are computed and never read), then each row's softmax and
+/// scoring the rows together changes no bit; a row's scores outside its
+/// own keys, past its position or, with a sliding window, before its
+/// window, are computed and never read), then each row's softmax and
 /// weighted sum over its own keys.
 unsafe fn run_unit<T: WElem>(
     isa: Isa,
