@@ -142,7 +142,9 @@ if [ "$PHASE" = train ] || [ "$PHASE" = all ]; then
   [ -n "${TRAIN2_ARGS:-}" ] && start_training train2 "$HEAD2" "$TRAIN2_ARGS"
   if [ "$PHASE" = train ]; then
     # Save the heads now: the bench call may come after the machine is gone.
-    wait_training "$WAIT" && save_heads && eval_heads
+    # A training still running at $WAIT still leaves its last checkpoint.
+    if wait_training "$WAIT"; then save_heads && eval_heads
+    elif [ -f "$HEAD/mtp.safetensors" ]; then save_heads; fi
     exit 0
   fi
 fi

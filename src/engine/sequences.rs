@@ -327,7 +327,7 @@ mod tests {
 
     use super::*;
     use crate::engine::DraftInput;
-    use crate::kv::KvLayout;
+    use crate::kv::{KeyOrder, KvLayout};
     use crate::model::{Model, ModelError};
 
     /// A head that records its slots and fails `admit` when told to.
@@ -366,6 +366,7 @@ mod tests {
             num_kv_heads: 1,
             head_dim: 4,
             dtype: DType::F32,
+            keys: KeyOrder::Rows,
         };
         let mut seqs = Sequences::new(
             KvCache::new(layout, Device::Cpu, kv_tokens),

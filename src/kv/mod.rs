@@ -4,7 +4,9 @@
 //! # Ownership and invariants
 //! - Owned by the engine thread; nothing else touches it.
 //! - Storage: one buffer per layer for K and one for V, `[rows, kv_heads,
-//!   head_dim]` (token-major), divided into blocks of `block_size` rows.
+//!   head_dim]` (token-major), divided into blocks of `block_size` rows;
+//!   the keys of a pool the lean CPU path owns are transposed within each
+//!   block ([`KeyOrder::BlockLanes`]).
 //!   Position `p` of a slot lives at row `table[p / block_size] *
 //!   block_size + p % block_size`. A pool of known size (the engine's,
 //!   `num_blocks`) is allocated whole the first time it grows: on CUDA a
@@ -98,6 +100,10 @@ pub enum KvError {
     Mixed(SlotId),
     #[error("tensor error in KV cache: {0}")]
     Tensor(String),
+    #[error(
+        "the KV pool stores its keys as {0:?}; this operation reads and writes them token-major"
+    )]
+    KeyOrder(KeyOrder),
 }
 
 impl From<candle_core::Error> for KvError {
@@ -113,6 +119,26 @@ pub struct KvLayout {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub dtype: DType,
+    /// How the pool orders the keys (values are always token-major).
+    pub keys: KeyOrder,
+}
+
+/// How a pool lays out its keys; the model whose passes write and read
+/// them chooses ([`Model::kv_layout`](crate::model::Model::kv_layout)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyOrder {
+    /// Token-major like the values, `[rows, kv_heads, head_dim]`: what
+    /// candle ops and the GPU kernels read, and what [`KvCache::write`]
+    /// and [`KvCache::view`] take.
+    #[default]
+    Rows,
+    /// Each block's keys transposed, `[blocks][kv_heads · head_dim][block]`:
+    /// a block's values of one key dimension in adjacent lanes, so the lean
+    /// CPU path's attention scores a block's keys together without a
+    /// horizontal sum (`model::kernels::scores`). Only the lean path reads
+    /// and writes such a pool; blocks stay the unit, so tables, prefix
+    /// sharing and growth (a prefix copy of whole blocks) are unchanged.
+    BlockLanes,
 }
 
 impl KvLayout {
@@ -761,6 +787,7 @@ impl KvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<(), KvError> {
+        self.token_major_keys()?;
         let n = k.dim(0)?;
         let segments = self.segments(slot, at, n)?;
         let (kb, vb) = self.layer(layer)?;
@@ -802,6 +829,14 @@ impl KvCache {
         Ok(out)
     }
 
+    /// Ok when the pool's keys are token-major ([`KeyOrder::Rows`]).
+    pub fn token_major_keys(&self) -> Result<(), KvError> {
+        match self.layout.keys {
+            KeyOrder::Rows => Ok(()),
+            other => Err(KvError::KeyOrder(other)),
+        }
+    }
+
     fn layer(&self, layer: usize) -> Result<(&Tensor, &Tensor), KvError> {
         self.layers
             .get(layer)
@@ -818,6 +853,7 @@ impl KvCache {
         layer: usize,
         upto: usize,
     ) -> Result<(Tensor, Tensor), KvError> {
+        self.token_major_keys()?;
         let segments = self.segments(slot, 0, upto)?;
         let (k, v) = self.layer(layer)?;
         if let [(row, _, _)] = segments[..] {

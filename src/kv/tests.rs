@@ -8,6 +8,7 @@ fn layout() -> KvLayout {
         num_kv_heads: 1,
         head_dim: 2,
         dtype: DType::F32,
+        keys: KeyOrder::Rows,
     }
 }
 

@@ -361,6 +361,7 @@ fn write_pool<'a>(
     k: &Tensor,
     v: &Tensor,
 ) -> Result<(&'a Tensor, &'a Tensor), ModelError> {
+    kv.token_major_keys()?;
     let (k_pool, v_pool) = kv
         .pool_layer(layer)
         .ok_or_else(|| ModelError::InvalidBatch("KV pool has no such layer".into()))?;

@@ -37,7 +37,7 @@ use super::kernels::Isa;
 use super::linear::{CpuCall, Linear};
 use super::llama_weights::{LayerWeights, ModelWeights};
 use super::{Batch, ModelConfig, ModelError};
-use crate::kv::KvCache;
+use crate::kv::{KeyOrder, KvCache};
 
 /// Step phases the profile reports, in step order.
 pub const PHASES: [&str; 10] = [
@@ -199,7 +199,10 @@ impl Lean {
 
 /// Writes `rows` rows of `width` floats (from `src`, `ld` apart) into a
 /// layer's KV pool at a sequence's positions `at..at + rows`, through its
-/// block `table` (`block` rows per block), converting to the pool's dtype.
+/// block `table` (`block` rows per block), converting to the pool's dtype:
+/// token-major, or with `lanes` (the keys of a
+/// [`KeyOrder::BlockLanes`] pool) element `c` of a row `block` elements
+/// after element `c − 1`, in the block's lane of that row.
 struct WriteRows<'a> {
     src: &'a [f32],
     ld: usize,
@@ -208,14 +211,21 @@ struct WriteRows<'a> {
     at: usize,
     table: &'a [u32],
     block: usize,
+    lanes: bool,
 }
 
 impl WriteRows<'_> {
-    /// Element offset of row `r` in the pool, or `None` past the table.
-    fn dst(&self, r: usize) -> Option<usize> {
+    /// Element offset of row `r`'s first element in the pool and the
+    /// stride between its elements, or `None` past the table.
+    fn dst(&self, r: usize) -> Option<(usize, usize)> {
         let pos = self.at + r;
         let b = *self.table.get(pos / self.block)? as usize;
-        Some((b * self.block + pos % self.block) * self.width)
+        let (first, lane) = (b * self.block * self.width, pos % self.block);
+        Some(if self.lanes {
+            (first + lane, self.block)
+        } else {
+            (first + lane * self.width, 1)
+        })
     }
 }
 
@@ -226,17 +236,24 @@ impl candle_core::InplaceOp1 for WriteRows<'_> {
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
         let start = layout.start_offset();
+        let mut narrowed = vec![f16::ZERO; self.width];
         for r in 0..self.rows {
             let row = &self.src[r * self.ld..r * self.ld + self.width];
-            let Some(o) = self.dst(r).map(|o| start + o) else {
+            let Some((o, stride)) = self.dst(r) else {
                 candle_core::bail!("KV write past the block table");
             };
+            let (o, end) = (start + o, start + o + (self.width - 1) * stride + 1);
             match storage {
-                CpuStorage::F32(d) if d.len() >= o + self.width => {
-                    d[o..o + self.width].copy_from_slice(row)
+                CpuStorage::F32(d) if d.len() >= end => {
+                    for (c, &x) in row.iter().enumerate() {
+                        d[o + c * stride] = x;
+                    }
                 }
-                CpuStorage::F16(d) if d.len() >= o + self.width => {
-                    narrow(row, &mut d[o..o + self.width])
+                CpuStorage::F16(d) if d.len() >= end => {
+                    narrow(row, &mut narrowed);
+                    for (c, &x) in narrowed.iter().enumerate() {
+                        d[o + c * stride] = x;
+                    }
                 }
                 _ => candle_core::bail!("KV cache storage is not f32/f16 or is too short"),
             }
@@ -429,6 +446,11 @@ impl Lean {
         self.rotate(d, qkv, &ws.positions);
         // The layer's pool and each sequence's block table, shared by the
         // writes and the attention below.
+        if kv.layout().keys != KeyOrder::BlockLanes {
+            return Err(ModelError::InvalidBatch(
+                "the lean CPU path needs a KV pool with its keys in block lanes".into(),
+            ));
+        }
         let pool = kv
             .pool_layer(l)
             .ok_or_else(|| ModelError::InvalidBatch("KV pool has no such layer".into()))?;
@@ -553,12 +575,17 @@ struct Cache<'a> {
 }
 
 /// Writes every sequence's new K and V rows (from the projection rows
-/// `qkv`) into the layer's pool through its block table.
+/// `qkv`) into the layer's pool through its block table, the keys in the
+/// pool's block lanes.
 fn write_kv(d: Dims, batch: &Batch, cache: &Cache<'_>, qkv: &[f32]) -> Result<(), ModelError> {
     let mut start = 0;
     for (s, table) in batch.seqs.iter().zip(cache.tables) {
         let rows = &qkv[start * d.ldqkv..(start + s.len) * d.ldqkv];
-        for (t, col) in [(cache.pool.0, d.qw), (cache.pool.1, d.qw + d.kvw)] {
+        let keys_and_values = [
+            (cache.pool.0, d.qw, true),
+            (cache.pool.1, d.qw + d.kvw, false),
+        ];
+        for (t, col, lanes) in keys_and_values {
             t.inplace_op1(&WriteRows {
                 src: &rows[col..],
                 ld: d.ldqkv,
@@ -567,6 +594,7 @@ fn write_kv(d: Dims, batch: &Batch, cache: &Cache<'_>, qkv: &[f32]) -> Result<()
                 at: s.offset,
                 table,
                 block: cache.block,
+                lanes,
             })?;
         }
         start += s.len;

@@ -41,7 +41,7 @@ use super::lean::Lean;
 use super::linear::{Linear, WeightFormat};
 use super::llama_weights::{rope_tables, LayerWeights, ModelWeights, QScale, WeightLoader};
 use super::{Batch, ModelConfig, ModelError, OutputRows, Weights};
-use crate::kv::{KvCache, KvLayout};
+use crate::kv::{KeyOrder, KvCache, KvLayout};
 
 /// How to load a model.
 #[derive(Debug, Clone)]
@@ -331,13 +331,20 @@ impl Model {
         }
     }
 
-    /// The KV entry shape this model needs.
+    /// The KV entry shape this model needs; the lean CPU path's pool
+    /// keeps each block's keys transposed (its attention scores a block's
+    /// keys in vector lanes).
     pub fn kv_layout(&self) -> KvLayout {
         KvLayout {
             num_layers: self.cfg.num_layers,
             num_kv_heads: self.cfg.num_kv_heads,
             head_dim: self.cfg.head_dim,
             dtype: self.kv_dtype,
+            keys: if self.is_lean() {
+                KeyOrder::BlockLanes
+            } else {
+                KeyOrder::Rows
+            },
         }
     }
 

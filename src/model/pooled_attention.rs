@@ -976,7 +976,7 @@ mod tests {
     use candle_core::{DType, Device};
 
     use super::*;
-    use crate::kv::KvLayout;
+    use crate::kv::{KeyOrder, KvLayout};
     use crate::model::OutputRows;
 
     fn config() -> ModelConfig {
@@ -995,6 +995,7 @@ mod tests {
             num_kv_heads: 2,
             head_dim: 8,
             dtype: DType::F32,
+            keys: KeyOrder::Rows,
         };
         let mut kv = KvCache::own(layout, Device::Cpu, 4096, 16);
         let mut batch = Batch::default();

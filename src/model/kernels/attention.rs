@@ -1,30 +1,34 @@
 //! Causal grouped-query attention of a ragged batch, read in place from
-//! the layer's paged KV pool (`[rows, kv_heads, head_dim]`, f32 or f16)
-//! through each sequence's block table.
+//! the layer's paged KV pool through each sequence's block table: values
+//! token-major (`[rows, kv_heads, head_dim]`), keys with each block
+//! transposed (`[blocks][kv_heads · head_dim][block]`,
+//! [`KeyOrder::BlockLanes`](crate::kv::KeyOrder)), f32 or f16.
 //!
 //! Work units are (sequence, KV head, block of query rows): the query heads
 //! sharing a KV head, and the unit's query rows, are scored together (one
-//! dot call a run of keys for all their query vectors), so each key is
-//! loaded once for the unit and each value once for the group. Per query
-//! row: scores = q·kᵀ over the visible keys (the dot kernel of
-//! [`super::dot`], q already scaled; each score computed the same way
-//! whatever else the call holds, so a row's bits do not depend on the
-//! rows scored with it), an exact softmax (max-shifted, vectorised exp),
-//! then the probability-weighted sum of values. Nothing is copied out of
-//! the cache and nothing is allocated per call beyond per-thread scratch
-//! (scores, a unit's gathered query vectors) kept between calls.
+//! pass over the keys for all their query vectors), so each key is loaded
+//! once for the unit and each value once for the group. Per query row:
+//! scores = q·kᵀ over the visible keys (the keys-in-lanes kernel of
+//! [`super::scores`], q already scaled; each score one chain of fused
+//! multiply-adds over its dimensions, so a row's bits do not depend on the
+//! rows scored with it, nor on the tier), an exact softmax (max-shifted,
+//! vectorised exp), then the probability-weighted sum of values. Nothing
+//! is copied out of the cache and nothing is allocated per call beyond
+//! per-thread scratch (scores, a unit's gathered query vectors) kept
+//! between calls.
 //!
-//! Paging: keys are scored one block run at a time (each score is its own
-//! dot product, so the split changes nothing), and the weighted sum walks
-//! the value rows block by block inside one accumulation, in position
-//! order: the result is the same, bit for bit, as over a contiguous cache,
+//! Paging: keys are scored a block run at a time (each score is its own
+//! chain, so the split changes nothing), and the weighted sum walks the
+//! value rows block by block inside one accumulation, in position order:
+//! the result is the same, bit for bit, as over a contiguous cache,
 //! whatever blocks the table names.
 
 use std::cell::RefCell;
 
-use super::dot::{dot_rows, WElem};
+use super::dot::WElem;
 use super::math::{exp_shifted_sum, max};
 use super::pool::{for_each_range, SharedMut};
+use super::scores::{group, lanes, score_chunks, Chunk, Scores, MAX_GROUP};
 use super::Isa;
 
 /// Head layout shared by every sequence of the batch.
@@ -50,7 +54,11 @@ pub(crate) struct SeqAttn<T> {
     pub offset: usize,
     pub len: usize,
     /// The layer's K and V pools; the sequence's position `p` is at row
-    /// `table[p / block] · block + p % block`, valid for `0..offset + len`.
+    /// `r = table[p / block] · block + p % block`, valid for `0..offset +
+    /// len`: its values at `v + r · kv_heads · head_dim`, its key's
+    /// element `c` (KV head `c / head_dim`) at `k + (r − r % block) ·
+    /// kv_heads · head_dim + c · block + r % block` (each block's keys
+    /// transposed).
     pub k: *const T,
     pub v: *const T,
     /// The sequence's block table (covering `offset + len` positions).
@@ -116,6 +124,52 @@ impl<T> Rows<T> {
     }
 }
 
+/// The keys of positions `first..first + keys` of one sequence, for one
+/// KV head, in the pool's block-lanes order (see [`SeqAttn::k`]).
+#[derive(Clone, Copy)]
+struct KeyLanes<T> {
+    /// The KV head's first dimension row in pool block 0.
+    base: *const T,
+    /// Elements a pool block holds (`block · kv_heads · head_dim`).
+    block_len: usize,
+    /// Elements of one KV head's rows in a block (`head_dim · block`).
+    head_len: usize,
+    table: *const u32,
+    block: usize,
+    first: usize,
+    keys: usize,
+}
+
+impl<T> KeyLanes<T> {
+    /// The run starting at key `t`: dimension 0 of its first key (the
+    /// following keys in the next lanes, dimension `d` a block further on
+    /// per `d`) and how many keys it holds.
+    #[inline(always)]
+    unsafe fn run(&self, t: usize) -> (*const T, usize) {
+        let pos = self.first + t;
+        let (b, off) = (pos / self.block, pos % self.block);
+        let n = (self.block - off).min(self.keys - t);
+        let start = *self.table.add(b) as usize * self.block_len;
+        (self.base.add(start + off), n)
+    }
+
+    /// Prefetches the KV head's keys in the block holding key `t` into L2
+    /// (see [`Rows::prefetch`]); a hint, never a fault.
+    #[inline(always)]
+    unsafe fn prefetch(&self, t: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+            let pos = self.first + t;
+            let b = *self.table.add(pos / self.block) as usize;
+            let start = self.base.wrapping_add(b * self.block_len) as *const i8;
+            for line in (0..self.head_len * std::mem::size_of::<T>()).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T1>(start.wrapping_add(line));
+            }
+        }
+    }
+}
+
 // SAFETY: workers read q, k, v and write disjoint output rows/heads.
 unsafe impl<T: Sync> Sync for SeqAttn<T> {}
 // SAFETY: as for Sync: the buffers outlive the call that hands them over.
@@ -173,9 +227,9 @@ pub(crate) unsafe fn attention<T: WElem>(
 
 /// The query rows `rows` of one sequence, for the heads of KV head `kvh`:
 /// every row's scores in one pass over the keys the rows see between them
-/// (one dot call a run for all their query vectors: each score is its own
-/// dot product, computed the same way whatever else the call holds, so
-/// scoring the rows together changes no bit; a row's scores outside its
+/// (a kernel call a group of runs for all their query vectors: each score
+/// is its own chain, computed the same way whatever else the call holds,
+/// so scoring the rows together changes no bit; a row's scores outside its
 /// own keys, past its position or, with a sliding window, before its
 /// window, are computed and never read), then each row's softmax and
 /// weighted sum over its own keys.
@@ -228,23 +282,68 @@ unsafe fn run_unit<T: WElem>(
         keys,
     };
     // The scoring pass asks for each run's value rows while it scores the
-    // run's keys, and for the next run's keys: the weighted sums and the
-    // next dots then find them in cache. A decode's keys and values come
-    // from memory, a few rows of each per block, and waiting for them was
-    // most of its attention (single-stream SmolLM2 Q8_0: 0.36 ms a pass
-    // before the values, 0.33 after; with the next keys, 0.42-0.62 ms
-    // against 0.52-0.70 on an EPYC; BENCHMARKS.md).
-    let key_rows = rows_of(s.k, first, span);
+    // run's keys, and for the keys of the group of runs after: the weighted
+    // sums and the next scores then find them in cache. A decode's keys and
+    // values come from memory, a few rows of each per block, and waiting
+    // for them was most of its attention (single-stream SmolLM2 Q8_0: 0.36
+    // ms a pass before the values, 0.33 after; with the next keys, 0.42-0.62
+    // ms against 0.52-0.70 on an EPYC; BENCHMARKS.md).
+    let keys = KeyLanes {
+        base: s.k.add(kvh * hd * s.block),
+        block_len: s.block * ldkv,
+        head_len: hd * s.block,
+        table: s.table,
+        block: s.block,
+        first,
+        keys: span,
+    };
     let values = rows_of(s.v, first, span);
     let bytes = hd * std::mem::size_of::<T>();
-    key_rows.prefetch(0, bytes);
-    key_rows.runs(|t, k, n| {
-        values.prefetch(t, bytes);
-        if t + n < span {
-            key_rows.prefetch(t + n, bytes);
+    // Chunks a kernel call takes (its widest tile), and runs prefetched
+    // ahead of the one being grouped.
+    let (width, per_call) = (lanes(isa), group(isa));
+    let lead = MAX_GROUP;
+    // Runs after the first start at a block's first key.
+    let ahead = |t: usize, j: usize| t + j * s.block;
+    let first_run = keys.run(0).1;
+    keys.prefetch(0);
+    for j in 0..lead - 1 {
+        if ahead(first_run, j) < span {
+            keys.prefetch(ahead(first_run, j));
         }
-        dot_rows(isa, q, hd, vecs, hd, k, ldkv, n, sc.add(t), span)
-    });
+    }
+    let mut chunks = [Chunk { k: s.k, n: 0, t: 0 }; MAX_GROUP];
+    let call = Scores {
+        q,
+        hd,
+        vecs,
+        ld: s.block,
+        sc,
+        ldsc: span,
+    };
+    let mut grouped = 0;
+    let mut t = 0;
+    while t < span {
+        let (k, n) = keys.run(t);
+        values.prefetch(t, bytes);
+        if ahead(t + n, lead - 1) < span {
+            keys.prefetch(ahead(t + n, lead - 1));
+        }
+        for i in (0..n).step_by(width) {
+            chunks[grouped] = Chunk {
+                k: k.add(i),
+                n: (n - i).min(width),
+                t: t + i,
+            };
+            grouped += 1;
+            if grouped == per_call {
+                score_chunks(isa, &call, &chunks[..grouped]);
+                grouped = 0;
+            }
+        }
+        t += n;
+    }
+    score_chunks(isa, &call, &chunks[..grouped]);
     for i in rows.clone() {
         let first_i = first_key(i);
         let keys = s.offset + i + 1 - first_i;

@@ -398,41 +398,6 @@ unsafe fn widen_unit<W: WElem>(
     }
 }
 
-/// Single-threaded strided variant for attention scores:
-/// `out[r·ldo + j] = Σ_i x[r·ldx + i] · w[j·ldw + i]`, `i < k`.
-///
-/// # Safety
-/// Every addressed element must be inside its allocation.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn dot_rows<W: WElem>(
-    isa: Isa,
-    x: *const f32,
-    ldx: usize,
-    rows: usize,
-    k: usize,
-    w: *const W,
-    ldw: usize,
-    n: usize,
-    out: *mut f32,
-    ldo: usize,
-) {
-    let job = Job {
-        x,
-        ldx,
-        k,
-        w,
-        ldw,
-        out: SharedMut(out),
-        ldo,
-        accumulate: false,
-        few_rows: rows <= FEW_ROWS,
-        // Keys are short strided rows (a head's width each), not one
-        // stream; streaming was measured on projections only.
-        streamed: false,
-    };
-    dispatch(isa, &job, 0..n, 0..rows);
-}
-
 #[inline(always)]
 unsafe fn dispatch<W: WElem>(
     isa: Isa,
@@ -605,7 +570,7 @@ mod x86 {
             //   than none, six alternating runs).
             // The last two were measured when calls of one or two rows
             // took this tile; they now stream (`rows16`), and these rules
-            // serve the last rows of larger calls and attention's keys.
+            // serve the last rows of larger calls.
             // A prefetch past the last tile is never dereferenced and
             // cannot fault.
             if MR > 2 {

@@ -2,8 +2,8 @@
 //! quantised twin for GGML blocks (`quant`, with 15-bit activations, and
 //! `quant8`, with 8-bit ones; formats in `qformat`; Q8_0 repacked 8 rows
 //! interleaved for a register tile in `packed`), the
-//! element-wise math (`math`), attention (`attention`) and the parallel
-//! split they share (`pool`).
+//! element-wise math (`math`), attention (`attention`, its scores with the
+//! keys in lanes in `scores`) and the parallel split they share (`pool`).
 //!
 //! # Invariants
 //! - Every kernel exists for three instruction-set tiers ([`Isa`]): AVX-512,
@@ -17,7 +17,9 @@
 //! - Results never depend on how rows are batched or on the thread count:
 //!   every output element is one dot product whose summation order depends
 //!   only on the reduction length, so a sequence decoded alone and the same
-//!   sequence inside a batch get bit-identical projections.
+//!   sequence inside a batch get bit-identical projections. Attention
+//!   scores are one chain of fused multiply-adds per score on the AVX2 and
+//!   AVX-512 tiers, so they are the same bits on both.
 //! - Kernels work on plain slices the caller owns; they allocate nothing on
 //!   the hot path except per-thread scratch that is kept between calls.
 
@@ -31,6 +33,7 @@ pub(crate) mod pool;
 pub(crate) mod qformat;
 pub(crate) mod quant;
 mod quant8;
+mod scores;
 
 #[cfg(test)]
 mod quant_tests;

@@ -11,6 +11,7 @@ use super::dot::{matmul_t, matmul_t_on, WElem};
 use super::few_rows::Path;
 use super::math::{exp_shifted_sum, max, rms_norm, silu_mul};
 use super::pool::SharedMut;
+use super::scores::{group, lanes, score_chunks, Chunk, Scores};
 use super::Isa;
 
 fn randn(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
@@ -232,6 +233,21 @@ static IDENTITY: [u32; 64] = {
     t
 };
 
+/// Keys `k` (`[rows, width]`, token-major) as a
+/// [`KeyOrder::BlockLanes`](crate::kv::KeyOrder) pool holds them: each
+/// `block` rows transposed, the last block padded.
+fn in_block_lanes<T: Copy + Default>(k: &[T], width: usize, block: usize) -> Vec<T> {
+    let rows = k.len() / width;
+    let mut out = vec![T::default(); rows.div_ceil(block) * block * width];
+    for (r, row) in k.chunks_exact(width).enumerate() {
+        let (b, lane) = (r / block, r % block);
+        for (c, &x) in row.iter().enumerate() {
+            out[b * block * width + c * block + lane] = x;
+        }
+    }
+    out
+}
+
 #[test]
 fn a_scattered_block_table_gives_the_contiguous_result_bit_for_bit() {
     let mut rng = ChaCha8Rng::seed_from_u64(9);
@@ -264,6 +280,10 @@ fn a_scattered_block_table_gives_the_contiguous_result_bit_for_bit() {
                     vp[row * ldkv..(row + 1) * ldkv]
                         .copy_from_slice(&v[pos * ldkv..(pos + 1) * ldkv]);
                 }
+                let (k, kp) = (
+                    in_block_lanes(&k, ldkv, block),
+                    in_block_lanes(&kp, ldkv, block),
+                );
                 let ld = nh * hd;
                 let run = |k: &[f32], v: &[f32], table: &[u32]| {
                     let mut out = vec![0f32; len * ld];
@@ -324,7 +344,7 @@ fn a_sequence_attends_to_the_same_bits_alone_or_in_a_batch_on_any_threads_and_ro
                 .map(|&(offset, len)| {
                     let n = offset + len;
                     let q = randn(&mut rng, len * ld);
-                    let k = randn(&mut rng, n * nkv * hd);
+                    let k = in_block_lanes(&randn(&mut rng, n * nkv * hd), nkv * hd, block);
                     let v = randn(&mut rng, n * nkv * hd);
                     (q, k, v)
                 })
@@ -403,6 +423,112 @@ fn a_sequence_attends_to_the_same_bits_alone_or_in_a_batch_on_any_threads_and_ro
     }
 }
 
+/// Scores of the query vectors `q` (`hd` floats each) against one KV
+/// head's keys in block lanes (`keys` keys from key `from`, blocks of
+/// `block`), chunked for `isa` and handed to the kernel `per_call` chunks
+/// at a time.
+fn lane_scores<T: WElem>(
+    isa: Isa,
+    q: &[f32],
+    hd: usize,
+    k: &[T],
+    block: usize,
+    (from, keys): (usize, usize),
+    per_call: usize,
+) -> Vec<f32> {
+    let vecs = q.len() / hd;
+    let mut sc = vec![f32::NAN; vecs * keys];
+    let mut chunks = Vec::new();
+    let mut t = 0;
+    while t < keys {
+        let pos = from + t;
+        let n = (block - pos % block).min(keys - t);
+        for i in (0..n).step_by(lanes(isa)) {
+            chunks.push(Chunk {
+                // SAFETY: inside `k`, which holds whole blocks.
+                k: unsafe { k.as_ptr().add(pos / block * block * hd + pos % block + i) },
+                n: (n - i).min(lanes(isa)),
+                t: t + i,
+            });
+        }
+        t += n;
+    }
+    let call = Scores {
+        q: q.as_ptr(),
+        hd,
+        vecs,
+        ld: block,
+        sc: sc.as_mut_ptr(),
+        ldsc: keys,
+    };
+    for some in chunks.chunks(per_call) {
+        // SAFETY: every chunk's keys lie in `k`; `sc` has `keys` columns.
+        unsafe { score_chunks(isa, &call, some) };
+    }
+    sc
+}
+
+#[test]
+fn a_score_is_one_chain_over_its_dimensions_on_every_tier_and_tile() {
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    for (hd, block, from, keys) in [
+        (64usize, 16usize, 0usize, 75usize),
+        (20, 4, 3, 30),
+        (8, 32, 5, 90),
+    ] {
+        let blocks = (from + keys).div_ceil(block);
+        let kf = randn(&mut rng, blocks * block * hd);
+        let kh: Vec<f16> = kf.iter().map(|&x| f16::from_f32(x)).collect();
+        for vecs in [1, 3, 7, 13] {
+            let q = randn(&mut rng, vecs * hd);
+            // One KV head's block lanes: dimension d of key p at
+            // (p / block) · block · hd + d · block + p % block.
+            // Fused on the SIMD tiers, the product rounded first on the
+            // portable one.
+            let chain = |fused: bool, k: &dyn Fn(usize) -> f32, v: usize, t: usize| {
+                let p = from + t;
+                (0..hd).fold(0f32, |s, d| {
+                    let (q, k) = (
+                        q[v * hd + d],
+                        k(p / block * block * hd + d * block + p % block),
+                    );
+                    if fused {
+                        q.mul_add(k, s)
+                    } else {
+                        s + q * k
+                    }
+                })
+            };
+            let want = |fused: bool, k: &dyn Fn(usize) -> f32| -> Vec<u32> {
+                (0..vecs * keys)
+                    .map(|i| chain(fused, k, i / keys, i % keys).to_bits())
+                    .collect()
+            };
+            let bits = |x: Vec<f32>| x.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            for isa in Isa::supported() {
+                let fused = isa != Isa::Portable;
+                let (want_f32, want_f16) =
+                    (want(fused, &|i| kf[i]), want(fused, &|i| kh[i].to_f32()));
+                for per_call in [1, 3, 4, 9] {
+                    let case = (from, keys);
+                    let got = lane_scores(isa, &q, hd, &kf, block, case, per_call);
+                    assert_eq!(
+                        bits(got),
+                        want_f32,
+                        "{isa:?} f32 hd {hd} vecs {vecs} {per_call}"
+                    );
+                    let got = lane_scores(isa, &q, hd, &kh, block, case, per_call);
+                    assert_eq!(
+                        bits(got),
+                        want_f16,
+                        "{isa:?} f16 hd {hd} vecs {vecs} {per_call}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// One attention case's inputs per sequence: q, K, V (f32) and an output
 /// buffer, for the (offset, len) `shapes`.
 type AttnCase = Vec<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)>;
@@ -443,17 +569,20 @@ fn attention_matches_reference() {
 /// The kernel over an f32 cache against the f64 reference.
 fn check_attention_f32(isa: Isa, h: Heads, shapes: &[(usize, usize)], data: &mut AttnCase) {
     let ld = h.num_heads * h.head_dim;
+    let ldkv = h.num_kv_heads * h.head_dim;
+    let kl: Vec<Vec<f32>> = data.iter().map(|d| in_block_lanes(&d.1, ldkv, 4)).collect();
     let seqs: Vec<SeqAttn<f32>> = data
         .iter_mut()
         .zip(shapes)
-        .map(|(d, &(offset, len))| SeqAttn {
+        .zip(&kl)
+        .map(|((d, &(offset, len)), kl)| SeqAttn {
             q: d.0.as_ptr(),
             ldq: ld,
             out: SharedMut(d.3.as_mut_ptr()),
             ldo: ld,
             offset,
             len,
-            k: d.1.as_ptr(),
+            k: kl.as_ptr(),
             v: d.2.as_ptr(),
             table: IDENTITY.as_ptr(),
             block: 4,
@@ -480,6 +609,10 @@ fn check_attention_f16(isa: Isa, h: Heads, shapes: &[(usize, usize)], data: &Att
     let round = |x: &[f32]| -> Vec<f16> { x.iter().map(|&x| f16::from_f32(x)).collect() };
     let kh: Vec<Vec<f16>> = data.iter().map(|d| round(&d.1)).collect();
     let vh: Vec<Vec<f16>> = data.iter().map(|d| round(&d.2)).collect();
+    let kl: Vec<Vec<f16>> = kh
+        .iter()
+        .map(|k| in_block_lanes(k, h.num_kv_heads * h.head_dim, 4))
+        .collect();
     let mut outs: Vec<Vec<f32>> = shapes.iter().map(|&(_, l)| vec![0f32; l * ld]).collect();
     let seqs: Vec<SeqAttn<f16>> = outs
         .iter_mut()
@@ -491,7 +624,7 @@ fn check_attention_f16(isa: Isa, h: Heads, shapes: &[(usize, usize)], data: &Att
             ldo: ld,
             offset: shapes[s].0,
             len: shapes[s].1,
-            k: kh[s].as_ptr(),
+            k: kl[s].as_ptr(),
             v: vh[s].as_ptr(),
             table: IDENTITY.as_ptr(),
             block: 4,
@@ -670,6 +803,48 @@ fn attention_speed() {
                 "keys {keys:5}, {threads} threads: {mb:5.1} MB a pass; warm {warm:.3} ms \
                  ({per_key:.1} ns a key and KV head), cold {cold:.3} ms ({:.1} GB/s)",
                 mb / cold
+            );
+        }
+    }
+}
+
+/// Throughput of the keys-in-lanes scores alone (SmolLM2's head width,
+/// 2 048 f16 keys in L2, a decode's 3 query vectors and a prompt unit's
+/// 48), per tier. A report, not a check:
+/// `cargo test --release --lib kernels::tests::scores_speed -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn scores_speed() {
+    use std::time::Instant;
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let (hd, block, keys) = (64usize, 16usize, 2048usize);
+    let kh: Vec<f16> = randn(&mut rng, keys * hd)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    for isa in Isa::supported() {
+        for vecs in [3usize, 48] {
+            let q = randn(&mut rng, vecs * hd);
+            let reps = 20_000_000 / (keys * vecs) + 1;
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                let t0 = Instant::now();
+                for _ in 0..reps {
+                    std::hint::black_box(lane_scores(
+                        isa,
+                        &q,
+                        hd,
+                        &kh,
+                        block,
+                        (0, keys),
+                        group(isa),
+                    ));
+                }
+                best = best.min(t0.elapsed().as_secs_f64() / reps as f64);
+            }
+            println!(
+                "{isa:?} vecs {vecs}: {:.3} ns a (key, vector)",
+                best * 1e9 / (keys * vecs) as f64
             );
         }
     }
