@@ -40,9 +40,12 @@ class Embedded(pydantic.BaseModel):
 
 
 class City(pydantic.BaseModel):
-    city: str
-    country: str
-    population_millions: float
+    """Bounded fields too: unbounded, the real model's greedy number can
+    repeat a digit until max_tokens (tests/server_support/grammar.rs)."""
+
+    city: str = pydantic.Field(max_length=24)
+    country: str = pydantic.Field(max_length=24)
+    population_millions: int = pydantic.Field(ge=0, le=100)
 
 
 WEATHER_TOOL = {
