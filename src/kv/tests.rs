@@ -59,6 +59,20 @@ fn writes_and_views_go_through_a_scattered_table() {
 }
 
 #[test]
+fn a_pool_with_its_keys_in_block_lanes_refuses_token_major_writes_and_views() {
+    let lanes = KvLayout {
+        keys: KeyOrder::BlockLanes,
+        ..layout()
+    };
+    let mut kv = KvCache::paged(lanes, Device::Cpu, 8, 4);
+    kv.register(1, vec![5, 2], 0).unwrap();
+    let refused = Err(KvError::KeyOrder(KeyOrder::BlockLanes));
+    assert_eq!(kv.write(1, 0, 0, &rows(0, 3), &rows(100, 3)), refused);
+    assert_eq!(kv.view(1, 0, 3).map(|_| ()), refused);
+    assert_eq!(kv.token_major_keys(), refused);
+}
+
+#[test]
 fn two_slots_share_a_prefix_block_and_read_the_same_rows() {
     let mut kv = KvCache::paged(layout(), Device::Cpu, 8, 4);
     kv.register(1, vec![3, 4], 0).unwrap();
