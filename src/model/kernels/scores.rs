@@ -17,10 +17,10 @@
 //! keys scored by the projection tile (dimensions in lanes, a horizontal
 //! sum per score, about as many instructions as the multiply-adds at a
 //! head of 64): 1.6 ns a (key, query vector) at a decode and 1.2 at a
-//! prompt unit on AVX-512, against 2.3–2.8 and 1.8–2.0; 2 048-token
-//! prompts 1.11–1.16× faster there, level on AVX2, and single-stream
-//! attention at 160 keys 0.43 → 0.30 ms a pass (BENCHMARKS.md, issue 22,
-//! session 48).
+//! prompt unit on AVX-512, against 2.3–2.8 and 1.8–2.0 (AVX2: 1.5 and
+//! 1.3); 2 048-token prompts 1.11–1.16× faster there and 1.06–1.08× on
+//! AVX2, and single-stream attention at 160 keys 0.43 → 0.30 ms a pass
+//! (BENCHMARKS.md, issue 22, session 48).
 
 use super::dot::WElem;
 use super::Isa;
@@ -199,13 +199,27 @@ mod x86 {
 
     #[inline(always)]
     unsafe fn vecs256<const NC: usize, T: WElem>(call: &Scores, ch: &[Chunk<T>; NC]) {
+        // Full chunks (all but a run's last) take a tile without the
+        // short chunks' per-load branch.
+        if ch.iter().all(|c| c.n == 8) {
+            vec_tiles256::<NC, true, T>(call, ch)
+        } else {
+            vec_tiles256::<NC, false, T>(call, ch)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn vec_tiles256<const NC: usize, const FULL: bool, T: WElem>(
+        call: &Scores,
+        ch: &[Chunk<T>; NC],
+    ) {
         let mut v0 = 0;
         while v0 < call.vecs {
             let nv = (call.vecs - v0).min(V256);
             match nv {
-                1 => tile256::<1, NC, T>(call, v0, ch),
-                2 => tile256::<2, NC, T>(call, v0, ch),
-                _ => tile256::<V256, NC, T>(call, v0, ch),
+                1 => tile256::<1, NC, FULL, T>(call, v0, ch),
+                2 => tile256::<2, NC, FULL, T>(call, v0, ch),
+                _ => tile256::<V256, NC, FULL, T>(call, v0, ch),
             }
             v0 += nv;
         }
@@ -214,7 +228,7 @@ mod x86 {
     /// The AVX2 tile: 8 lanes; a short chunk's keys are read one by one
     /// (AVX2 has no masked 16-bit load), only its own.
     #[inline(always)]
-    unsafe fn tile256<const V: usize, const NC: usize, T: WElem>(
+    unsafe fn tile256<const V: usize, const NC: usize, const FULL: bool, T: WElem>(
         call: &Scores,
         v0: usize,
         ch: &[Chunk<T>; NC],
@@ -224,7 +238,7 @@ mod x86 {
         for d in 0..call.hd {
             let kv: [__m256; NC] = std::array::from_fn(|c| {
                 let p = ch[c].k.add(d * call.ld);
-                if ch[c].n == 8 {
+                if FULL || ch[c].n == 8 {
                     T::load8(p)
                 } else {
                     T::load8_partial(p, ch[c].n)
