@@ -394,6 +394,21 @@ unsafe fn weighted_sum<T: WElem>(
             }
         }
         #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if hd % 16 == 0 && g <= 6 => {
+            // 16 dimensions of every head a pass, in registers.
+            for d0 in (0..hd).step_by(16) {
+                let a = x86::Args { p, ldp, v, out, hd };
+                match g {
+                    1 => x86::ws_avx2_regs::<1, T>(a, d0),
+                    2 => x86::ws_avx2_regs::<2, T>(a, d0),
+                    3 => x86::ws_avx2_regs::<3, T>(a, d0),
+                    4 => x86::ws_avx2_regs::<4, T>(a, d0),
+                    5 => x86::ws_avx2_regs::<5, T>(a, d0),
+                    _ => x86::ws_avx2_regs::<6, T>(a, d0),
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => x86::weighted_sum_avx2(p, ldp, g, v, hd, out),
         _ => {
             for j in 0..g {
@@ -468,6 +483,35 @@ mod x86 {
                 j0 += nj;
             }
             d += 8;
+        }
+    }
+
+    /// G heads × dimensions `d0..d0 + 16` held in registers over all keys
+    /// (AVX2: 2G accumulators, two value vectors and a probability in 16
+    /// registers); each output's sum is the generic AVX2 loop's.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn ws_avx2_regs<const G: usize, T: WElem>(a: Args<T>, d0: usize) {
+        let (keys, ldv) = (a.v.keys, a.v.ld);
+        let mut acc = [[_mm256_setzero_ps(); 2]; G];
+        let mut t0 = 0;
+        while t0 < keys {
+            let (rows, n) = a.v.run(t0);
+            for i in 0..n {
+                let row = rows.add(i * ldv + d0);
+                let vt = [T::load8(row), T::load8(row.add(8))];
+                for (j, aj) in acc.iter_mut().enumerate() {
+                    let pj = _mm256_set1_ps(*a.p.add(j * a.ldp + t0 + i));
+                    for (x, &vc) in aj.iter_mut().zip(&vt) {
+                        *x = _mm256_fmadd_ps(pj, vc, *x);
+                    }
+                }
+            }
+            t0 += n;
+        }
+        for (j, aj) in acc.iter().enumerate() {
+            for (c, x) in aj.iter().enumerate() {
+                _mm256_storeu_ps(a.out.add(j * a.hd + d0 + 8 * c), *x);
+            }
         }
     }
 
