@@ -394,7 +394,7 @@ unsafe fn weighted_sum<T: WElem>(
             }
         }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 if hd % 16 == 0 && g <= 6 => {
+        Isa::Avx2 if hd.is_multiple_of(16) && g <= 6 => {
             // 16 dimensions of every head a pass, in registers.
             for d0 in (0..hd).step_by(16) {
                 let a = x86::Args { p, ldp, v, out, hd };
