@@ -281,13 +281,6 @@ unsafe fn run_unit<T: WElem>(
         first,
         keys,
     };
-    // The scoring pass asks for each run's value rows while it scores the
-    // run's keys, and for the keys of the group of runs after: the weighted
-    // sums and the next scores then find them in cache. A decode's keys and
-    // values come from memory, a few rows of each per block, and waiting
-    // for them was most of its attention (single-stream SmolLM2 Q8_0: 0.36
-    // ms a pass before the values, 0.33 after; with the next keys, 0.42-0.62
-    // ms against 0.52-0.70 on an EPYC; BENCHMARKS.md).
     let keys = KeyLanes {
         base: s.k.add(kvh * hd * s.block),
         block_len: s.block * ldkv,
@@ -297,22 +290,6 @@ unsafe fn run_unit<T: WElem>(
         first,
         keys: span,
     };
-    let values = rows_of(s.v, first, span);
-    let bytes = hd * std::mem::size_of::<T>();
-    // Chunks a kernel call takes (its widest tile), and runs prefetched
-    // ahead of the one being grouped.
-    let (width, per_call) = (lanes(isa), group(isa));
-    let lead = MAX_GROUP;
-    // Runs after the first start at a block's first key.
-    let ahead = |t: usize, j: usize| t + j * s.block;
-    let first_run = keys.run(0).1;
-    keys.prefetch(0);
-    for j in 0..lead - 1 {
-        if ahead(first_run, j) < span {
-            keys.prefetch(ahead(first_run, j));
-        }
-    }
-    let mut chunks = [Chunk { k: s.k, n: 0, t: 0 }; MAX_GROUP];
     let call = Scores {
         q,
         hd,
@@ -321,29 +298,7 @@ unsafe fn run_unit<T: WElem>(
         sc,
         ldsc: span,
     };
-    let mut grouped = 0;
-    let mut t = 0;
-    while t < span {
-        let (k, n) = keys.run(t);
-        values.prefetch(t, bytes);
-        if ahead(t + n, lead - 1) < span {
-            keys.prefetch(ahead(t + n, lead - 1));
-        }
-        for i in (0..n).step_by(width) {
-            chunks[grouped] = Chunk {
-                k: k.add(i),
-                n: (n - i).min(width),
-                t: t + i,
-            };
-            grouped += 1;
-            if grouped == per_call {
-                score_chunks(isa, &call, &chunks[..grouped]);
-                grouped = 0;
-            }
-        }
-        t += n;
-    }
-    score_chunks(isa, &call, &chunks[..grouped]);
+    score_keys(isa, &call, &keys, &rows_of(s.v, first, span));
     for i in rows.clone() {
         let first_i = first_key(i);
         let keys = s.offset + i + 1 - first_i;
@@ -361,6 +316,56 @@ unsafe fn run_unit<T: WElem>(
         let out = s.out.at(i * s.ldo + kvh * g * hd);
         weighted_sum(isa, p, span, g, rows_of(s.v, first_i, keys), hd, out);
     }
+}
+
+/// Every score of `call` against `keys`, a group of chunks (a kernel's
+/// widest tile) a call. The pass asks for each run's value rows while it
+/// scores the run's keys, and for the keys a group of runs ahead: the
+/// weighted sums and the next scores then find them in cache. A decode's
+/// keys and values come from memory, a few rows of each per block, and
+/// waiting for them was most of its attention (single-stream SmolLM2
+/// Q8_0: 0.36 ms a pass before the values, 0.33 after; with the next
+/// keys, 0.42-0.62 ms against 0.52-0.70 on an EPYC; BENCHMARKS.md).
+unsafe fn score_keys<T: WElem>(isa: Isa, call: &Scores, keys: &KeyLanes<T>, values: &Rows<T>) {
+    let (width, per_call) = (lanes(isa), group(isa));
+    let value_bytes = call.hd * std::mem::size_of::<T>();
+    // Runs after the first start at a block's first key.
+    let ahead = |t: usize, j: usize| t + j * keys.block;
+    let first_run = keys.run(0).1;
+    keys.prefetch(0);
+    for j in 0..MAX_GROUP - 1 {
+        if ahead(first_run, j) < keys.keys {
+            keys.prefetch(ahead(first_run, j));
+        }
+    }
+    let mut chunks = [Chunk {
+        k: keys.base,
+        n: 0,
+        t: 0,
+    }; MAX_GROUP];
+    let mut grouped = 0;
+    let mut t = 0;
+    while t < keys.keys {
+        let (k, n) = keys.run(t);
+        values.prefetch(t, value_bytes);
+        if ahead(t + n, MAX_GROUP - 1) < keys.keys {
+            keys.prefetch(ahead(t + n, MAX_GROUP - 1));
+        }
+        for i in (0..n).step_by(width) {
+            chunks[grouped] = Chunk {
+                k: k.add(i),
+                n: (n - i).min(width),
+                t: t + i,
+            };
+            grouped += 1;
+            if grouped == per_call {
+                score_chunks(isa, call, &chunks[..grouped]);
+                grouped = 0;
+            }
+        }
+        t += n;
+    }
+    score_chunks(isa, call, &chunks[..grouped]);
 }
 
 /// `out[j·hd + d] = Σ_t p[j·ldp + t] · v_t[d]` for `j < g`, `d < hd`,
