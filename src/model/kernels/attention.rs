@@ -67,13 +67,18 @@ pub(crate) struct SeqAttn<T> {
     pub block: usize,
 }
 
-/// The value rows of positions `first..first + keys` of one sequence, for
-/// one KV head: runs of consecutive rows (one per block touched).
+/// The keys or the values of positions `first..first + keys` of one
+/// sequence, for one KV head: runs of consecutive positions (one per block
+/// touched). Values are rows `ld = kv_heads · head_dim` apart; keys, in
+/// the pool's block lanes (see [`SeqAttn::k`]), are lanes (`ld = 1`).
 #[derive(Clone, Copy)]
 pub(super) struct Rows<T> {
-    /// Element `(row, kvh, 0)` of the pool is at `base + row · ld`.
+    /// The KV head's first element of pool block 0: position `off` of
+    /// block `b` starts at `base + b · block_len + off · ld`.
     base: *const T,
     ld: usize,
+    /// Elements a pool block holds (`block · kv_heads · head_dim`).
+    block_len: usize,
     table: *const u32,
     block: usize,
     first: usize,
@@ -81,14 +86,15 @@ pub(super) struct Rows<T> {
 }
 
 impl<T> Rows<T> {
-    /// The run starting at key `t`: its first row and how many keys it holds.
+    /// The run starting at key `t`: its first element and how many keys it
+    /// holds.
     #[inline(always)]
     unsafe fn run(&self, t: usize) -> (*const T, usize) {
         let pos = self.first + t;
         let (b, off) = (pos / self.block, pos % self.block);
         let n = (self.block - off).min(self.keys - t);
-        let row = *self.table.add(b) as usize * self.block + off;
-        (self.base.add(row * self.ld), n)
+        let start = *self.table.add(b) as usize * self.block_len;
+        (self.base.add(start + off * self.ld), n)
     }
 
     /// Calls `f(t, ptr, n)` for each run: keys `t..t + n` start at `ptr`
@@ -110,62 +116,33 @@ impl<T> Rows<T> {
     /// less time so (EPYC; BENCHMARKS.md, issue 22).
     #[inline(always)]
     unsafe fn prefetch(&self, t: usize, bytes: usize) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-            let (first, n) = self.run(t);
-            for i in 0..n {
-                let row = first.add(i * self.ld) as *const i8;
-                for line in (0..bytes).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(line));
-                }
-            }
+        let (first, n) = self.run(t);
+        for i in 0..n {
+            prefetch_l2(first.wrapping_add(i * self.ld), bytes);
         }
     }
-}
 
-/// The keys of positions `first..first + keys` of one sequence, for one
-/// KV head, in the pool's block-lanes order (see [`SeqAttn::k`]).
-#[derive(Clone, Copy)]
-struct KeyLanes<T> {
-    /// The KV head's first dimension row in pool block 0.
-    base: *const T,
-    /// Elements a pool block holds (`block · kv_heads · head_dim`).
-    block_len: usize,
-    /// Elements of one KV head's rows in a block (`head_dim · block`).
-    head_len: usize,
-    table: *const u32,
-    block: usize,
-    first: usize,
-    keys: usize,
-}
-
-impl<T> KeyLanes<T> {
-    /// The run starting at key `t`: dimension 0 of its first key (the
-    /// following keys in the next lanes, dimension `d` a block further on
-    /// per `d`) and how many keys it holds.
+    /// Prefetches the first `bytes` of the KV head's part of the block
+    /// holding key `t` (for keys: all of its lanes) into L2, as
+    /// [`prefetch`](Self::prefetch) does.
     #[inline(always)]
-    unsafe fn run(&self, t: usize) -> (*const T, usize) {
-        let pos = self.first + t;
-        let (b, off) = (pos / self.block, pos % self.block);
-        let n = (self.block - off).min(self.keys - t);
-        let start = *self.table.add(b) as usize * self.block_len;
-        (self.base.add(start + off), n)
+    unsafe fn prefetch_block(&self, t: usize, bytes: usize) {
+        let b = *self.table.add((self.first + t) / self.block) as usize;
+        prefetch_l2(self.base.wrapping_add(b * self.block_len), bytes);
     }
+}
 
-    /// Prefetches the KV head's keys in the block holding key `t` into L2
-    /// (see [`Rows::prefetch`]); a hint, never a fault.
-    #[inline(always)]
-    unsafe fn prefetch(&self, t: usize) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-            let pos = self.first + t;
-            let b = *self.table.add(pos / self.block) as usize;
-            let start = self.base.wrapping_add(b * self.block_len) as *const i8;
-            for line in (0..self.head_len * std::mem::size_of::<T>()).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T1>(start.wrapping_add(line));
-            }
+/// Asks L2 for the `bytes` from `p`; a hint, never a fault.
+#[inline(always)]
+fn prefetch_l2<T>(p: *const T, bytes: usize) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, bytes);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        for line in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>((p as *const i8).wrapping_add(line)) };
         }
     }
 }
@@ -276,19 +253,16 @@ unsafe fn run_unit<T: WElem>(
     let rows_of = |base: *const T, first: usize, keys: usize| Rows {
         base: base.add(kvh * hd),
         ld: ldkv,
+        block_len: s.block * ldkv,
         table: s.table,
         block: s.block,
         first,
         keys,
     };
-    let keys = KeyLanes {
+    let keys = Rows {
         base: s.k.add(kvh * hd * s.block),
-        block_len: s.block * ldkv,
-        head_len: hd * s.block,
-        table: s.table,
-        block: s.block,
-        first,
-        keys: span,
+        ld: 1,
+        ..rows_of(s.k, first, span)
     };
     let call = Scores {
         q,
@@ -326,16 +300,17 @@ unsafe fn run_unit<T: WElem>(
 /// waiting for them was most of its attention (single-stream SmolLM2
 /// Q8_0: 0.36 ms a pass before the values, 0.33 after; with the next
 /// keys, 0.42-0.62 ms against 0.52-0.70 on an EPYC; BENCHMARKS.md).
-unsafe fn score_keys<T: WElem>(isa: Isa, call: &Scores, keys: &KeyLanes<T>, values: &Rows<T>) {
+unsafe fn score_keys<T: WElem>(isa: Isa, call: &Scores, keys: &Rows<T>, values: &Rows<T>) {
     let (width, per_call) = (lanes(isa), group(isa));
     let value_bytes = call.hd * std::mem::size_of::<T>();
+    let key_bytes = value_bytes * keys.block;
     // Runs after the first start at a block's first key.
     let ahead = |t: usize, j: usize| t + j * keys.block;
     let first_run = keys.run(0).1;
-    keys.prefetch(0);
+    keys.prefetch_block(0, key_bytes);
     for j in 0..MAX_GROUP - 1 {
         if ahead(first_run, j) < keys.keys {
-            keys.prefetch(ahead(first_run, j));
+            keys.prefetch_block(ahead(first_run, j), key_bytes);
         }
     }
     let mut chunks = [Chunk {
@@ -349,7 +324,7 @@ unsafe fn score_keys<T: WElem>(isa: Isa, call: &Scores, keys: &KeyLanes<T>, valu
         let (k, n) = keys.run(t);
         values.prefetch(t, value_bytes);
         if ahead(t + n, MAX_GROUP - 1) < keys.keys {
-            keys.prefetch(ahead(t + n, MAX_GROUP - 1));
+            keys.prefetch_block(ahead(t + n, MAX_GROUP - 1), key_bytes);
         }
         for i in (0..n).step_by(width) {
             chunks[grouped] = Chunk {
