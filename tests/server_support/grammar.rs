@@ -345,6 +345,22 @@ async fn grammar_smollm2_answers_in_schema() {
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
         .collect();
     assert_eq!(joined, text);
+    // Unbounded, the answer validates, or it is cut at `max_tokens`.
+    let open = json!({"type": "object", "properties": {
+        "city": {"type": "string"},
+        "country": {"type": "string"},
+        "population_millions": {"type": "number"},
+    }, "required": ["city", "country", "population_millions"], "additionalProperties": false});
+    let mut unbounded = body.clone();
+    unbounded["response_format"] = json_schema_format(&open);
+    let (status, v) = post_json(&c, &s.url("/v1/chat/completions"), &unbounded).await;
+    assert_eq!(status, 200, "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    match v["choices"][0]["finish_reason"].as_str() {
+        Some("stop") => validates(&open, text).unwrap_or_else(|e| panic!("{e}: {text}")),
+        Some("length") => assert!(text.starts_with('{'), "{text}"),
+        other => panic!("finish_reason {other:?}: {text}"),
+    }
 }
 
 /// The official `openai` client (`tests/openai_structured.py`): `parse()`
