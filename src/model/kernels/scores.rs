@@ -18,9 +18,10 @@
 //! sum per score, about as many instructions as the multiply-adds at a
 //! head of 64): 1.6 ns a (key, query vector) at a decode and 1.2 at a
 //! prompt unit on AVX-512, against 2.3–2.8 and 1.8–2.0 (AVX2: 1.5 and
-//! 1.3); 2 048-token prompts 1.11–1.16× faster there and 1.06–1.08× on
-//! AVX2, and single-stream attention at 160 keys 0.43 → 0.30 ms a pass
-//! (BENCHMARKS.md, issue 22, session 48).
+//! 1.3); 2 048-token prompts 1.11–1.16× faster there and, with the AVX2
+//! weighted sum in registers, 1.22–1.35× on AVX2, and single-stream
+//! attention at 160 keys 0.43 → 0.30 ms a pass (BENCHMARKS.md, issue 22,
+//! session 48).
 
 use super::dot::WElem;
 use super::Isa;
@@ -91,9 +92,10 @@ pub(super) unsafe fn score_chunks<T: WElem>(isa: Isa, call: &Scores, chunks: &[C
 }
 
 /// The portable tier: the same chain per key, the product rounded before
-/// the add (`f32::mul_add` is a library call where the target has no
-/// fused multiply-add: twice this loop's time over f16 keys on x86-64,
-/// measured), so the loop over a chunk's keys vectorises for any target.
+/// the add: `f32::mul_add` is a library call where the target has no
+/// fused multiply-add (twice this loop's time over f16 keys on x86-64,
+/// measured by `scores_speed`), and the plain loop over a chunk's keys
+/// is one the compiler may vectorise.
 unsafe fn portable<T: WElem>(c: &Scores, chunks: &[Chunk<T>]) {
     for ch in chunks {
         for v in 0..c.vecs {
