@@ -236,7 +236,6 @@ impl candle_core::InplaceOp1 for WriteRows<'_> {
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
         let start = layout.start_offset();
-        let mut narrowed = vec![f16::ZERO; self.width];
         for r in 0..self.rows {
             let row = &self.src[r * self.ld..r * self.ld + self.width];
             let Some((o, stride)) = self.dst(r) else {
@@ -244,21 +243,34 @@ impl candle_core::InplaceOp1 for WriteRows<'_> {
             };
             let (o, end) = (start + o, start + o + (self.width - 1) * stride + 1);
             match storage {
-                CpuStorage::F32(d) if d.len() >= end => {
-                    for (c, &x) in row.iter().enumerate() {
-                        d[o + c * stride] = x;
-                    }
-                }
+                CpuStorage::F32(d) if d.len() >= end => scatter(row, &mut d[o..end], stride),
                 CpuStorage::F16(d) if d.len() >= end => {
-                    narrow(row, &mut narrowed);
-                    for (c, &x) in narrowed.iter().enumerate() {
-                        d[o + c * stride] = x;
+                    // Narrowed a piece at a time on the stack: no allocation
+                    // on the step's path.
+                    const PIECE: usize = 64;
+                    let mut piece = [f16::ZERO; PIECE];
+                    for (c, part) in row.chunks(PIECE).enumerate() {
+                        let piece = &mut piece[..part.len()];
+                        narrow(part, piece);
+                        let at = c * PIECE * stride;
+                        scatter(piece, &mut d[o + at..end], stride);
                     }
                 }
                 _ => candle_core::bail!("KV cache storage is not f32/f16 or is too short"),
             }
         }
         Ok(())
+    }
+}
+
+/// `dst[c · stride] = src[c]`: a copy when `stride` is 1.
+fn scatter<T: Copy>(src: &[T], dst: &mut [T], stride: usize) {
+    if stride == 1 {
+        dst[..src.len()].copy_from_slice(src);
+    } else {
+        for (d, &x) in dst.iter_mut().step_by(stride).zip(src) {
+            *d = x;
+        }
     }
 }
 
