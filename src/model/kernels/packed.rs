@@ -689,24 +689,45 @@ mod x86 {
     /// 18, session 42).
     const L2_PREFETCH_ROWS_VNNI: usize = 6;
 
+    /// How far ahead Q8_0 calls of more rows than [`PAIR_ROWS_ABOVE`]
+    /// (and at most [`PREFETCH_ROWS`]) prefetch on the VNNI tier, each
+    /// record whole and into L2. A pair tile of that many rows computes
+    /// long enough per record that two lines a record at [`PREFETCH_AHEAD`]
+    /// left the weights' reads and the multiply-adds taking turns: SmolLM2
+    /// as Q8_0 on a 2-core AMD EPYC (Zen 4) decoded 7-16 rows at 1.1-1.6
+    /// ms a row where its prompts take 0.5. With this rule, eight
+    /// alternating rounds: B = 7 / 8 / 12 / 16 1.43 / 1.32 / 1.15 / 1.17x
+    /// (1-6 rows, prompts: the same code). Whole records at the old
+    /// distance, or two lines twice as far, gained little; at 17-64 rows
+    /// (no prefetch) the rule read 0.8x at 32 and 64, and the 4-bit
+    /// formats (2½-line records) and the AVX2 tier measured no gain.
+    /// BENCHMARKS.md, issue 18, session 49.
+    const FAR_AHEAD: usize = 8192;
+
     /// Where a call's tiles prefetch the records ahead of their reads.
-    #[derive(Clone, Copy)]
+    #[derive(Clone, Copy, PartialEq)]
     enum Prefetch {
         Off,
         L1,
         L2,
+        /// Each record whole, into L2, [`FAR_AHEAD`] ahead.
+        FarL2,
     }
 
     impl Prefetch {
         /// For `job`'s call against format `F`.
         fn of<const F: u8>(job: &Job<'_>) -> Self {
-            let l2_rows = match job.isa {
-                super::Isa::Avx512Vnni => L2_PREFETCH_ROWS_VNNI,
-                _ => L2_PREFETCH_ROWS,
-            };
             let rows = job.rows;
+            let vnni = job.isa == super::Isa::Avx512Vnni;
+            let l2_rows = if vnni {
+                L2_PREFETCH_ROWS_VNNI
+            } else {
+                L2_PREFETCH_ROWS
+            };
             if rows > PREFETCH_ROWS {
                 Self::Off
+            } else if F == Q8_0 && vnni && rows > PAIR_ROWS_ABOVE {
+                Self::FarL2
             } else if rows <= l2_rows && matches!(F, Q8_0 | Q4K | Q6K) {
                 Self::L2
             } else {
@@ -715,16 +736,22 @@ mod x86 {
         }
 
         /// Prefetches `lines` cache lines from [`PREFETCH_AHEAD`] past
-        /// `rec` (a prefetch never faults, so past the last record is
-        /// harmless).
+        /// `rec` (for [`Self::FarL2`], the record of format `F` from
+        /// [`FAR_AHEAD`] past it); a prefetch never faults, so past the
+        /// last record is harmless.
         #[inline(always)]
-        unsafe fn ahead(self, rec: *const u8, lines: usize) {
+        unsafe fn ahead<const F: u8>(self, rec: *const u8, lines: usize) {
+            let (ahead, lines) = match self {
+                Self::Off => return,
+                Self::FarL2 => (FAR_AHEAD, const { record(format_of(F)).div_ceil(64) }),
+                _ => (PREFETCH_AHEAD, lines),
+            };
             for i in 0..lines {
-                let line = rec.wrapping_add(PREFETCH_AHEAD + 64 * i) as *const i8;
-                match self {
-                    Self::Off => return,
-                    Self::L1 => _mm_prefetch::<_MM_HINT_T0>(line),
-                    Self::L2 => _mm_prefetch::<_MM_HINT_T1>(line),
+                let line = rec.wrapping_add(ahead + 64 * i) as *const i8;
+                if self == Self::L1 {
+                    _mm_prefetch::<_MM_HINT_T0>(line)
+                } else {
+                    _mm_prefetch::<_MM_HINT_T1>(line)
                 }
             }
         }
@@ -916,7 +943,7 @@ mod x86 {
         let prefetch = Prefetch::of::<F>(job);
         for g in 0..job.w.k / job.w.format.group() {
             let rec = recs.add(g * len);
-            prefetch.ahead(rec, lines);
+            prefetch.ahead::<F>(rec, lines);
             record_terms(rec, g, &act, &mut acc);
         }
         store_tile(job, r0, group, &acc);
@@ -1281,8 +1308,8 @@ mod x86 {
         let mut acc = [_mm512_setzero_ps(); R];
         for g in 0..job.w.k / 32 {
             let (a, b) = (lo.add(g * len), hi.add(g * len));
-            prefetch.ahead(a, 2);
-            prefetch.ahead(b, 2);
+            prefetch.ahead::<F>(a, 2);
+            prefetch.ahead::<F>(b, 2);
             // As `Acts::start`: the sums end at `Σ w x` for unsigned levels.
             let mut part: [[__m512i; R]; 2] = [
                 std::array::from_fn(|i| match F {
