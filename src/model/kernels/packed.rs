@@ -679,17 +679,17 @@ mod x86 {
     /// hosts. BENCHMARKS.md, issue 22, session 36.
     const L2_PREFETCH_ROWS: usize = 4;
 
-    /// [`L2_PREFETCH_ROWS`] on the VNNI tier, whose calls of 5 and 6 rows
-    /// (a lone stream's verifying passes of 4-5 drafts) keep the 8-lane
-    /// tile ([`PAIR_ROWS_ABOVE`]): the two together, on the same EPYC,
-    /// ran SmolLM2's passes of 5 and 6 rows 22-28 % faster as Q8_0 and
-    /// Q4_K, 11-12 % as the Q4_1 file; either alone, no faster. The AVX2
-    /// tier's 5- and 6-row Q8_0 passes measured 6-9 % slower with it
-    /// (medians of six noisy rounds), so it keeps 4 (BENCHMARKS.md, issue
-    /// 18, session 42).
+    /// [`L2_PREFETCH_ROWS`] on the VNNI tier, whose Q4_0 / Q4_1 calls of
+    /// 5 and 6 rows keep the 8-lane tile ([`PAIR_ROWS_ABOVE`]): the two
+    /// together, on the same EPYC, ran SmolLM2's passes of 5 and 6 rows
+    /// 22-28 % faster as Q8_0 and Q4_K, 11-12 % as the Q4_1 file; either
+    /// alone, no faster (Q8_0 has since moved to pairs with the far
+    /// prefetch from 3 rows, [`Q8_PAIR_ROWS_ABOVE`]). The AVX2 tier's 5-
+    /// and 6-row Q8_0 passes measured 6-9 % slower with it (medians of six
+    /// noisy rounds), so it keeps 4 (BENCHMARKS.md, issue 18, session 42).
     const L2_PREFETCH_ROWS_VNNI: usize = 6;
 
-    /// How far ahead Q8_0 calls of more rows than [`PAIR_ROWS_ABOVE`]
+    /// How far ahead Q8_0 calls of more rows than [`Q8_PAIR_ROWS_ABOVE`]
     /// (and at most [`PREFETCH_ROWS`]) prefetch on the VNNI tier, each
     /// record whole and into L2. A pair tile of that many rows computes
     /// long enough per record that two lines a record at [`PREFETCH_AHEAD`]
@@ -697,7 +697,8 @@ mod x86 {
     /// as Q8_0 on a 2-core AMD EPYC (Zen 4) decoded 7-16 rows at 1.1-1.6
     /// ms a row where its prompts take 0.5. With this rule, eight
     /// alternating rounds: B = 7 / 8 / 12 / 16 1.43 / 1.32 / 1.15 / 1.17x
-    /// (1-6 rows, prompts: the same code). Whole records at the old
+    /// (1-6 rows, prompts: the same code; 3-6 rows joined later, see
+    /// [`Q8_PAIR_ROWS_ABOVE`]). Whole records at the old
     /// distance, or two lines twice as far, gained little; at 17-64 rows
     /// (no prefetch) the rule read 0.8x at 32 and 64, and the 4-bit
     /// formats (2½-line records) and the AVX2 tier measured no gain.
@@ -726,7 +727,7 @@ mod x86 {
             };
             if rows > PREFETCH_ROWS {
                 Self::Off
-            } else if F == Q8_0 && vnni && rows > PAIR_ROWS_ABOVE {
+            } else if F == Q8_0 && vnni && rows > Q8_PAIR_ROWS_ABOVE {
                 Self::FarL2
             } else if rows <= l2_rows && matches!(F, Q8_0 | Q4K | Q6K) {
                 Self::L2
@@ -1242,13 +1243,13 @@ mod x86 {
 
     /// Row groups `groups` against every activation row, 8 rows a tile
     /// (AVX-512's 32 vector registers hold 8 sums and 8 accumulators).
-    /// Q8_0, Q4_0 and Q4_1 calls of more than [`PAIR_ROWS_ABOVE`] rows
+    /// Q8_0, Q4_0 and Q4_1 calls of more rows than [`pair_rows_above`]
     /// take their groups in pairs ([`tile_pair`]); an odd last group takes
     /// the 8-lane tile, whose sums are the same.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn groups_vnni<const F: u8>(job: &Job<'_>, groups: Range<usize>) {
         let mut group = groups.start;
-        if matches!(F, Q8_0 | Q4_0 | Q4_1) && job.rows > PAIR_ROWS_ABOVE {
+        if job.rows > pair_rows_above::<F>() {
             while group + 1 < groups.end {
                 tiles!(tile_pair::<F>, 8, job, group);
                 group += 2;
@@ -1268,6 +1269,27 @@ mod x86 {
     /// 11-28 % faster than as pairs (session 42; not measured on Intel
     /// hosts); 7 rows and more stay pairs (measured mixed there).
     const PAIR_ROWS_ABOVE: usize = 6;
+
+    /// Q8_0 calls of more rows than this take pairs, with the far
+    /// prefetch ([`Prefetch::FarL2`]), on the VNNI tier: on the same EPYC,
+    /// against the 8-lane tile with its L2 prefetch, SmolLM2 as Q8_0 in
+    /// the forward bench, eight alternating rounds, 3 / 4 / 5 / 6 rows ran
+    /// 0.97 / 1.13 / 1.29 / 1.41x (faster in 4 / 5 / 7 / 7 rounds), and
+    /// 1.06 / 1.13 / 1.06 / 1.27x in an eight-round run of a knob build
+    /// before; 2 rows read 0.95x there, so they keep the 8-lane tile.
+    /// These are a lone stream's verifying passes of 2-5 drafts.
+    /// BENCHMARKS.md, issue 18, session 49.
+    const Q8_PAIR_ROWS_ABOVE: usize = 2;
+
+    /// Calls of format `F` with more rows than this take pairs
+    /// ([`usize::MAX`]: never, a format without a pair tile).
+    const fn pair_rows_above<const F: u8>() -> usize {
+        match F {
+            Q8_0 => Q8_PAIR_ROWS_ABOVE,
+            Q4_0 | Q4_1 => PAIR_ROWS_ABOVE,
+            _ => usize::MAX,
+        }
+    }
 
     /// Row groups `group` and `group + 1` (Q8_0, Q4_0, Q4_1) against the
     /// `R` activation rows from `r0`, in 512-bit vectors: the low 8 lanes
