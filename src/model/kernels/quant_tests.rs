@@ -451,10 +451,11 @@ fn packed_products_equal_the_quantised_activations_product_up_to_f32_rounding() 
 fn packed_tiers_batches_and_threads_give_the_same_bits() {
     // Every tier forms the same block sums and adds them in the same
     // order, so all of them, every batch and every thread count agree.
-    // (VNNI takes Q8_0's, Q4_0's and Q4_1's row groups in pairs in calls of
-    // more than 6 rows: the 19-row calls here do; the calls of 5 and 6
-    // rows, which take the 8-lane tile and another prefetch, and the solo
-    // rows do not.)
+    // (VNNI takes Q8_0's row groups in pairs, with another prefetch, in
+    // calls of more than 2 rows, and Q4_0's and Q4_1's in calls of more
+    // than 6: the 19-row calls here do, as do the few-row calls of 3-7
+    // rows for Q8_0 and of 7 rows for the 4-bit formats; the 2-row calls
+    // and the solo rows take the 8-lane tile.)
     let mut rng = ChaCha8Rng::seed_from_u64(22);
     let (rows, k, n) = (19, 512, 27);
     let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
@@ -475,7 +476,7 @@ fn packed_tiers_batches_and_threads_give_the_same_bits() {
                     "{format:?} {isa:?} threads {threads}"
                 );
             }
-            for few in [5, 6] {
+            for few in 2..=7 {
                 let mut part = vec![0f32; few * n];
                 packed::matmul_t(isa, 2, &x[..few * k], few, &packed, &mut part, false);
                 assert_eq!(
