@@ -1260,7 +1260,8 @@ mod x86 {
         }
     }
 
-    /// Calls of at most this many rows keep the 8-lane tile: against it,
+    /// Q4_0 and Q4_1 calls of at most this many rows keep the 8-lane tile
+    /// (Q8_0's bound is [`Q8_PAIR_ROWS_ABOVE`]): against it,
     /// the Q8_0 pair measured +2 / 0 / −4 % at 1 / 2 / 4 rows and +3 / +10
     /// / +17 % at 8 / 16 / 64, prompts +27 %; SmolLM2's Q4_1 GGUF +11–13 %
     /// at 16 and 64 rows, prompts +18 % (2 threads, Sapphire Rapids class;
