@@ -694,8 +694,8 @@ mod x86 {
     /// record whole and into L2. A pair tile of that many rows computes
     /// long enough per record that two lines a record at [`PREFETCH_AHEAD`]
     /// left the weights' reads and the multiply-adds taking turns: SmolLM2
-    /// as Q8_0 on a 2-core AMD EPYC (Zen 4) decoded 7-16 rows at 1.1-1.6
-    /// ms a row where its prompts take 0.5. With this rule, eight
+    /// as Q8_0 on a 2-core AMD EPYC (Zen 4) decoded 8 and 16 rows at 1.5
+    /// and 1.1 ms a row where its prompts take 0.5. With this rule, eight
     /// alternating rounds: B = 7 / 8 / 12 / 16 1.43 / 1.32 / 1.15 / 1.17x
     /// (1-6 rows, prompts: the same code; 3-6 rows joined later, see
     /// [`Q8_PAIR_ROWS_ABOVE`]). Whole records at the old
