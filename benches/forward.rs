@@ -43,7 +43,7 @@
 //!   agreement with f32 over 64-token continuations of 8 prompts (fraction
 //!   of identical tokens position by position, and the mean length of the
 //!   identical prefix);
-//! - `TANDEM_CPU_FEW_ROWS=stream|tile` fixes the f32/f16 linear's path for
+//! - `TANDEM_CPU_FEW_ROWS=stream|halves|tile` fixes the f32/f16 linear's path for
 //!   calls of a few rows, which otherwise each projection shape settles by
 //!   timing its first calls (the bench prints what settled);
 //! - `TANDEM_BENCH_ROOFLINE=1` (CPU) adds single-stream decode against the

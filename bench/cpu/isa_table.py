@@ -21,7 +21,7 @@ for path in sys.argv[1:]:
             d = rows[key].setdefault("llama", ({}, 0.0))
             d[0][int(cells[2])] = float(cells[7])
             rows[key]["llama"] = (d[0], max(d[1], float(cells[5])))
-        m = re.search(r"([\d.]+) % of the roofline", line)
+        m = re.search(r"tok/s = [\d.]+ GB/s: ([\d.]+) % of the roofline", line)
         if m and engine == "Tandem":
             rows[key]["roofline"] = float(m.group(1))
 

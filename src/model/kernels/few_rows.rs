@@ -1,29 +1,32 @@
 //! Which path a projection of a few activation rows takes in the f32/f16
-//! linear (`dot`): the weight rows of a group streamed one after another,
-//! or the register tile that interleaves them. Both give the same sums bit
-//! for bit, so the choice is speed alone, and it differs by CPU: on an AMD
+//! linear (`dot`): the weight rows of a group streamed one after another
+//! (on the AVX-512 tiers, also as two 256-bit halves per 16 lanes), or the
+//! register tile that interleaves them. All give the same sums bit for
+//! bit, so the choice is speed alone, and it differs by CPU: on an AMD
 //! EPYC (Zen 4) host streaming ran one row 1.3–1.5× faster in f32 and
-//! 1.5–1.7× in f16; on a Sapphire-Rapids-class Xeon the tile ran one to
-//! four rows 1.1–1.4× faster in f32 and 1.5–1.7× in f16 (BENCHMARKS.md,
-//! sessions 21 and 28). No rule by ISA or vendor covers both, so the path
-//! is measured, per projection shape, on the calls the engine makes anyway
-//! (as cuDNN's benchmark mode picks a convolution algorithm on its first
-//! calls).
+//! 1.5–1.7× in f16, and streaming in halves one row another 1.08–1.14×
+//! (four rows 1.08–1.21×, two or three rows level or slower); on a
+//! Sapphire-Rapids-class Xeon the tile ran one to four rows 1.1–1.4×
+//! faster in f32 and 1.5–1.7× in f16 (BENCHMARKS.md, sessions 21, 28 and
+//! 50). No rule by ISA or vendor covers these, so the path is measured,
+//! per projection shape, on the calls the engine makes anyway (as cuDNN's
+//! benchmark mode picks a convolution algorithm on its first calls).
 //!
 //! # How a shape is settled
 //! The calls of one shape `(ISA tier, weight element, rows, n, k)` take the
-//! two paths in turn. After [`WARMUP`] calls of each (first touches of
-//! freshly loaded weights, cold caches) the next [`SAMPLES`] of each are
-//! timed, and the path with the lower median time is kept for the rest of
-//! the process; after [`MIN_SAMPLES`] of each, a path whose median is
-//! [`CLEAR_GAP`] times the other's loses at once. A decode pass makes one
+//! tier's paths ([`Path::candidates`]) in turn. After [`WARMUP`] calls of
+//! each (first touches of freshly loaded weights, cold caches) the next
+//! [`SAMPLES`] of each are timed, and the path with the lowest median time
+//! is kept for the rest of the process; once each has [`MIN_SAMPLES`],
+//! the paths whose median is [`CLEAR_GAP`] times the best's leave the
+//! rotation, and a path left alone wins at once. A decode pass makes one
 //! call of each shape per layer, so a 30-layer model settles its per-layer
-//! shapes within three passes. Calls
+//! shapes within four passes. Calls
 //! of the same shape read different layers' weights of the same size, so
 //! both paths see the same work; alternating call by call puts a shared
 //! host's noise on both alike.
 //!
-//! `TANDEM_CPU_FEW_ROWS=stream|tile` fixes the path instead (benchmarks
+//! `TANDEM_CPU_FEW_ROWS=stream|halves|tile` fixes the path instead (benchmarks
 //! that compare builds should fix it, or let each run settle its own).
 //!
 //! # Ownership
@@ -43,9 +46,10 @@ const WARMUP: usize = 8;
 const SAMPLES: usize = 32;
 /// Timed calls of each path after which a clear winner is kept early.
 const MIN_SAMPLES: usize = 8;
-/// A median this many times the other's is a clear loss (the paths
-/// differ by 1.1–1.7× on the hosts measured; a shape of one call a
-/// pass, the unembedding, would otherwise spend 80 passes settling).
+/// A median this many times the best's is a clear loss: the path leaves
+/// the rotation (stream and tile differ by 1.1–1.7× on the hosts
+/// measured; a shape of one call a pass, the unembedding, would otherwise
+/// spend 80–120 passes settling).
 const CLEAR_GAP: f64 = 1.25;
 
 /// A few-row call's path through the linear.
@@ -53,8 +57,33 @@ const CLEAR_GAP: f64 = 1.25;
 pub(crate) enum Path {
     /// Each group's weight rows one after another: one linear stream.
     Stream,
+    /// [`Path::Stream`] with each 16-lane step loaded and multiplied as two
+    /// 256-bit halves (the AVX-512 tiers; elsewhere the same as `Stream`).
+    Halves,
     /// The register tile: a group's weight rows interleaved.
     Tile,
+}
+
+impl Path {
+    /// Every path, in the order a shape's calls take them while settling.
+    pub(crate) const ALL: [Path; 3] = [Path::Stream, Path::Halves, Path::Tile];
+
+    /// The paths worth timing on `isa`: halves only where a step is wider
+    /// than 256 bits.
+    pub(crate) fn candidates(isa: Isa) -> &'static [Path] {
+        match isa {
+            Isa::Avx512 | Isa::Avx512Vnni => &Self::ALL,
+            _ => &[Path::Stream, Path::Tile],
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Path::Stream => "stream",
+            Path::Halves => "halves",
+            Path::Tile => "tile",
+        }
+    }
 }
 
 /// A projection's shape: what the choice is kept for.
@@ -77,15 +106,18 @@ pub(crate) struct Trial {
 
 #[derive(Debug, Default)]
 struct Tuning {
-    calls: [usize; 2],
-    nanos: [Vec<u64>; 2],
+    calls: [usize; 3],
+    nanos: [Vec<u64>; 3],
+    /// Paths dropped from the rotation, clearly slower than the best.
+    dropped: [bool; 3],
     settled: Option<Path>,
 }
 
 fn index(path: Path) -> usize {
     match path {
         Path::Stream => 0,
-        Path::Tile => 1,
+        Path::Halves => 1,
+        Path::Tile => 2,
     }
 }
 
@@ -95,6 +127,7 @@ fn fixed() -> Option<Path> {
     *FIXED.get_or_init(
         || match std::env::var("TANDEM_CPU_FEW_ROWS").ok().as_deref() {
             Some("stream") => Some(Path::Stream),
+            Some("halves") => Some(Path::Halves),
             Some("tile") => Some(Path::Tile),
             _ => None,
         },
@@ -117,19 +150,30 @@ pub(crate) fn choose(shape: Shape) -> (Path, Option<Trial>) {
     if let Some(path) = tuning.settled {
         return (path, None);
     }
-    let path = if tuning.calls[0] <= tuning.calls[1] {
-        Path::Stream
-    } else {
-        Path::Tile
-    };
+    // The candidate with the fewest calls: they take turns.
+    let path = tuning
+        .live(shape.isa)
+        .min_by_key(|&p| tuning.calls[index(p)])
+        .expect("the best path is never dropped");
     tuning.calls[index(path)] += 1;
     let timed = tuning.calls[index(path)] > WARMUP;
     (path, timed.then_some(Trial { shape, path }))
 }
 
-/// Records a timed call; settles the shape once both paths have
-/// [`SAMPLES`] times, or [`MIN_SAMPLES`] with one median [`CLEAR_GAP`]
-/// times the other.
+impl Tuning {
+    /// The tier's paths still in the rotation.
+    fn live(&self, isa: Isa) -> impl Iterator<Item = Path> + '_ {
+        Path::candidates(isa)
+            .iter()
+            .copied()
+            .filter(|&p| !self.dropped[index(p)])
+    }
+}
+
+/// Records a timed call. Once every path in the rotation has
+/// [`MIN_SAMPLES`] times, those whose median is [`CLEAR_GAP`] times the
+/// best's leave it; the shape settles on the best when it is alone or
+/// every path left has [`SAMPLES`].
 pub(crate) fn record(trial: Trial, elapsed: Duration) {
     let mut table = table().lock().unwrap_or_else(|e| e.into_inner());
     let Some(tuning) = table.get_mut(&trial.shape) else {
@@ -142,23 +186,29 @@ pub(crate) fn record(trial: Trial, elapsed: Duration) {
     if nanos.len() < SAMPLES {
         nanos.push(elapsed.as_nanos().min(u64::MAX as u128) as u64);
     }
-    let fewest = tuning.nanos.iter().map(Vec::len).min().unwrap_or(0);
-    if fewest < MIN_SAMPLES {
+    let isa = trial.shape.isa;
+    let fewest = tuning.live(isa).map(|p| tuning.nanos[index(p)].len()).min();
+    if fewest.unwrap_or(0) < MIN_SAMPLES {
         return;
     }
-    let [stream, tile] = tuning.nanos.each_ref().map(|n| median(n));
-    let clear = stream.max(tile) as f64 >= CLEAR_GAP * stream.min(tile) as f64;
-    if fewest == SAMPLES || clear {
-        let path = if stream <= tile {
-            Path::Stream
-        } else {
-            Path::Tile
-        };
+    let medians: Vec<(Path, u64)> = tuning
+        .live(isa)
+        .map(|p| (p, median(&tuning.nanos[index(p)])))
+        .collect();
+    // Ties go to the earlier candidate (`min_by_key` keeps the first).
+    let (path, best) = *medians.iter().min_by_key(|&&(_, m)| m).expect("candidates");
+    for &(p, m) in &medians {
+        if m as f64 >= CLEAR_GAP * best as f64 {
+            tuning.dropped[index(p)] = true;
+        }
+    }
+    let left = tuning.live(isa).count();
+    let fewest = tuning.live(isa).map(|p| tuning.nanos[index(p)].len()).min();
+    if left == 1 || fewest == Some(SAMPLES) {
         tuning.settled = Some(path);
         tracing::debug!(
             shape = ?trial.shape,
-            stream_us = stream as f64 / 1e3,
-            tile_us = tile as f64 / 1e3,
+            medians_us = ?medians.iter().map(|&(p, m)| (p.name(), m as f64 / 1e3)).collect::<Vec<_>>(),
             ?path,
             "few-row linear path settled"
         );
@@ -177,13 +227,7 @@ pub fn settled() -> Vec<(&'static str, usize, usize, usize, &'static str)> {
     let table = table().lock().unwrap_or_else(|e| e.into_inner());
     let mut out: Vec<_> = table
         .iter()
-        .filter_map(|(s, t)| {
-            let path = match t.settled? {
-                Path::Stream => "stream",
-                Path::Tile => "tile",
-            };
-            Some((s.elem, s.rows, s.n, s.k, path))
-        })
+        .filter_map(|(s, t)| Some((s.elem, s.rows, s.n, s.k, t.settled?.name())))
         .collect();
     out.sort_unstable();
     out
@@ -192,6 +236,8 @@ pub fn settled() -> Vec<(&'static str, usize, usize, usize, &'static str)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const NOT_PORTABLE: &str = "halves are timed on the AVX-512 tiers only";
 
     fn shape(n: usize) -> Shape {
         Shape {
@@ -210,7 +256,7 @@ mod tests {
             match trial {
                 Some(t) => record(t, Duration::from_nanos(time(path))),
                 // Past the warm-up, an untimed call is a settled one.
-                None if call > 2 * WARMUP => return (path, call),
+                None if call > Path::ALL.len() * WARMUP => return (path, call),
                 None => {}
             }
         }
@@ -224,6 +270,7 @@ mod tests {
         let (path, call) = settle(shape(1_000_001), |p| match p {
             Path::Stream => 100,
             Path::Tile => 90,
+            Path::Halves => unreachable!("{NOT_PORTABLE}"),
         });
         assert_eq!(path, Path::Tile);
         assert_eq!(
@@ -234,6 +281,7 @@ mod tests {
         let (path, call) = settle(shape(1_000_002), |p| match p {
             Path::Stream => 50,
             Path::Tile => 90,
+            Path::Halves => unreachable!("{NOT_PORTABLE}"),
         });
         assert_eq!(path, Path::Stream);
         assert_eq!(
@@ -248,10 +296,47 @@ mod tests {
                 Path::Stream if seen.get() % 6 == 1 => 10,
                 Path::Stream => 100,
                 Path::Tile => 90,
+                Path::Halves => unreachable!("{NOT_PORTABLE}"),
             }
         });
         assert_eq!(path, Path::Tile);
         assert!(settled().contains(&("u8", 1, 1_000_001, 7, "tile")));
+    }
+
+    #[test]
+    fn avx512_shapes_time_the_halves_too() {
+        let wide = |n| Shape {
+            isa: Isa::Avx512,
+            ..shape(n)
+        };
+        let s = wide(1_000_005);
+        let first: Vec<_> = (0..3).map(|_| choose(s).0).collect();
+        assert_eq!(first, Path::ALL, "the three paths take turns");
+        // The tile is clearly slower and leaves the rotation once each path
+        // has a few samples; the other two, 10 % apart, need all theirs.
+        let (path, call) = settle(wide(1_000_006), |p| match p {
+            Path::Stream => 100,
+            Path::Halves => 90,
+            Path::Tile => 150,
+        });
+        assert_eq!(path, Path::Halves);
+        assert_eq!(call, (WARMUP + MIN_SAMPLES) + 2 * (WARMUP + SAMPLES) + 1);
+        let (path, call) = settle(wide(1_000_008), |p| match p {
+            Path::Stream => 100,
+            Path::Halves => 95,
+            Path::Tile => 110,
+        });
+        assert_eq!(path, Path::Halves);
+        assert_eq!(call, 3 * (WARMUP + SAMPLES) + 1, "no gap: all take samples");
+        // A path clearly ahead of both others wins once each has a few.
+        let (path, call) = settle(wide(1_000_007), |p| match p {
+            Path::Stream => 60,
+            Path::Halves => 100,
+            Path::Tile => 150,
+        });
+        assert_eq!(path, Path::Stream);
+        assert_eq!(call, 3 * (WARMUP + MIN_SAMPLES) + 1);
+        assert!(settled().contains(&("u8", 1, 1_000_006, 7, "halves")));
     }
 
     #[test]

@@ -57,7 +57,12 @@ fn check_matmul<W: WElem>(w_of: impl Fn(&[f32]) -> Vec<W>) {
             let x = randn(&mut rng, rows * k);
             let w = w_of(&randn(&mut rng, n * k));
             let want = reference(&x, rows, k, &w, n);
-            for (threads, path) in [(1, Path::Stream), (2, Path::Stream), (2, Path::Tile)] {
+            for (threads, path) in [
+                (1, Path::Stream),
+                (2, Path::Stream),
+                (2, Path::Halves),
+                (2, Path::Tile),
+            ] {
                 for accumulate in [false, true] {
                     let mut out = vec![0.5f32; rows * n];
                     matmul_t_on(isa, path, threads, &x, rows, k, &w, n, &mut out, accumulate);
@@ -91,15 +96,15 @@ fn matmul_rows_are_batch_invariant() {
     let w = randn(&mut rng, n * k);
     let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
     let x = randn(&mut rng, 23 * k);
-    // Calls of a few rows stream their weights or take the tiles
-    // (`may_stream`: up to 4 rows on AVX-512, 2 on AVX2; `few_rows` times
-    // which); 23 rows always take the tiles (f16 widened first on AVX2 and
+    // Calls of a few rows stream their weights (on AVX-512 also in 256-bit
+    // halves) or take the tiles (`may_stream`: up to 4 rows on AVX-512, 2 on
+    // AVX2; `few_rows` times which); 23 rows always take the tiles (f16 widened first on AVX2 and
     // the portable tier, converted at each load on AVX-512: `widens`).
     // Every row, by every path and the timed choice, equals the streamed
     // and the tiled single row.
     for isa in Isa::supported() {
         for batch in [23, 4, 3, 2, 1] {
-            for path in [Some(Path::Stream), Some(Path::Tile), None] {
+            for path in Path::ALL.map(Some).into_iter().chain([None]) {
                 let call = |x: &[f32], rows: usize, out: &mut [f32], half: bool| match (path, half)
                 {
                     (Some(p), false) => matmul_t_on(isa, p, 2, x, rows, k, &w, n, out, false),
@@ -113,7 +118,7 @@ fn matmul_rows_are_batch_invariant() {
                 call(&x, batch, &mut all_h, true);
                 for r in [0, 1.min(batch - 1), batch / 2, batch - 1] {
                     let x = &x[r * k..(r + 1) * k];
-                    for one_path in [Path::Stream, Path::Tile] {
+                    for one_path in Path::ALL {
                         let mut one = vec![0f32; n];
                         matmul_t_on(isa, one_path, 1, x, 1, k, &w, n, &mut one, false);
                         assert_eq!(
