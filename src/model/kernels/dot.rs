@@ -627,9 +627,10 @@ mod x86 {
     /// tile's (the same lane-wise FMAs over k, the same reduction), bit
     /// for bit. `HALVES` runs each 16-lane step as two 256-bit ones, lanes
     /// 0–7 and 8–15 in separate registers: the same lane-wise FMAs, so
-    /// the same bits; on Zen 4, which executes a 512-bit operation as two
-    /// 256-bit ones, one row streamed so ran 1.08–1.14× faster
-    /// ([`few_rows`] times both per shape).
+    /// the same bits, in two dependency chains where one row has one. On
+    /// a Zen 4 EPYC one f32 row streamed so ran 1.06–1.14× faster, two or
+    /// three rows level or slower ([`few_rows`] times the paths per
+    /// shape).
     #[inline(always)]
     unsafe fn rows16<const MR: usize, const HALVES: bool, W: WElem>(
         job: &Job<W>,

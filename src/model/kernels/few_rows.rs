@@ -4,8 +4,9 @@
 //! register tile that interleaves them. All give the same sums bit for
 //! bit, so the choice is speed alone, and it differs by CPU: on an AMD
 //! EPYC (Zen 4) host streaming ran one row 1.3–1.5× faster in f32 and
-//! 1.5–1.7× in f16, and streaming in halves one row another 1.08–1.14×
-//! (four rows 1.08–1.21×, two or three rows level or slower); on a
+//! 1.5–1.7× in f16, and streaming in halves one f32 row another
+//! 1.06–1.14× and four f16 rows 1.08–1.18× (one f16 row 0.97–1.13×, two
+//! or three rows 0.85–1.05×); on a
 //! Sapphire-Rapids-class Xeon the tile ran one to four rows 1.1–1.4×
 //! faster in f32 and 1.5–1.7× in f16 (BENCHMARKS.md, sessions 21, 28 and
 //! 50). No rule by ISA or vendor covers these, so the path is measured,
