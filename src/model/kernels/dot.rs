@@ -686,6 +686,22 @@ mod x86 {
         }
     }
 
+    /// [`rows16`] in halves or not, as the call's path says.
+    #[inline(always)]
+    unsafe fn streamed16<const MR: usize, W: WElem>(
+        job: &Job<W>,
+        r: usize,
+        w: [*const W; 4],
+        o: *mut f32,
+        nw: usize,
+    ) {
+        if job.halves {
+            rows16::<MR, true, W>(job, r, w, o, nw)
+        } else {
+            rows16::<MR, false, W>(job, r, w, o, nw)
+        }
+    }
+
     /// `lo` in lanes 0–7 and `hi` in lanes 8–15 (AVX-512F alone, no DQ).
     #[inline(always)]
     unsafe fn join256(lo: __m256, hi: __m256) -> __m512 {
@@ -790,14 +806,10 @@ mod x86 {
                 // stack every iteration (measured: half the FLOP rate).
                 let step = (xr.end - r).min(5);
                 match step {
-                    4 if job.streamed && job.halves => rows16::<4, true, W>(job, r, w, o, nw),
-                    3 if job.streamed && job.halves => rows16::<3, true, W>(job, r, w, o, nw),
-                    2 if job.streamed && job.halves => rows16::<2, true, W>(job, r, w, o, nw),
-                    1 if job.streamed && job.halves => rows16::<1, true, W>(job, r, w, o, nw),
-                    4 if job.streamed => rows16::<4, false, W>(job, r, w, o, nw),
-                    3 if job.streamed => rows16::<3, false, W>(job, r, w, o, nw),
-                    2 if job.streamed => rows16::<2, false, W>(job, r, w, o, nw),
-                    1 if job.streamed => rows16::<1, false, W>(job, r, w, o, nw),
+                    4 if job.streamed => streamed16::<4, W>(job, r, w, o, nw),
+                    3 if job.streamed => streamed16::<3, W>(job, r, w, o, nw),
+                    2 if job.streamed => streamed16::<2, W>(job, r, w, o, nw),
+                    1 if job.streamed => streamed16::<1, W>(job, r, w, o, nw),
                     5 => tile16::<5, W>(job, r, w, o, nw),
                     4 => tile16::<4, W>(job, r, w, o, nw),
                     3 => tile16::<3, W>(job, r, w, o, nw),
