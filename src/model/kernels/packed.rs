@@ -727,7 +727,8 @@ mod x86 {
             };
             if rows > PREFETCH_ROWS {
                 Self::Off
-            } else if F == Q8_0 && vnni && rows > Q8_PAIR_ROWS_ABOVE {
+            } else if F == Q8_0 && vnni && rows > pair_rows_above::<F>() {
+                // The far prefetch goes with Q8_0's pair tile.
                 Self::FarL2
             } else if rows <= l2_rows && matches!(F, Q8_0 | Q4K | Q6K) {
                 Self::L2
