@@ -190,6 +190,9 @@ struct Job<W> {
     /// (a projection of a few rows: `may_stream`, `few_rows`) instead of
     /// tiling them.
     streamed: bool,
+    /// Whether the weights are a unit of f16 widened into the worker's
+    /// cache ([`widen_unit`]): nothing to prefetch.
+    widened: bool,
     /// Whether a streamed call on the AVX-512 tiers loads and multiplies
     /// each 16-lane step as two 256-bit halves ([`Path::Halves`]).
     halves: bool,
@@ -282,6 +285,7 @@ pub(crate) fn matmul_t_on<W: WElem>(
         ldo: n,
         accumulate,
         few_rows: rows <= FEW_ROWS,
+        widened: false,
         streamed: path != Path::Tile && may_stream(isa, rows),
         halves: path == Path::Halves,
     };
@@ -399,6 +403,7 @@ unsafe fn widen_unit<W: WElem>(
         ldo: job.ldo,
         accumulate: job.accumulate,
         few_rows: job.few_rows,
+        widened: true,
         streamed: job.streamed,
         halves: job.halves,
     }
@@ -547,6 +552,22 @@ mod x86 {
         }
     }
 
+    /// Asks L2 for the weights `bytes` past column `kk` of each of the
+    /// four weight rows `w`. Into L2, not L1: four streams 8 KiB ahead are
+    /// the whole of a Zen 4 core's 32 KiB L1, and prefetched lines were
+    /// evicted before their loads came. With `prefetcht1` instead of
+    /// `prefetcht0`, f32 and f16 passes of 3-64 rows ran 1.03-1.44x faster
+    /// on the AVX-512 tier (most at 5 and 8 rows; prompts level), on a
+    /// 2-core AMD EPYC (Zen 4), alternating builds (BENCHMARKS.md, issue
+    /// 22, session 51). Not measured on Zen 5 or Intel hosts.
+    #[inline(always)]
+    unsafe fn ahead_l2<W>(w: [*const W; 4], kk: usize, bytes: usize) {
+        for p in w {
+            let line = (p.wrapping_add(kk) as *const i8).wrapping_add(bytes);
+            _mm_prefetch::<_MM_HINT_T1>(line);
+        }
+    }
+
     /// MR activation rows × 4 weight rows, 16 lanes, the rows interleaved:
     /// each weight load serves MR rows from registers (calls of a few rows
     /// take [`rows16`] instead).
@@ -563,10 +584,11 @@ mod x86 {
         let full = k / 16 * 16;
         let mut kk = 0;
         while kk < full {
-            // Software prefetch, measured on Zen 5 (BENCHMARKS.md):
-            // - many activation rows (compute-bound): 4–8 KiB ahead in each
-            //   weight stream (`prefetch_bytes`), so the FMAs do not wait on
-            //   the hardware prefetcher (f16 at 4 rows: 25 % faster);
+            // Software prefetch (BENCHMARKS.md):
+            // - three rows or more: 4–8 KiB ahead in each weight stream
+            //   (`prefetch_bytes`), so the FMAs do not wait on the hardware
+            //   prefetcher (Zen 5, f16 at 4 rows: 25 % faster), into L2
+            //   ([`ahead_l2`]);
             // - one or two rows of f32 (memory-bound): none. The hardware
             //   prefetcher covers the four adjacent rows, and prefetch
             //   instructions made the loop 10–21 % slower than without
@@ -580,11 +602,7 @@ mod x86 {
             // A prefetch past the last tile is never dereferenced and
             // cannot fault.
             if MR > 2 {
-                for p in w {
-                    let ahead =
-                        (p.wrapping_add(kk) as *const i8).wrapping_add(prefetch_bytes(job, MR));
-                    _mm_prefetch::<_MM_HINT_T0>(ahead);
-                }
+                ahead_l2(w, kk, prefetch_bytes(job, MR));
             } else if std::mem::size_of::<W>() < 4 {
                 for p in w {
                     _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(kk + 4 * job.ldw) as *const i8);
@@ -724,6 +742,15 @@ mod x86 {
         let full = k / 8 * 8;
         let mut kk = 0;
         while kk < full {
+            // Calls of 3-16 rows prefetch as `tile16` does (without it, 3
+            // rows ran slower than 2; with it, f32 passes of 3-16 rows ran
+            // 1.1-1.75x faster on the EPYC's AVX2 tier, f16 of 3 rows 1.3x). Calls
+            // of more rows (B = 64, prompts) ran slower with it, and so did
+            // widened f16 units, already in cache (BENCHMARKS.md, issue 22,
+            // session 51).
+            if MR > 2 && job.few_rows && !job.widened {
+                ahead_l2(w, kk, prefetch_bytes(job, MR));
+            }
             for j in 0..4 {
                 let wv = W::load8(w[j].add(kk));
                 for (i, ai) in a.iter_mut().enumerate() {
