@@ -192,6 +192,7 @@ struct Job<W> {
     streamed: bool,
     /// Whether the weights are a unit of f16 widened into the worker's
     /// cache ([`widen_unit`]): nothing to prefetch.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     widened: bool,
     /// Whether a streamed call on the AVX-512 tiers loads and multiplies
     /// each 16-lane step as two 256-bit halves ([`Path::Halves`]).
