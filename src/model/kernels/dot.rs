@@ -745,10 +745,10 @@ mod x86 {
         while kk < full {
             // Calls of 3-16 rows prefetch as `tile16` does (without it, 3
             // rows ran slower than 2; with it, f32 passes of 3-16 rows ran
-            // 1.1-1.75x faster on the EPYC's AVX2 tier, f16 of 3 rows 1.3x). Calls
-            // of more rows (B = 64, prompts) ran slower with it, and so did
-            // widened f16 units, already in cache (BENCHMARKS.md, issue 22,
-            // session 51).
+            // 1.1-1.75x faster on the EPYC's AVX2 tier, f16 ones of 3 rows
+            // 1.3x). Calls of more rows (B = 64, prompts) ran slower with
+            // it, and so did widened f16 units, already in cache
+            // (BENCHMARKS.md, issue 22, session 51).
             if MR > 2 && job.few_rows && !job.widened {
                 ahead_l2(w, kk, prefetch_bytes(job, MR));
             }
