@@ -97,9 +97,10 @@ fn matmul_rows_are_batch_invariant() {
     let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
     let x = randn(&mut rng, 23 * k);
     // Calls of a few rows stream their weights (on AVX-512 also in 256-bit
-    // halves) or take the tiles (`may_stream`: up to 4 rows on AVX-512, 2 on
-    // AVX2; `few_rows` times which); 23 rows always take the tiles (f16 widened first on AVX2 and
-    // the portable tier, converted at each load on AVX-512: `widens`).
+    // halves) or take the tiles (`may_stream`: up to 4 rows on AVX-512, 2
+    // on AVX2; `few_rows` times which); 23 rows always take the tiles (f16
+    // widened first on AVX2 and the portable tier, converted at each load
+    // on AVX-512: `widens`).
     // Every row, by every path and the timed choice, equals the streamed
     // and the tiled single row.
     for isa in Isa::supported() {
