@@ -26,7 +26,7 @@
 # device --no-run`) and stories260k in $BIN/shared/models, the bench runs
 # the GPU tests first. REPEAT sets each row's alternating runs (3);
 # WARM=1 runs the rows on warm engines, WARM=both fresh then warm (below);
-# ROWS=short runs four rows (below), ROWS=none none;
+# ROWS=short runs four rows (below), ROWS=long the long-edit rows, ROWS=none none;
 # ROWS=head runs only the head A/B at the end (HEAD_GRAPHS_AB=1 runs it
 # after the other rows).
 # TRAIN2_ARGS trains a second head beside the first (into $HEAD2, on the
@@ -235,7 +235,19 @@ short_rows() {
   run $CHAT --clients 16 --max-seqs 16 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
   run $CHAT --clients 64 --max-seqs 64 --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
 }
-case "${ROWS:-all}" in all) ROW_SET=rows ;; short) ROW_SET=short_rows ;; *) ROW_SET="" ;; esac
+# ROWS=long: one stream on the long code edits (20-line files returned
+# whole: prompt lookup's workload) with lookup alone; where a head is at
+# $HEAD, the same with it and the chat row with it.
+LONG="--prompts bench/spec/edit_long_prompts.txt --clients 8 --max-seqs 1 --max-tokens 320"
+long_rows() {
+  run $LONG --prompt-lookup --mtp-compare --repeat $R
+  [ -f "$HEAD/mtp.safetensors" ] || return 0
+  run $LONG --mtp "head:$HEAD" --prompt-lookup --mtp-compare --repeat $R
+  run $CHAT --clients 16 --max-seqs 1 --mtp "head:$HEAD" --mtp-compare --repeat $R
+}
+case "${ROWS:-all}" in
+  all) ROW_SET=rows ;; short) ROW_SET=short_rows ;; long) ROW_SET=long_rows ;; *) ROW_SET="" ;;
+esac
 if [ -n "$ROW_SET" ]; then
   case "${WARM:-0}" in
     0) WARM_ARGS="" $ROW_SET ;;
