@@ -53,37 +53,19 @@ for shape in $SHAPES; do
 done
 echo "models: $(ls "$MODELS" | tr '\n' ' ')"
 
-tandem() { # shape format isa cores
-  local file="$MODELS/$1-$2.gguf" formats=as-stored isa_env=()
-  case $2 in
-    f32) file="$MODELS/$1-f32.gguf" ;;
-    f16) file="$MODELS/$1-f32.gguf" formats=f16 ;;
-  esac
-  [ "$3" = avx2 ] && isa_env=(TANDEM_CPU_ISA=avx2)
-  case $2 in Q8_0 | Q4_1) isa_env+=(TANDEM_BENCH_ROOFLINE=1) ;; esac
-  env "${isa_env[@]}" TANDEM_BENCH_MODEL="$file" TANDEM_BENCH_FORMATS=$formats \
-    TANDEM_BENCH_BATCHES=1,4,16,64 TANDEM_BENCH_REPS=1 TANDEM_BENCH_STEPS="$STEPS" \
-    TANDEM_BENCH_THREADS=2 CANDLE_CPU_MASK="$4" RAYON_NUM_THREADS=2 taskset -c "$4" \
-    "$BIN/forward" --bench 2>&1 | grep -vE '^\s*$'
-}
-
-llama() { # shape format isa cores
-  local file="$MODELS/$1-$2.gguf" libs="$BIN/llama-avx2"
-  [ "$2" = f16 ] && file="$MODELS/$1-F16.gguf"
-  [ "$3" = avx512 ] && libs="$BIN/llama-avx512:$BIN/llama-avx2"
-  LD_LIBRARY_PATH="$libs" taskset -c "$4" "$BIN/llama-batched-bench" -m "$file" -npp 128 \
-    -ntg "$STEPS" -npl 1,4,16,64 -t 2 -fa on -c 12288 2>&1 | grep -E '^\|'
-}
+FWD=${FWD:-$BIN/forward}
+# shellcheck source=engines.sh
+. "$HERE/engines.sh"
 
 lane() { # shape isa cores formats
   local i=0
   for fmt in ${4//,/ }; do
     if [ $((i % 2)) = 0 ]; then
-      echo "=== $1 $2 $fmt: Tandem"; tandem "$1" "$fmt" "$2" "$3"
-      echo "=== $1 $2 $fmt: llama.cpp"; llama "$1" "$fmt" "$2" "$3"
+      echo "=== $1 $2 $fmt: Tandem"; tandem "$1" "$fmt" "$2" "$3" 1,4,16,64
+      echo "=== $1 $2 $fmt: llama.cpp"; llama "$1" "$fmt" "$2" "$3" 1,4,16,64 12288
     else
-      echo "=== $1 $2 $fmt: llama.cpp"; llama "$1" "$fmt" "$2" "$3"
-      echo "=== $1 $2 $fmt: Tandem"; tandem "$1" "$fmt" "$2" "$3"
+      echo "=== $1 $2 $fmt: llama.cpp"; llama "$1" "$fmt" "$2" "$3" 1,4,16,64 12288
+      echo "=== $1 $2 $fmt: Tandem"; tandem "$1" "$fmt" "$2" "$3" 1,4,16,64
     fi
     i=$((i + 1))
   done
