@@ -7,8 +7,10 @@
 //! output row over up to 8 warps, enough to keep the GPU loading, and
 //! every lane streams full 16-byte packs instead. Its sums run in an
 //! order that does not depend on the row count, so wherever it takes the
-//! rows ([`takes`]: up to 2 rows, up to 8 against small weights) a decode
-//! row's projections are the same bits in any batch. The MLP's
+//! rows ([`Rows`]: up to 9, against any weights, unless `TANDEM_GEMV=fast`)
+//! a row's projections are the same bits in any pass: a decode row in any
+//! batch of up to 9 rows, and a lone stream's verifying pass of 8 drafts
+//! row for row as its one-row passes. The MLP's
 //! fused gate/up projection can end in SiLU(gate) · up (one launch instead
 //! of two).
 //!
@@ -23,45 +25,73 @@ use candle_core::Tensor;
 
 use super::fused::Normed;
 
-/// Most rows one launch takes (the kernel's instantiations).
+/// Most rows one launch takes (the kernel's instantiations), against any
+/// weights: one token and the default 8 drafts, a lone stream's verifying
+/// pass, so that pass computes each row as a one-row pass does (cuBLAS's
+/// tiles sum in other orders, and a greedy near-tie then flips: 11 of 13
+/// speculating runs of one H100 answered with other tokens than without
+/// speculation before, none of 15 after; BENCHMARKS.md, issue 18).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-const MAX_ROWS: usize = 8;
+const INVARIANT_ROWS: usize = 9;
 
-/// Rows the kernel takes for any weights. Above this it reads every x
-/// pack once per output row, and on the 1B model's projections cuBLAS's
-/// tiles win at 4 rows (2 430 against 3 048 tok/s, H200, BENCHMARKS.md).
+/// Rows the `fast` mode's kernel takes against small weights.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-const ANY_WEIGHTS_ROWS: usize = 2;
+const FAST_SMALL_ROWS: usize = 8;
 
-/// Weights small enough that the kernel takes up to [`MAX_ROWS`] rows:
-/// there cuBLAS's tiles leave the GPU idle (SmolLM2's projections, 0.7–3.5
-/// MB, are 7 % faster at 4 rows through the kernel).
+/// Rows the `fast` mode's kernel takes against any weights. Above this it
+/// reads every x pack once per output row, and on the 1B model's
+/// projections cuBLAS's tiles win at 4 rows (2 430 against 3 048 tok/s,
+/// H200, BENCHMARKS.md).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const FAST_ANY_WEIGHTS_ROWS: usize = 2;
+
+/// Weights small enough that the `fast` mode's kernel takes up to
+/// [`FAST_SMALL_ROWS`] rows: there cuBLAS's tiles leave the GPU idle
+/// (SmolLM2's projections, 0.7–3.5 MB, are 7 % faster at 4 rows through
+/// the kernel).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const SMALL_WEIGHT_BYTES: usize = 4 << 20;
 
-/// The most rows the kernel takes against `weight_bytes` of weights.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn max_rows(weight_bytes: usize) -> usize {
-    if weight_bytes <= SMALL_WEIGHT_BYTES {
-        MAX_ROWS
-    } else {
-        ANY_WEIGHTS_ROWS
+/// Which row counts the kernel takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rows {
+    /// The default: up to [`INVARIANT_ROWS`] against any weights, so a
+    /// row's bits never depend on which other rows (up to that many) share
+    /// its pass.
+    Invariant,
+    /// `TANDEM_GEMV=fast`: cuBLAS from 3 rows against weights over
+    /// [`SMALL_WEIGHT_BYTES`] and from 9 against smaller ones, where its
+    /// tiles are faster (a 1B-class model's projections at 3–9 rows); a
+    /// verifying pass's greedy tokens may then differ from a plain pass's.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Fast,
+}
+
+impl Rows {
+    /// The most rows the kernel takes against `weight_bytes` of weights.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn most(self, weight_bytes: usize) -> usize {
+        match self {
+            Rows::Invariant => INVARIANT_ROWS,
+            Rows::Fast if weight_bytes <= SMALL_WEIGHT_BYTES => FAST_SMALL_ROWS,
+            Rows::Fast => FAST_ANY_WEIGHTS_ROWS,
+        }
     }
-}
 
-/// Whether the kernel takes `m` rows against `weight_bytes` of weights.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn takes(m: usize, weight_bytes: usize) -> bool {
-    (1..=max_rows(weight_bytes)).contains(&m)
-}
+    /// Whether the kernel takes `m` rows against `weight_bytes` of weights.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn take(self, m: usize, weight_bytes: usize) -> bool {
+        (1..=self.most(weight_bytes)).contains(&m)
+    }
 
-/// Whether a projection of `k`-wide rows of `dtype` by `weight_bytes` of
-/// weights norms its input in its own launch: when the most rows it takes
-/// and the norm weight fit the launch's shared memory. A function of the
-/// shapes alone, so every row count the kernel takes folds the norm or none
-/// does, and a row's bits do not depend on its batch.
-fn folds_norm(k: usize, dtype: candle_core::DType, weight_bytes: usize) -> bool {
-    (max_rows(weight_bytes) + 1) * k * dtype.size_in_bytes() <= NORMED_BYTES
+    /// Whether a projection of `k`-wide rows of `dtype` by `weight_bytes`
+    /// of weights norms its input in its own launch: when the most rows it
+    /// takes and the norm weight fit the launch's shared memory. A function
+    /// of the shapes alone, so every row count the kernel takes folds the
+    /// norm or none does, and a row's bits do not depend on its batch.
+    fn fold_norm(self, k: usize, dtype: candle_core::DType, weight_bytes: usize) -> bool {
+        (self.most(weight_bytes) + 1) * k * dtype.size_in_bytes() <= NORMED_BYTES
+    }
 }
 
 /// `x · wᵀ` (`x: [m, k]`, `w: [n, k]`, one dtype) by the kernel, or `None`
@@ -92,7 +122,7 @@ pub(super) fn project_normed(
     }
     let x = &input.x;
     let fits = x.rank() == 2
-        && folds_norm(
+        && taken_rows().fold_norm(
             x.dim(1)?,
             x.dtype(),
             w.elem_count() * w.dtype().size_in_bytes(),
@@ -159,12 +189,13 @@ fn residual_offset(projected: usize, dtype: candle_core::DType) -> usize {
 }
 
 /// The most bytes of rows a launch norms itself, with its norm weight (its
-/// shared memory): 8 rows of SmolLM2's 576 in f32, 2 of the 1B model's
-/// 2 048. Every block norms its rows with its first weight packs already
+/// shared memory, under the 48 KiB a launch takes without opting in): 9
+/// rows of SmolLM2's 576 in f32, 9 of the 1B model's 2 048 in bf16 (a
+/// launch of fewer rows takes less). Every block norms its rows with its first weight packs already
 /// loading; when the norm ran before the first load instead, it paid at
 /// SmolLM2's 576-wide rows (+5 % at B = 1) and cost at the 1B model's
 /// 2 048 (−3 %; H200, BENCHMARKS.md). Wider rows get the norm kernel.
-const NORMED_BYTES: usize = 24 * 1024;
+const NORMED_BYTES: usize = 40 * 1024;
 
 #[cfg(not(feature = "cuda"))]
 fn launch(
@@ -194,7 +225,7 @@ fn launch(
     // 16-byte packs of w's rows, and of x's unless the kernel norms x
     // into shared memory first.
     let aligned = |t: &Tensor| t.layout().start_offset().is_multiple_of(packed);
-    let fits = takes(m, w.elem_count() * w.dtype().size_in_bytes())
+    let fits = taken_rows().take(m, w.elem_count() * w.dtype().size_in_bytes())
         && width == k
         && (!swiglu || rows.is_multiple_of(2))
         && x.dtype() == w.dtype()
@@ -227,7 +258,8 @@ fn launch(
 
 /// `TANDEM_GEMV=0` sends every projection to cuBLAS; `TANDEM_GEMV=plain`
 /// keeps the kernel but gives the residual add and norm their own launch
-/// (A/B switches, read once per process).
+/// (A/B switches); `TANDEM_GEMV=fast` takes the [`Rows::Fast`] rows.
+/// Read once per process.
 #[cfg(feature = "cuda")]
 fn setting() -> &'static str {
     static MODE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
@@ -237,6 +269,21 @@ fn setting() -> &'static str {
 #[cfg(feature = "cuda")]
 fn enabled() -> bool {
     setting() != "0"
+}
+
+/// The row counts the kernel takes in this process.
+#[cfg(feature = "cuda")]
+fn taken_rows() -> Rows {
+    if setting() == "fast" {
+        Rows::Fast
+    } else {
+        Rows::Invariant
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn taken_rows() -> Rows {
+    Rows::Invariant
 }
 
 #[cfg(feature = "cuda")]
@@ -392,27 +439,44 @@ mod tests {
 
     #[test]
     fn rows_the_kernel_takes() {
-        // One or two rows against any weights; up to 8 against small ones.
-        for m in [1, 2] {
-            assert!(takes(m, 525 << 20), "{m} rows of the 1B unembedding");
+        use Rows::{Fast, Invariant};
+        // By default up to 9 rows (a token and 8 drafts) against any
+        // weights, the 1B unembedding included.
+        for m in 1..=9 {
+            assert!(
+                Invariant.take(m, 525 << 20),
+                "{m} rows of the 1B unembedding"
+            );
         }
-        assert!(!takes(4, 67 << 20), "4 rows of the 1B gate/up");
-        assert!(takes(8, 3 << 20), "8 rows of SmolLM2's gate/up");
-        assert!(!takes(9, 1 << 10) && !takes(0, 1 << 10));
+        assert!(!Invariant.take(10, 1 << 10) && !Invariant.take(0, 1 << 10));
+        // `fast`: one or two rows against any weights; up to 8 against small ones.
+        for m in [1, 2] {
+            assert!(Fast.take(m, 525 << 20), "{m} rows of the 1B unembedding");
+        }
+        assert!(!Fast.take(4, 67 << 20), "4 rows of the 1B gate/up");
+        assert!(Fast.take(8, 3 << 20), "8 rows of SmolLM2's gate/up");
+        assert!(!Fast.take(9, 1 << 10) && !Fast.take(0, 1 << 10));
     }
 
     #[test]
     fn a_projection_folds_its_norm_for_every_row_count_or_none() {
         use candle_core::DType::{BF16, F32};
-        // SmolLM2 (576 wide, small weights: up to 8 rows), both dtypes.
-        assert!(folds_norm(576, BF16, 960 * 576 * 2));
-        assert!(folds_norm(576, F32, 960 * 576 * 4));
-        // The 1B model (2 048 wide, large weights: up to 2 rows).
-        assert!(folds_norm(2048, BF16, 16384 * 2048 * 2));
-        assert!(folds_norm(2048, F32, 16384 * 2048 * 4));
-        // Rows too wide for the launch's shared memory at its most rows.
-        assert!(!folds_norm(4096, F32, 64 << 20));
-        assert!(!folds_norm(2048, F32, 1 << 20), "8 rows of 8 KiB");
+        for rows in [Rows::Invariant, Rows::Fast] {
+            // SmolLM2 (576 wide), both dtypes.
+            assert!(rows.fold_norm(576, BF16, 960 * 576 * 2), "{rows:?}");
+            assert!(rows.fold_norm(576, F32, 960 * 576 * 4), "{rows:?}");
+            // The 1B model (2 048 wide) in bf16.
+            assert!(rows.fold_norm(2048, BF16, 16384 * 2048 * 2), "{rows:?}");
+            // Rows too wide for the launch's shared memory at its most rows.
+            assert!(!rows.fold_norm(4096, F32, 64 << 20), "{rows:?}");
+            assert!(
+                !rows.fold_norm(2048, F32, 1 << 20),
+                "{rows:?}: rows of 8 KiB"
+            );
+        }
+        // Two rows of the 1B model's f32 fit; nine do not.
+        assert!(Rows::Fast.fold_norm(2048, F32, 16384 * 2048 * 4));
+        assert!(!Rows::Invariant.fold_norm(2048, F32, 16384 * 2048 * 4));
     }
 
     #[test]

@@ -1,5 +1,5 @@
 // Small-batch projections for Tandem's GPU decode (see src/model/gemv.rs):
-// y[t, j] = sum_i x[t, i] * w[j, i] for the M <= 8 rows of a decode step,
+// y[t, j] = sum_i x[t, i] * w[j, i] for the M <= 9 rows of a decode step,
 // with w the [n, k] row-major weights. A decode step reads every weight
 // once and does almost no arithmetic with it, so what counts is bytes in
 // flight: each output row belongs to `split` warps of one block (the
@@ -11,7 +11,7 @@
 // Sums are f32, in a fixed order per output: each lane's packs in order, a
 // warp tree, then the row's warps in order. Nothing in it depends on M, so
 // a row's output is the same bits whichever other rows share the launch
-// (batch invariance up to 8 rows). The output is rounded to T once.
+// (batch invariance up to 9 rows). The output is rounded to T once.
 //
 // Norm prologue (norm_w set): the input rows are rms_norm(x + addend) *
 // norm_w (addend optional), which each block computes into shared memory
@@ -240,7 +240,8 @@ __device__ void gemv(const T *x, const T *w, T *y, uint32_t n, uint32_t k, uint3
     GEMV_KERNEL(SUFFIX, T, 5)                                                                  \
     GEMV_KERNEL(SUFFIX, T, 6)                                                                  \
     GEMV_KERNEL(SUFFIX, T, 7)                                                                  \
-    GEMV_KERNEL(SUFFIX, T, 8)
+    GEMV_KERNEL(SUFFIX, T, 8)                                                                  \
+    GEMV_KERNEL(SUFFIX, T, 9)
 
 GEMV_KERNELS(f32, float)
 GEMV_KERNELS(f16, __half)
