@@ -188,13 +188,14 @@ fn smollm2_wide_model_in(device: &Device, dtype: DType) -> Model {
 
 /// Two layers of a 1B-class Llama's attention layout (32 query heads over
 /// 8 KV heads, four a KV head) at heads of 32 and narrow projections, so
-/// every projection takes the GEMV at 8 rows in f32 and bf16.
+/// every projection takes the GEMV at 8 rows in f32 and bf16 under either
+/// row rule (`TANDEM_GEMV=fast` too).
 fn gqa4_model_in(device: &Device, dtype: DType) -> Model {
     two_layer_model_in(device, dtype, 13, (576, 512, 32, 8, 32), None)
 }
 
 /// Many narrow heads on narrow projections (every projection a GEMV at 8
-/// rows in f32 and bf16): 512 query heads of 8 over 128 KV heads, so that
+/// rows in f32 and bf16 under either row rule): 512 query heads of 8 over 128 KV heads, so that
 /// a decode batch of a few rows launches as many (query, head group)
 /// blocks as a large batch of a 1B-class model; with `sliding_window`
 /// where given.
