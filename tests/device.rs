@@ -84,6 +84,16 @@ fn small_model_in(
     random_model(device, dtype, &json, 7, 0.5)
 }
 
+/// The dtypes a bit-for-bit test runs in: f32 and bf16 on a GPU, f32 on
+/// the CPU path.
+fn exact_dtypes(device: &Device) -> &'static [DType] {
+    if device.is_cuda() {
+        &[DType::F32, DType::BF16]
+    } else {
+        &[DType::F32]
+    }
+}
+
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
@@ -229,11 +239,7 @@ fn many_grouped_heads_model_in(
 #[test]
 fn small_decode_batches_are_batch_invariant() {
     let device = test_device();
-    let dtypes: &[DType] = if device.is_cuda() {
-        &[DType::F32, DType::BF16]
-    } else {
-        &[DType::F32]
-    };
+    let dtypes = exact_dtypes(&device);
     let histories = [3usize, 17, 40, 1, 190, 9, 25, 33, 12];
     // Every projection takes the GEMV at up to 9 rows, SmolLM2's gate/up
     // (7 MiB in f32) included.
@@ -322,11 +328,7 @@ fn smollm2_wide_vocab_model_in(device: &Device, dtype: DType) -> Model {
 #[test]
 fn a_lone_verifying_pass_equals_its_one_row_passes() {
     let device = test_device();
-    let dtypes: &[DType] = if device.is_cuda() {
-        &[DType::F32, DType::BF16]
-    } else {
-        &[DType::F32]
-    };
+    let dtypes = exact_dtypes(&device);
     for &dtype in dtypes {
         let models = [
             ("toy", small_model_in(&device, None, 256, dtype)),
