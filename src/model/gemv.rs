@@ -30,7 +30,8 @@ use super::fused::Normed;
 /// pass, so that pass computes each row as a one-row pass does (cuBLAS's
 /// tiles sum in other orders, and a greedy near-tie then flips: 11 of 13
 /// speculating runs of one H100 answered with other tokens than without
-/// speculation before, none of 15 after; BENCHMARKS.md, issue 18).
+/// speculation before, none of the 10 logged after; BENCHMARKS.md, issue
+/// 18).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const INVARIANT_ROWS: usize = 9;
 
@@ -191,10 +192,11 @@ fn residual_offset(projected: usize, dtype: candle_core::DType) -> usize {
 /// The most bytes of rows a launch norms itself, with its norm weight (its
 /// shared memory, under the 48 KiB a launch takes without opting in): 9
 /// rows of SmolLM2's 576 in f32, 9 of the 1B model's 2 048 in bf16 (a
-/// launch of fewer rows takes less). Every block norms its rows with its first weight packs already
-/// loading; when the norm ran before the first load instead, it paid at
-/// SmolLM2's 576-wide rows (+5 % at B = 1) and cost at the 1B model's
-/// 2 048 (−3 %; H200, BENCHMARKS.md). Wider rows get the norm kernel.
+/// launch of fewer rows takes less). Every block norms its rows with its
+/// first weight packs already loading; when the norm ran before the first
+/// load instead, it paid at SmolLM2's 576-wide rows (+5 % at B = 1) and
+/// cost at the 1B model's 2 048 (−3 %; H200, BENCHMARKS.md). Wider rows
+/// get the norm kernel.
 const NORMED_BYTES: usize = 40 * 1024;
 
 #[cfg(not(feature = "cuda"))]
