@@ -169,19 +169,19 @@ fn pooled_batched_attention_equals_per_sequence() {
     }
 }
 
-/// A two-layer Llama of random weights and a 97-token vocabulary with the
-/// given widths: hidden, MLP, query heads, KV heads, head size; a Mistral
-/// where it has a sliding window.
+/// A two-layer Llama of random weights and a `vocab`-token vocabulary
+/// with the given widths: hidden, MLP, query heads, KV heads, head size; a
+/// Mistral where it has a sliding window.
 fn two_layer_model_in(
     device: &Device,
     dtype: DType,
-    seed: u64,
+    (seed, vocab): (u64, usize),
     (hidden, mlp, heads, kv_heads, head_dim): (usize, usize, usize, usize, usize),
     sliding_window: Option<usize>,
 ) -> Model {
     let json = serde_json::json!({
         "architectures": [if sliding_window.is_some() { "MistralForCausalLM" } else { "LlamaForCausalLM" }],
-        "vocab_size": 97, "hidden_size": hidden, "intermediate_size": mlp,
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": mlp,
         "num_hidden_layers": 2, "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
@@ -190,10 +190,14 @@ fn two_layer_model_in(
     random_model(device, dtype, &json, seed, 0.05)
 }
 
-/// Two layers of SmolLM2-135M's widths (hidden 576, 9 heads of 64 over 3
-/// KV heads, MLP 1 536): the kernels' real row widths at a test's cost.
+/// SmolLM2-135M's widths: hidden 576, MLP 1 536, 9 heads of 64 over 3 KV
+/// heads.
+const SMOLLM2_WIDTHS: (usize, usize, usize, usize, usize) = (576, 1536, 9, 3, 64);
+
+/// Two layers of SmolLM2-135M's widths: the kernels' real row widths at a
+/// test's cost.
 fn smollm2_wide_model_in(device: &Device, dtype: DType) -> Model {
-    two_layer_model_in(device, dtype, 11, (576, 1536, 9, 3, 64), None)
+    two_layer_model_in(device, dtype, (11, 97), SMOLLM2_WIDTHS, None)
 }
 
 /// Two layers of a 1B-class Llama's attention layout (32 query heads over
@@ -201,29 +205,29 @@ fn smollm2_wide_model_in(device: &Device, dtype: DType) -> Model {
 /// every projection takes the GEMV at 8 rows in f32 and bf16 under either
 /// row rule (`TANDEM_GEMV=fast` too).
 fn gqa4_model_in(device: &Device, dtype: DType) -> Model {
-    two_layer_model_in(device, dtype, 13, (576, 512, 32, 8, 32), None)
+    two_layer_model_in(device, dtype, (13, 97), (576, 512, 32, 8, 32), None)
 }
 
 /// Many narrow heads on narrow projections (every projection a GEMV at 8
-/// rows in f32 and bf16 under either row rule): 512 query heads of 8 over 128 KV heads, so that
-/// a decode batch of a few rows launches as many (query, head group)
-/// blocks as a large batch of a 1B-class model; with `sliding_window`
-/// where given.
+/// rows in f32 and bf16 under either row rule): 512 query heads of 8 over
+/// 128 KV heads, so that a decode batch of a few rows launches as many
+/// (query, head group) blocks as a large batch of a 1B-class model; with
+/// `sliding_window` where given.
 fn many_grouped_heads_model_in(
     device: &Device,
     dtype: DType,
     sliding_window: Option<usize>,
 ) -> Model {
-    two_layer_model_in(device, dtype, 17, (128, 256, 512, 128, 8), sliding_window)
+    let widths = (128, 256, 512, 128, 8);
+    two_layer_model_in(device, dtype, (17, 97), widths, sliding_window)
 }
 
 /// Decode batches of up to 9 rows take Tandem's GEMV kernel on a GPU,
 /// whose sums do not depend on the row count, beside per-row attention and
 /// norms (folded into the projections for every row count or for none):
-/// there a
-/// sequence's logits are the same bits in any decode batch the GEMV takes,
-/// in any order, at a toy model's widths, at SmolLM2's and at a 1B-class
-/// attention layout. Attention launches four ways, the same bits each: a
+/// there a sequence's logits are the same bits in any decode batch the
+/// GEMV takes, in any order, at a toy model's widths, at SmolLM2's and at
+/// a 1B-class attention layout. Attention launches four ways, the same bits each: a
 /// solo decode's stages its rows in shared memory; batches run a block a
 /// query head; and in the four-heads-a-KV-head model the 8-row batch, whose
 /// 190-key history splits in three, launches 8 x 8 x 3 = 192 grouped
@@ -306,15 +310,7 @@ fn small_decode_batches_are_batch_invariant() {
 /// of 9.4 MB in bf16, over the 4 MiB past which `TANDEM_GEMV=fast` hands 3
 /// rows and more to cuBLAS (as SmolLM2's own 56 MB one).
 fn smollm2_wide_vocab_model_in(device: &Device, dtype: DType) -> Model {
-    let json = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 8192, "hidden_size": 576, "intermediate_size": 1536,
-        "num_hidden_layers": 2, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "head_dim": 64,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": false,
-    });
-    random_model(device, dtype, &json, 19, 0.05)
+    two_layer_model_in(device, dtype, (19, 8192), SMOLLM2_WIDTHS, None)
 }
 
 /// A lone stream's verifying pass (a token and the default 8 drafts: 9
