@@ -14,8 +14,8 @@
 #   bash bench/spec/gpu_invariant_ab.sh
 set -uo pipefail
 PHASE=bench SKIP_TRAIN=1 ROWS=none bash bench/spec/h200_head.sh >/dev/null 2>&1
-CU13=$(python3 -c 'import nvidia.cu13 as m; print(m.__path__[0])' 2>/dev/null)/lib
-export LD_LIBRARY_PATH="$CU13:${LD_LIBRARY_PATH:-}"
+# shellcheck source=../gpu/device_env.sh
+source "$(dirname "$0")/../gpu/device_env.sh" 2>/dev/null
 M=${MODEL:-/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
 nvidia-smi -L
 for round in $(seq 1 "${ROUNDS:-2}"); do
