@@ -366,6 +366,174 @@ fn a_lone_verifying_pass_equals_its_one_row_passes() {
     }
 }
 
+/// Passes past 9 rows: decode batches of 16 and 41 sequences, and a mixed
+/// pass of 12 decodes, a 5-token verifying span and a 30-token prompt. A
+/// decode row equals its sequence's one-row pass, the span's rows the span
+/// alone and the prompt's last row the prompt alone, bit for bit wherever
+/// the model promises it ([`Model::batch_invariant_rows`]: on a GPU with
+/// `TANDEM_BATCH_INVARIANT=1`, Tandem's GEMV taking every projection in
+/// chunks of up to 9 rows, any pass), and within rounding elsewhere (a
+/// GPU's default hands passes over 9 rows to cuBLAS; the CPU path runs
+/// candle's matmuls).
+#[test]
+fn large_and_mixed_passes_are_batch_invariant_where_the_model_promises() {
+    let device = test_device();
+    for &dtype in exact_dtypes(&device) {
+        let models = [
+            ("toy", small_model_in(&device, None, 256, dtype)),
+            (
+                "SmolLM2 widths, 8 192-token vocabulary",
+                smollm2_wide_vocab_model_in(&device, dtype),
+            ),
+            ("GQA-4 layout", gqa4_model_in(&device, dtype)),
+        ];
+        for (name, model) in models {
+            let bound = model.batch_invariant_rows();
+            if device.is_cuda() && bound.is_some() {
+                eprintln!(
+                    "NOTE: {name}: passes over {bound:?} rows are compared within rounding \
+                     (TANDEM_BATCH_INVARIANT=1 makes every pass exact)"
+                );
+            }
+            let vocab = model.config().vocab_size as u32;
+            let histories: Vec<usize> = (0..41).map(|i| 1 + (i * 37) % 150).collect();
+            let (span, fresh) = (prompt(50, 5, vocab), prompt(51, 30, vocab));
+            // Every history prefilled alone, once: a pass writes its rows'
+            // keys and values at the same positions every time and reads
+            // no other pass's.
+            let mut kv = KvCache::pooled(model.kv_layout(), device.clone(), 16384);
+            for (i, &h) in histories.iter().enumerate() {
+                kv.allocate(i as u32, 256).unwrap();
+                let mut b = Batch::default();
+                b.push(i as u32, 0, &prompt(i as u32, h, vocab), OutputRows::Last);
+                step(&model, &mut kv, &b);
+            }
+            kv.allocate(41, 256).unwrap();
+            let kv = std::cell::RefCell::new(kv);
+            let push_decode = |b: &mut Batch, i: usize| {
+                let token = (i as u32 * 7 + 2) % vocab;
+                b.push(i as u32, histories[i], &[token], OutputRows::Last);
+            };
+            let alone = |fill: &dyn Fn(&mut Batch)| {
+                let mut b = Batch::default();
+                fill(&mut b);
+                let kv = &mut kv.borrow_mut();
+                let out = step(&model, kv, &b);
+                for s in &b.seqs {
+                    kv.set_len(s.slot, s.offset).unwrap();
+                }
+                out
+            };
+            let solo: Vec<Vec<f32>> = (0..histories.len())
+                .map(|i| alone(&|b| push_decode(b, i)).remove(0))
+                .collect();
+            let span_alone = alone(&|b| b.push(12, histories[12], &span, OutputRows::All));
+            let fresh_alone = alone(&|b| b.push(41, 0, &fresh, OutputRows::Last));
+            let check = |rows: usize, got: &[f32], want: &[f32], what: String| {
+                if device.is_cuda() && bound.is_none_or(|b| rows <= b) {
+                    assert!(got == want, "{name} {dtype:?}: {what}");
+                } else {
+                    let d = max_abs_diff(got, want);
+                    let tolerance = if dtype == DType::F32 { 2e-3 } else { 1e-1 };
+                    assert!(d <= tolerance, "{name} {dtype:?}: {what} differs by {d}");
+                }
+            };
+            for size in [16, 41] {
+                let seqs: Vec<usize> = (0..size).rev().collect();
+                let got = alone(&|b| seqs.iter().for_each(|&i| push_decode(b, i)));
+                for (row, &i) in got.iter().zip(&seqs) {
+                    check(
+                        size,
+                        row,
+                        &solo[i],
+                        format!("sequence {i} in a batch of {size}"),
+                    );
+                }
+            }
+            // 12 decodes, the span (sequence 12's next 5 tokens), the prompt.
+            let mixed = alone(&|b| {
+                (0..12).for_each(|i| push_decode(b, i));
+                b.push(12, histories[12], &span, OutputRows::All);
+                b.push(41, 0, &fresh, OutputRows::Last);
+            });
+            let rows = 12 + span.len() + fresh.len();
+            for (i, want) in solo.iter().take(12).enumerate() {
+                check(rows, &mixed[i], want, format!("decode {i} beside a prompt"));
+            }
+            for (j, want) in span_alone.iter().enumerate() {
+                check(
+                    rows,
+                    &mixed[12 + j],
+                    want,
+                    format!("span row {j} beside a prompt"),
+                );
+            }
+            check(
+                rows,
+                &mixed[17],
+                &fresh_alone[0],
+                "the prompt's last row".into(),
+            );
+        }
+    }
+}
+
+/// Sixteen requests at once, greedy and seeded sampled, with early-exit
+/// drafts of 1 to 4 tokens: their verifying passes hold 16 to 80 rows, and
+/// every request emits exactly its speculation-off tokens, where the
+/// model's passes are batch-invariant at any size (the lean CPU path; a
+/// GPU with `TANDEM_BATCH_INVARIANT=1`). A GPU's default (cuBLAS past 9
+/// rows) skips it, saying so.
+#[test]
+fn speculating_batches_of_16_equal_plain_where_passes_are_batch_invariant() {
+    let Some(Stories { dir, prompts, .. }) = stories260k() else {
+        return;
+    };
+    let device = test_device();
+    for &dtype in exact_dtypes(&device) {
+        let opts = LoadOptions {
+            lean_cpu: !device.is_cuda(),
+            ..options(&device, dtype)
+        };
+        let model = || Model::from_dir(&dir, &opts).unwrap();
+        let probe = model();
+        if let Some(bound) = probe.batch_invariant_rows().filter(|&b| b < 80) {
+            eprintln!(
+                "NOTE: skipped on this device: passes over {bound} rows are not batch-invariant \
+                 (TANDEM_BATCH_INVARIANT=1 makes them so)"
+            );
+            return;
+        }
+        let layers = probe.config().num_layers / 2;
+        let sampling = |i: usize| match i % 3 {
+            2 => SamplingOptions {
+                temperature: 0.8,
+                seed: Some(i as u64),
+                ..Default::default()
+            },
+            _ => SamplingOptions::greedy(),
+        };
+        let plain_reqs: Vec<Req> = (0..16)
+            .map(|i| Req::new(prompts[i % prompts.len()].clone(), sampling(i), 32))
+            .collect();
+        let spec_reqs: Vec<Req> = plain_reqs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Req {
+                spec: Some(SpecOptions::constant(1 + i % 4)),
+                ..r.clone()
+            })
+            .collect();
+        let want = run_tokens(&mut engine_for(model()), &plain_reqs, 512);
+        let mut spec = engine_for(model())
+            .with_draft(Box::new(EarlyExitDraft { layers }), SpecConfig::default());
+        let got = run_tokens(&mut spec, &spec_reqs, 512);
+        for i in 0..want.len() {
+            assert_eq!(ids(&got[i]), ids(&want[i]), "{dtype:?}: request {i}");
+        }
+    }
+}
+
 /// Long histories split their keys across blocks (split-K: one split up to
 /// 64 keys, 2–16 splits of up to 64 keys below 1 024, 16 longer splits
 /// above, with and without a sliding window): a ragged batch of decodes,

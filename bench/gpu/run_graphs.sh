@@ -33,9 +33,13 @@ done
 export TANDEM_SHARED_DIR=$(realpath "$BIN/shared")
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  echo "=== (a) GPU tests"
-  RUST_BACKTRACE=1 TANDEM_REQUIRE_GPU=1 timeout 240 /tmp/bin/device-tests --test-threads 1 --nocapture 2>&1 \
-    | grep -v "^ *[0-9]*: \\(<unknown>\\|at \\)" | tail -40
+  # Twice: the default rows, then batch-invariant mode (every pass exact).
+  for invariant in 0 1; do
+    echo "=== (a) GPU tests, TANDEM_BATCH_INVARIANT=$invariant"
+    RUST_BACKTRACE=1 TANDEM_REQUIRE_GPU=1 TANDEM_BATCH_INVARIANT=$invariant timeout 240 \
+      /tmp/bin/device-tests --test-threads 1 --nocapture 2>&1 \
+      | grep -v "^ *[0-9]*: \\(<unknown>\\|at \\)" | tail -40
+  done
 fi
 
 for which in ${WHICH:-big smol}; do

@@ -18,6 +18,13 @@
 //! ([`Normed`]): each block then computes the rows' residual add and
 //! RMSNorm into shared memory first, so the norm needs no launch either.
 //!
+//! `TANDEM_BATCH_INVARIANT=1` makes the kernel take every projection, of
+//! any rows, in chunks of up to 9 (one launch: a chunk a `blockIdx.y`),
+//! so that on a GPU no row's bits depend on its batch at all: prompt rows,
+//! decode batches of any size and several streams' verifying passes
+//! alike, as vLLM's batch-invariant mode and SGLang's deterministic
+//! inference do, at the cost of cuBLAS's tensor-core tiles past 9 rows.
+//!
 //! Everything else (more rows, other devices, builds without `cuda`,
 //! `TANDEM_GEMV=0`) returns `None` and the caller multiplies as before.
 
@@ -66,6 +73,11 @@ enum Rows {
     /// verifying pass's greedy tokens may then differ from a plain pass's.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Fast,
+    /// `TANDEM_BATCH_INVARIANT=1`: every row count against any weights,
+    /// in launches of chunks of up to [`INVARIANT_ROWS`], so no row's bits
+    /// depend on the rest of its pass.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    All,
 }
 
 impl Rows {
@@ -73,6 +85,7 @@ impl Rows {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn most(self, weight_bytes: usize) -> usize {
         match self {
+            Rows::All => usize::MAX,
             Rows::Invariant => INVARIANT_ROWS,
             Rows::Fast if weight_bytes <= SMALL_WEIGHT_BYTES => FAST_SMALL_ROWS,
             Rows::Fast => FAST_ANY_WEIGHTS_ROWS,
@@ -85,13 +98,20 @@ impl Rows {
         (1..=self.most(weight_bytes)).contains(&m)
     }
 
+    /// The most rows one chunk of a launch takes (a launch of more rows
+    /// runs chunks of this many, and one of the rest).
+    fn per_chunk(self, weight_bytes: usize) -> usize {
+        self.most(weight_bytes).min(INVARIANT_ROWS)
+    }
+
     /// Whether a projection of `k`-wide rows of `dtype` by `weight_bytes`
-    /// of weights norms its input in its own launch: when the most rows it
-    /// takes and the norm weight fit the launch's shared memory. A function
-    /// of the shapes alone, so every row count the kernel takes folds the
-    /// norm or none does, and a row's bits do not depend on its batch.
+    /// of weights norms its input in its own launch: when the most rows a
+    /// chunk takes and the norm weight fit the launch's shared memory. A
+    /// function of the shapes alone, so every row count the kernel takes
+    /// folds the norm or none does, and a row's bits do not depend on its
+    /// batch.
     fn fold_norm(self, k: usize, dtype: candle_core::DType, weight_bytes: usize) -> bool {
-        (self.most(weight_bytes) + 1) * k * dtype.size_in_bytes() <= NORMED_BYTES
+        (self.per_chunk(weight_bytes) + 1) * k * dtype.size_in_bytes() <= NORMED_BYTES
     }
 }
 
@@ -268,15 +288,27 @@ fn setting() -> &'static str {
     MODE.get_or_init(|| std::env::var("TANDEM_GEMV").unwrap_or_default())
 }
 
+/// `TANDEM_BATCH_INVARIANT=1` (or `true`): [`Rows::All`], whatever
+/// `TANDEM_GEMV` says. Read once per process.
+#[cfg(feature = "cuda")]
+fn batch_invariant() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("TANDEM_BATCH_INVARIANT").is_ok_and(|v| matches!(v.as_str(), "1" | "true"))
+    })
+}
+
 #[cfg(feature = "cuda")]
 fn enabled() -> bool {
-    setting() != "0"
+    setting() != "0" || batch_invariant()
 }
 
 /// The row counts the kernel takes in this process.
 #[cfg(feature = "cuda")]
 fn taken_rows() -> Rows {
-    if setting() == "fast" {
+    if batch_invariant() {
+        Rows::All
+    } else if setting() == "fast" {
         Rows::Fast
     } else {
         Rows::Invariant
@@ -286,6 +318,49 @@ fn taken_rows() -> Rows {
 #[cfg(not(feature = "cuda"))]
 fn taken_rows() -> Rows {
     Rows::Invariant
+}
+
+/// The most rows a GPU pass may hold with every row's projections the
+/// same bits as in a one-row pass (`None`: any): what the kernel takes
+/// against any weights, 1 where cuBLAS takes every projection.
+pub(super) fn invariant_rows() -> Option<usize> {
+    #[cfg(feature = "cuda")]
+    if !enabled() {
+        return Some(1);
+    }
+    match taken_rows() {
+        Rows::All => None,
+        rows => Some(rows.most(usize::MAX)),
+    }
+}
+
+/// `count` chunks of `rows` rows each, the first at row `row0`: one launch.
+#[derive(Debug, PartialEq, Eq)]
+struct Chunks {
+    rows: usize,
+    count: usize,
+    row0: usize,
+}
+
+/// The launches of an `m`-row projection: up to [`INVARIANT_ROWS`] rows in
+/// one; more as whole chunks of that many, then one of the rest.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn chunks(m: usize) -> Vec<Chunks> {
+    let rows = m.min(INVARIANT_ROWS);
+    let mut out = vec![Chunks {
+        rows,
+        count: m / rows.max(1),
+        row0: 0,
+    }];
+    if rows > 0 && !m.is_multiple_of(rows) {
+        out.push(Chunks {
+            rows: m % rows,
+            count: 1,
+            row0: m - m % rows,
+        });
+    }
+    out.retain(|c| c.rows > 0 && c.count > 0);
+    out
 }
 
 #[cfg(feature = "cuda")]
@@ -300,7 +375,7 @@ mod kernel {
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
     const MODULE: &str = "tandem_gemv";
     use super::super::cuda_view::with_view;
-    use super::{warps_per_row, WARPS};
+    use super::{chunks, warps_per_row, Chunks, WARPS};
 
     pub(super) struct Gemv<'a> {
         pub(super) swiglu: bool,
@@ -333,8 +408,6 @@ mod kernel {
             let (xv, wv) = (view(x, xl)?, view(w, wl)?);
             let dev = x.device().clone();
             let swiglu = if self.swiglu { "swiglu_" } else { "" };
-            let name = format!("gemv_{swiglu}{suffix}_m{m}");
-            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
             let residual = match &self.norm {
                 Some(Norm {
                     addend: Some(_), ..
@@ -347,49 +420,56 @@ mod kernel {
             let mut out = unsafe { dev.alloc::<T>(at + residual)? };
             let split = warps_per_row(n, k, pack);
             let groups = n.div_ceil(WARPS / split).max(1);
-            // Every block norms its rows (from L2) while its weights load,
-            // into shared rows and a copy of the norm weight.
-            let normed = match self.norm {
-                Some(_) => (m + 1) * k * std::mem::size_of::<T>(),
-                None => 0,
-            };
-            let cfg = LaunchConfig {
-                grid_dim: (groups as u32, 1, 1),
-                block_dim: (32 * WARPS as u32, 1, 1),
-                shared_mem_bytes: normed as u32,
-            };
             let (n32, k32, split32) = (n as u32, k as u32, split as u32);
             let (mut y, mut res) = out.split_at_mut(at);
             let mut launch = |addend: Option<CudaView<'_, T>>,
                               weight: Option<CudaView<'_, T>>,
                               eps: f32|
              -> candle_core::Result<()> {
-                let null = 0u64;
-                let mut b = func.builder();
-                b.arg(&xv);
-                b.arg(&wv);
-                b.arg(&mut y);
-                b.arg(&n32);
-                b.arg(&k32);
-                b.arg(&split32);
-                match &addend {
-                    Some(a) => b.arg(a),
-                    None => b.arg(&null),
-                };
-                match &weight {
-                    Some(w) => b.arg(w),
-                    None => b.arg(&null),
-                };
-                b.arg(&eps);
-                if residual > 0 {
-                    b.arg(&mut res);
-                } else {
-                    b.arg(&null);
+                for Chunks { rows, count, row0 } in chunks(m) {
+                    let name = format!("gemv_{swiglu}{suffix}_m{rows}");
+                    let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+                    // Every block norms its chunk's rows (from L2) while its
+                    // weights load, into shared rows and a copy of the norm
+                    // weight.
+                    let normed = match self.norm {
+                        Some(_) => (rows + 1) * k * std::mem::size_of::<T>(),
+                        None => 0,
+                    };
+                    let cfg = LaunchConfig {
+                        grid_dim: (groups as u32, count as u32, 1),
+                        block_dim: (32 * WARPS as u32, 1, 1),
+                        shared_mem_bytes: normed as u32,
+                    };
+                    let (null, row0) = (0u64, row0 as u32);
+                    let mut b = func.builder();
+                    b.arg(&xv);
+                    b.arg(&wv);
+                    b.arg(&mut y);
+                    b.arg(&n32);
+                    b.arg(&k32);
+                    b.arg(&split32);
+                    match &addend {
+                        Some(a) => b.arg(a),
+                        None => b.arg(&null),
+                    };
+                    match &weight {
+                        Some(w) => b.arg(w),
+                        None => b.arg(&null),
+                    };
+                    b.arg(&eps);
+                    if residual > 0 {
+                        b.arg(&mut res);
+                    } else {
+                        b.arg(&null);
+                    }
+                    b.arg(&row0);
+                    // SAFETY: argument types match the kernel; the chunks'
+                    // rows (row0 + rows · blockIdx.y onwards) and packs stay
+                    // inside x ([m, k]) and w ([n, k], or [2n, k] for
+                    // SwiGLU); the residual rows exist where an addend does.
+                    unsafe { b.launch(cfg) }.w()?;
                 }
-                // SAFETY: argument types match the kernel; rows and packs
-                // stay inside x ([m, k]) and w ([n, k], or [2n, k] for
-                // SwiGLU); the residual rows exist where an addend does.
-                unsafe { b.launch(cfg) }.w()?;
                 Ok(())
             };
             match &self.norm {
@@ -458,12 +538,37 @@ mod tests {
         assert!(!Fast.take(4, 67 << 20), "4 rows of the 1B gate/up");
         assert!(Fast.take(8, 3 << 20), "8 rows of SmolLM2's gate/up");
         assert!(!Fast.take(9, 1 << 10) && !Fast.take(0, 1 << 10));
+        // Batch-invariant mode: any rows, a chunk at most 9.
+        for m in [1, 9, 10, 64, 4096] {
+            assert!(Rows::All.take(m, 525 << 20), "{m} rows");
+        }
+        assert!(!Rows::All.take(0, 1 << 10));
+        assert_eq!(Rows::All.per_chunk(525 << 20), INVARIANT_ROWS);
+    }
+
+    #[test]
+    fn launches_cover_every_row_once_in_chunks_of_at_most_nine() {
+        let c = |rows, count, row0| Chunks { rows, count, row0 };
+        assert_eq!(chunks(1), [c(1, 1, 0)]);
+        assert_eq!(chunks(9), [c(9, 1, 0)]);
+        assert_eq!(chunks(18), [c(9, 2, 0)]);
+        assert_eq!(chunks(64), [c(9, 7, 0), c(1, 1, 63)]);
+        assert!(chunks(0).is_empty());
+        for m in 1..200 {
+            let mut covered = 0;
+            for Chunks { rows, count, row0 } in chunks(m) {
+                assert!((1..=INVARIANT_ROWS).contains(&rows));
+                assert_eq!(row0, covered, "{m} rows: chunks in order, no gap");
+                covered += rows * count;
+            }
+            assert_eq!(covered, m);
+        }
     }
 
     #[test]
     fn a_projection_folds_its_norm_for_every_row_count_or_none() {
         use candle_core::DType::{BF16, F32};
-        for rows in [Rows::Invariant, Rows::Fast] {
+        for rows in [Rows::Invariant, Rows::Fast, Rows::All] {
             // SmolLM2 (576 wide), both dtypes.
             assert!(rows.fold_norm(576, BF16, 960 * 576 * 2), "{rows:?}");
             assert!(rows.fold_norm(576, F32, 960 * 576 * 4), "{rows:?}");
@@ -479,6 +584,7 @@ mod tests {
         // Two rows of the 1B model's f32 fit; nine do not.
         assert!(Rows::Fast.fold_norm(2048, F32, 16384 * 2048 * 4));
         assert!(!Rows::Invariant.fold_norm(2048, F32, 16384 * 2048 * 4));
+        assert!(!Rows::All.fold_norm(2048, F32, 16384 * 2048 * 4));
     }
 
     #[test]

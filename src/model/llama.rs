@@ -287,6 +287,21 @@ impl Model {
         }
     }
 
+    /// The most rows a pass may hold with each row computed to the same
+    /// bits as in a pass of that row alone (`None`: any pass). The lean
+    /// CPU kernels never let a row's sums depend on its batch; on CUDA
+    /// Tandem's GEMV takes passes of up to 9 rows by default and every
+    /// pass with `TANDEM_BATCH_INVARIANT=1` (attention and norms are per
+    /// row everywhere there); candle's CPU and Metal matmuls promise no
+    /// such thing.
+    pub fn batch_invariant_rows(&self) -> Option<usize> {
+        match &self.step {
+            Step::Lean(_) => None,
+            Step::Candle(_) if self.device.is_cuda() => super::gemv::invariant_rows(),
+            Step::Candle(_) => Some(1),
+        }
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }

@@ -1,6 +1,7 @@
 // Small-batch projections for Tandem's GPU decode (see src/model/gemv.rs):
-// y[t, j] = sum_i x[t, i] * w[j, i] for the M <= 9 rows of a decode step,
-// with w the [n, k] row-major weights. A decode step reads every weight
+// y[t, j] = sum_i x[t, i] * w[j, i] for the M <= 9 rows of a decode step
+// (or, batch-invariant mode, any rows in chunks of M), with w
+// the [n, k] row-major weights. A decode step reads every weight
 // once and does almost no arithmetic with it, so what counts is bytes in
 // flight: each output row belongs to `split` warps of one block (the
 // host's choice from n and k, so small matrices still fill the GPU), each
@@ -220,16 +221,30 @@ __device__ void gemv(const T *x, const T *w, T *y, uint32_t n, uint32_t k, uint3
     }
 }
 
+// Chunk blockIdx.y of a launch takes rows row0 + M * blockIdx.y onwards
+// (its x, y, addend and residual rows), so one launch covers any multiple
+// of M rows (batch-invariant mode), each chunk summed as a launch of M
+// rows alone would.
+template <typename T, uint32_t M, bool SWIGLU>
+__device__ void gemv_chunk(const T *x, const T *w, T *y, uint32_t n, uint32_t k, uint32_t split,
+                           const T *addend, const T *norm_w, float eps, T *residual,
+                           uint32_t row0) {
+    const size_t first = (size_t)row0 + (size_t)M * blockIdx.y;
+    gemv<T, M, SWIGLU>(x + first * k, w, y + first * n, n, k, split,
+                       addend ? addend + first * k : addend, norm_w, eps,
+                       residual ? residual + first * k : residual);
+}
+
 #define GEMV_KERNEL(SUFFIX, T, M)                                                              \
     extern "C" __global__ void gemv_##SUFFIX##_m##M(                                          \
         const T *x, const T *w, T *y, uint32_t n, uint32_t k, uint32_t split,                  \
-        const T *addend, const T *norm_w, float eps, T *residual) {                            \
-        gemv<T, M, false>(x, w, y, n, k, split, addend, norm_w, eps, residual);                \
+        const T *addend, const T *norm_w, float eps, T *residual, uint32_t row0) {             \
+        gemv_chunk<T, M, false>(x, w, y, n, k, split, addend, norm_w, eps, residual, row0);    \
     }                                                                                          \
     extern "C" __global__ void gemv_swiglu_##SUFFIX##_m##M(                                   \
         const T *x, const T *w, T *y, uint32_t n, uint32_t k, uint32_t split,                  \
-        const T *addend, const T *norm_w, float eps, T *residual) {                            \
-        gemv<T, M, true>(x, w, y, n, k, split, addend, norm_w, eps, residual);                 \
+        const T *addend, const T *norm_w, float eps, T *residual, uint32_t row0) {             \
+        gemv_chunk<T, M, true>(x, w, y, n, k, split, addend, norm_w, eps, residual, row0);     \
     }
 
 #define GEMV_KERNELS(SUFFIX, T)                                                                \
