@@ -24,6 +24,10 @@
 //! - `TANDEM_BENCH_REPS=3`, `TANDEM_BENCH_STEPS=128`, `TANDEM_BENCH_PROMPT=128`
 //!   (prompt tokens per sequence; a prompt longer than 512 prefills in
 //!   one pass of its own);
+//! - `TANDEM_BENCH_SPAN=k` makes every decode step a verifying pass's
+//!   shape: k rows a sequence (a token and k − 1 drafts), all unembedded;
+//!   decode tokens/s then counts steps × B (sequence-steps), so its ratio
+//!   to span 1 is what a pass of k rows costs against a plain one;
 //! - `TANDEM_BENCH_THREADS=N` caps the lean kernels' threads;
 //! - `TANDEM_BENCH_ACTIVATIONS=int16` runs quantised weights with 15-bit
 //!   activations instead of the default 8-bit ones;
@@ -75,6 +79,14 @@ fn prompt_len() -> usize {
     static LEN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *LEN.get_or_init(|| env_usize("TANDEM_BENCH_PROMPT", 128).max(1))
 }
+/// Rows of each sequence in a decode step (`TANDEM_BENCH_SPAN`, 1 by
+/// default): above 1, every step is a verifying pass's shape, a token and
+/// `span - 1` drafts, every row unembedded.
+fn span() -> usize {
+    static SPAN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *SPAN.get_or_init(|| env_usize("TANDEM_BENCH_SPAN", 1).max(1))
+}
+
 /// Tokens per prefill forward pass (llama.cpp's `-ub 512`).
 const UBATCH: usize = 512;
 
@@ -180,10 +192,10 @@ fn run(model: &Model, b: usize, steps: usize, profile: bool) -> RunTimes {
     let mut kv = KvCache::new(
         model.kv_layout(),
         device.clone(),
-        b * (prompt_len() + steps),
+        b * (prompt_len() + steps * span()),
     );
     for s in 0..b as u32 {
-        kv.allocate(s, prompt_len() + steps).expect("KV room");
+        kv.allocate(s, prompt_len() + steps * span()).expect("KV room");
     }
     // A GPU step ends as the engine's does: its greedy ids through the
     // sampler (an all-greedy call: one argmax launch, the ids to the host).
@@ -225,8 +237,12 @@ fn run(model: &Model, b: usize, steps: usize, profile: bool) -> RunTimes {
         let mut t = Instant::now();
         let mut batch = Batch::default();
         for s in 0..b as u32 {
-            let tok = (s * 31 + step as u32 * 17 + 5) % vocab;
-            batch.push(s, prompt_len() + step, &[tok], OutputRows::Last);
+            let at = step * span();
+            let toks: Vec<u32> = (0..span() as u32)
+                .map(|i| (s * 31 + (at as u32 + i) * 17 + 5) % vocab)
+                .collect();
+            let rows = if span() > 1 { OutputRows::All } else { OutputRows::Last };
+            batch.push(s, prompt_len() + at, &toks, rows);
         }
         let h = model.forward(&batch, &mut kv).expect("decode");
         mark(0, &mut t);
@@ -602,9 +618,13 @@ fn main() {
         format!("{device:?}")
     };
     println!(
-        "{what} ({:.0} M parameters); {on}; prompt {}, {steps} decode steps, {reps} reps (medians)",
+        "{what} ({:.0} M parameters); {on}; prompt {}, {steps} decode steps{}, {reps} reps (medians)",
         cfg.num_parameters() as f64 / 1e6,
-        prompt_len()
+        prompt_len(),
+        match span() {
+            1 => String::new(),
+            k => format!(" of {k} rows a sequence (a token and {} drafts)", k - 1),
+        }
     );
 
     if !device.is_cpu() {
