@@ -195,7 +195,8 @@ fn run(model: &Model, b: usize, steps: usize, profile: bool) -> RunTimes {
         b * (prompt_len() + steps * span()),
     );
     for s in 0..b as u32 {
-        kv.allocate(s, prompt_len() + steps * span()).expect("KV room");
+        kv.allocate(s, prompt_len() + steps * span())
+            .expect("KV room");
     }
     // A GPU step ends as the engine's does: its greedy ids through the
     // sampler (an all-greedy call: one argmax launch, the ids to the host).
@@ -241,7 +242,11 @@ fn run(model: &Model, b: usize, steps: usize, profile: bool) -> RunTimes {
             let toks: Vec<u32> = (0..span() as u32)
                 .map(|i| (s * 31 + (at as u32 + i) * 17 + 5) % vocab)
                 .collect();
-            let rows = if span() > 1 { OutputRows::All } else { OutputRows::Last };
+            let rows = if span() > 1 {
+                OutputRows::All
+            } else {
+                OutputRows::Last
+            };
             batch.push(s, prompt_len() + at, &toks, rows);
         }
         let h = model.forward(&batch, &mut kv).expect("decode");
