@@ -182,24 +182,70 @@ pub(crate) unsafe fn attention<T: WElem>(
     heads: Heads,
     seqs: &[SeqAttn<T>],
 ) {
-    // Unit u ↦ (sequence, query block, KV head), sequences in order.
+    // Unit u ↦ (sequence, part of its query rows, KV head), sequences in
+    // order.
+    let parts = row_parts(seqs, heads.num_kv_heads, threads);
     let mut first_unit = Vec::with_capacity(seqs.len() + 1);
     let mut units = 0;
-    for s in seqs {
+    for &n in &parts {
         first_unit.push(units);
-        units += s.len.div_ceil(Q_BLOCK) * heads.num_kv_heads;
+        units += n * heads.num_kv_heads;
     }
     first_unit.push(units);
     for_each_range(units, 1, threads, |range| {
         for u in range {
             let s = first_unit.partition_point(|&f| f <= u) - 1;
             let local = u - first_unit[s];
-            let (block, kvh) = (local / heads.num_kv_heads, local % heads.num_kv_heads);
-            let seq = &seqs[s];
-            let rows = block * Q_BLOCK..((block + 1) * Q_BLOCK).min(seq.len);
+            let (part, kvh) = (local / heads.num_kv_heads, local % heads.num_kv_heads);
+            let (seq, n) = (&seqs[s], parts[s]);
+            let rows = if n == seq.len.div_ceil(Q_BLOCK) {
+                part * Q_BLOCK..((part + 1) * Q_BLOCK).min(seq.len)
+            } else {
+                seq.len * part / n..seq.len * (part + 1) / n
+            };
             SCRATCH.with(|sc| run_unit(isa, heads, seq, kvh, rows, &mut sc.borrow_mut()));
         }
     });
+}
+
+/// Parts each sequence's query rows are cut into, a unit each per KV
+/// head: as many as take at most [`Q_BLOCK`] rows each (in blocks of that
+/// many), or, where those
+/// leave the threads fewer than two units each, more — of at least
+/// [`part_rows`] rows, so a verifying span of a lone stream (9 rows: 3
+/// units of SmolLM2's KV heads, compute-bound, one thread running two)
+/// spreads evenly (parts of equal rows, give or take one). Scores are each their own chain and a row's softmax
+/// and sum its own, so how the rows are cut changes no bit.
+fn row_parts<T>(seqs: &[SeqAttn<T>], kv_heads: usize, threads: usize) -> Vec<usize> {
+    let mut parts: Vec<usize> = seqs.iter().map(|s| s.len.div_ceil(Q_BLOCK)).collect();
+    let min_rows = part_rows();
+    if min_rows == 0 || threads <= 1 {
+        return parts;
+    }
+    let wanted = 2 * threads;
+    while parts.iter().sum::<usize>() * kv_heads < wanted {
+        // One more part for the sequence whose parts are the largest.
+        let most = (0..seqs.len())
+            .filter(|&i| parts[i] > 0)
+            .max_by_key(|&i| seqs[i].len / parts[i]);
+        match most {
+            Some(i) if seqs[i].len / (parts[i] + 1) >= min_rows => parts[i] += 1,
+            _ => break,
+        }
+    }
+    parts
+}
+
+/// The fewest query rows a part cut for balance takes
+/// (`TANDEM_ATTENTION_PART_ROWS`, read once per process; 0: never cut).
+fn part_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("TANDEM_ATTENTION_PART_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(3)
+    })
 }
 
 /// The query rows `rows` of one sequence, for the heads of KV head `kvh`:

@@ -344,6 +344,9 @@ fn a_sequence_attends_to_the_same_bits_alone_or_in_a_batch_on_any_threads_and_ro
                 (9, 1),
                 (0, 12),
                 (70, 2),
+                // A lone stream's verifying span: alone on 2 threads its
+                // rows are cut in two parts per KV head.
+                (140, 9),
             ];
             let data: Vec<_> = shapes
                 .iter()
@@ -403,8 +406,8 @@ fn a_sequence_attends_to_the_same_bits_alone_or_in_a_batch_on_any_threads_and_ro
                 unsafe { attention(isa, 1, h, &[seq]) };
                 out.iter().map(|f| f.to_bits()).collect::<Vec<_>>()
             };
-            let batched = run(&[2, 0, 3, 5, 1, 4], 2);
-            for (i, s) in [2, 0, 3, 5, 1, 4].into_iter().enumerate() {
+            let batched = run(&[2, 0, 3, 5, 1, 4, 6], 2);
+            for (i, s) in [2, 0, 3, 5, 1, 4, 6].into_iter().enumerate() {
                 let alone = run(&[s], 2);
                 let alone_one_thread = run(&[s], 1);
                 assert_eq!(
