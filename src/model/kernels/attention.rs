@@ -210,12 +210,13 @@ pub(crate) unsafe fn attention<T: WElem>(
 
 /// Parts each sequence's query rows are cut into, a unit each per KV
 /// head: as many as take at most [`Q_BLOCK`] rows each (in blocks of that
-/// many), or, where those
-/// leave the threads fewer than two units each, more — of at least
-/// [`part_rows`] rows, so a verifying span of a lone stream (9 rows: 3
-/// units of SmolLM2's KV heads, compute-bound, one thread running two)
-/// spreads evenly (parts of equal rows, give or take one). Scores are each their own chain and a row's softmax
-/// and sum its own, so how the rows are cut changes no bit.
+/// many), or, where those leave the threads fewer than two units each,
+/// more, of equal rows give or take one and at least [`part_rows`] each.
+/// So a lone stream's verifying span (9 rows: 3 units over SmolLM2's KV
+/// heads, compute-bound, one thread running two) spreads evenly: its
+/// attention took 12-21 % less time (BENCHMARKS.md, session 54). Scores
+/// are each their own chain and a row's softmax and sum its own, so how
+/// the rows are cut changes no bit.
 fn row_parts<T>(seqs: &[SeqAttn<T>], kv_heads: usize, threads: usize) -> Vec<usize> {
     let mut parts: Vec<usize> = seqs.iter().map(|s| s.len.div_ceil(Q_BLOCK)).collect();
     let min_rows = part_rows();
