@@ -94,6 +94,16 @@ fn exact_dtypes(device: &Device) -> &'static [DType] {
     }
 }
 
+/// `got` equals `want` bit for bit where `exact`, else within `tolerance`.
+fn assert_rows_agree(exact: bool, got: &[f32], want: &[f32], tolerance: f32, what: &str) {
+    if exact {
+        assert!(got == want, "{what}");
+    } else {
+        let d = max_abs_diff(got, want);
+        assert!(d <= tolerance, "{what} differs by {d}");
+    }
+}
+
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
@@ -287,20 +297,10 @@ fn small_decode_batches_are_batch_invariant() {
             .collect();
         for size in [2, 5, 8, 9] {
             let seqs: Vec<usize> = (0..size).rev().collect();
+            let tolerance = if dtype == DType::F32 { 1e-4 } else { 5e-2 };
             for (row, &i) in decode(&seqs).iter().zip(&seqs) {
-                if device.is_cuda() {
-                    assert!(
-                        row == &solo[i],
-                        "{name} {dtype:?}: sequence {i} in a batch of {size}"
-                    );
-                } else {
-                    let d = max_abs_diff(row, &solo[i]);
-                    let tolerance = if dtype == DType::F32 { 1e-4 } else { 5e-2 };
-                    assert!(
-                        d <= tolerance,
-                        "{name} {dtype:?}: batch of {size} differs by {d}"
-                    );
-                }
+                let what = format!("{name} {dtype:?}: sequence {i} in a batch of {size}");
+                assert_rows_agree(device.is_cuda(), row, &solo[i], tolerance, &what);
             }
         }
     }
@@ -352,15 +352,8 @@ fn a_lone_verifying_pass_equals_its_one_row_passes() {
                 let mut b = Batch::default();
                 b.push(0, history.len() + i, &[token], OutputRows::Last);
                 let one = step(&model, &mut kv, &b).remove(0);
-                if device.is_cuda() {
-                    assert!(
-                        verified[i] == one,
-                        "{name} {dtype:?}: row {i} of the verifying pass"
-                    );
-                } else {
-                    let d = max_abs_diff(&verified[i], &one);
-                    assert!(d <= 1e-4, "{name} {dtype:?}: row {i} differs by {d}");
-                }
+                let what = format!("{name} {dtype:?}: row {i} of the verifying pass");
+                assert_rows_agree(device.is_cuda(), &verified[i], &one, 1e-4, &what);
             }
         }
     }
@@ -429,14 +422,11 @@ fn large_and_mixed_passes_are_batch_invariant_where_the_model_promises() {
                 .collect();
             let span_alone = alone(&|b| b.push(12, histories[12], &span, OutputRows::All));
             let fresh_alone = alone(&|b| b.push(41, 0, &fresh, OutputRows::Last));
+            let tolerance = if dtype == DType::F32 { 2e-3 } else { 1e-1 };
             let check = |rows: usize, got: &[f32], want: &[f32], what: String| {
-                if device.is_cuda() && bound.is_none_or(|b| rows <= b) {
-                    assert!(got == want, "{name} {dtype:?}: {what}");
-                } else {
-                    let d = max_abs_diff(got, want);
-                    let tolerance = if dtype == DType::F32 { 2e-3 } else { 1e-1 };
-                    assert!(d <= tolerance, "{name} {dtype:?}: {what} differs by {d}");
-                }
+                let exact = device.is_cuda() && bound.is_none_or(|b| rows <= b);
+                let what = format!("{name} {dtype:?}: {what}");
+                assert_rows_agree(exact, got, want, tolerance, &what);
             };
             for size in [16, 41] {
                 let seqs: Vec<usize> = (0..size).rev().collect();

@@ -347,19 +347,22 @@ struct Chunks {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn chunks(m: usize) -> Vec<Chunks> {
     let rows = m.min(INVARIANT_ROWS);
+    if rows == 0 {
+        return Vec::new();
+    }
+    let rest = m % rows;
     let mut out = vec![Chunks {
         rows,
-        count: m / rows.max(1),
+        count: m / rows,
         row0: 0,
     }];
-    if rows > 0 && !m.is_multiple_of(rows) {
+    if rest > 0 {
         out.push(Chunks {
-            rows: m % rows,
+            rows: rest,
             count: 1,
-            row0: m - m % rows,
+            row0: m - rest,
         });
     }
-    out.retain(|c| c.rows > 0 && c.count > 0);
     out
 }
 

@@ -291,9 +291,10 @@ impl Model {
     /// bits as in a pass of that row alone (`None`: any pass). The lean
     /// CPU kernels never let a row's sums depend on its batch; on CUDA
     /// Tandem's GEMV takes passes of up to 9 rows by default and every
-    /// pass with `TANDEM_BATCH_INVARIANT=1` (attention and norms are per
-    /// row everywhere there); candle's CPU and Metal matmuls promise no
-    /// such thing.
+    /// pass with `TANDEM_BATCH_INVARIANT=1`, and the norms and the pooled
+    /// KV cache's attention kernels (the engine's cache) are per row (the
+    /// padded `batched_attention` of other caches is not); candle's CPU
+    /// and Metal matmuls promise no such thing.
     pub fn batch_invariant_rows(&self) -> Option<usize> {
         match &self.step {
             Step::Lean(_) => None,
