@@ -739,7 +739,10 @@ fn matmul_speed() {
 /// Single-stream attention on SmolLM2's heads alone (9 query heads over 3
 /// KV heads of 64, an f16 cache): a pass over 30 layers' pools of `keys`
 /// positions, on one thread and on the pool, cache-warm and after
-/// streaming 256 MB. A report, not a check:
+/// streaming 256 MB; a pass of one query row, or of a verifying span's
+/// (`TANDEM_ATTENTION_SPEED_ROWS=1,3,9`, the rows ending at the last key;
+/// `TANDEM_ATTENTION_SPEED_KEYS=800` for other key counts). A report, not
+/// a check:
 /// `cargo test --release --lib kernels::tests::attention_speed -- --ignored --nocapture`.
 #[test]
 #[ignore]
@@ -761,7 +764,18 @@ fn attention_speed() {
     let qw = h.num_heads * h.head_dim;
     let ld = h.num_kv_heads * h.head_dim;
     let row_bytes = (ld * std::mem::size_of::<f16>()) as f64;
-    for keys in [16usize, 160, 2048] {
+    let spans: Vec<usize> = std::env::var("TANDEM_ATTENTION_SPEED_ROWS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|r| r.parse().ok()).collect())
+        .unwrap_or_else(|| vec![1]);
+    let key_counts: Vec<usize> = std::env::var("TANDEM_ATTENTION_SPEED_KEYS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|r| r.parse().ok()).collect())
+        .unwrap_or_else(|| vec![16, 160, 2048]);
+    for (keys, rows) in key_counts
+        .iter()
+        .flat_map(|&k| spans.iter().map(move |&r| (k, r)))
+    {
         let half = |x: Vec<f32>| x.into_iter().map(f16::from_f32).collect::<Vec<_>>();
         let pools: Vec<(Vec<f16>, Vec<f16>)> = (0..30)
             .map(|_| {
@@ -769,8 +783,8 @@ fn attention_speed() {
                 (half(randn(&mut rng, n)), half(randn(&mut rng, n)))
             })
             .collect();
-        let q = randn(&mut rng, qw);
-        let mut out = vec![0f32; qw];
+        let q = randn(&mut rng, rows * qw);
+        let mut out = vec![0f32; rows * qw];
         for threads in [1, pool_threads] {
             let mut pass = |cold: bool| {
                 let mut times = Vec::new();
@@ -789,8 +803,8 @@ fn attention_speed() {
                             ldq: qw,
                             out: SharedMut(out.as_mut_ptr()),
                             ldo: qw,
-                            offset: keys - 1,
-                            len: 1,
+                            offset: keys - rows,
+                            len: rows,
                             k: k.as_ptr(),
                             v: v.as_ptr(),
                             table: table.as_ptr(),
@@ -809,7 +823,7 @@ fn attention_speed() {
             let per_key = warm * 1e6 / (layers * h.num_kv_heads as f64 * keys as f64);
             let mb = layers * 2.0 * keys as f64 * row_bytes / 1e6;
             println!(
-                "keys {keys:5}, {threads} threads: {mb:5.1} MB a pass; warm {warm:.3} ms \
+                "keys {keys:5}, rows {rows}, {threads} threads: {mb:5.1} MB a pass; warm {warm:.3} ms \
                  ({per_key:.1} ns a key and KV head), cold {cold:.3} ms ({:.1} GB/s)",
                 mb / cold
             );
