@@ -198,20 +198,16 @@ pub(crate) unsafe fn attention<T: WElem>(
             let local = u - first_unit[s];
             let (part, kvh) = (local / heads.num_kv_heads, local % heads.num_kv_heads);
             let (seq, n) = (&seqs[s], parts[s]);
-            let rows = if n == seq.len.div_ceil(Q_BLOCK) {
-                part * Q_BLOCK..((part + 1) * Q_BLOCK).min(seq.len)
-            } else {
-                seq.len * part / n..seq.len * (part + 1) / n
-            };
+            let rows = seq.len * part / n..seq.len * (part + 1) / n;
             SCRATCH.with(|sc| run_unit(isa, heads, seq, kvh, rows, &mut sc.borrow_mut()));
         }
     });
 }
 
-/// Parts each sequence's query rows are cut into, a unit each per KV
-/// head: as many as take at most [`Q_BLOCK`] rows each (in blocks of that
-/// many), or, where those leave the threads fewer than two units each,
-/// more, of equal rows give or take one and at least [`part_rows`] each.
+/// Parts each sequence's query rows are cut into (equal rows give or take
+/// one), a unit each per KV head: as many as take at most [`Q_BLOCK`] rows
+/// each, or, where those leave the threads fewer than two units each,
+/// more, of at least [`part_rows`] rows each.
 /// So a lone stream's verifying span (9 rows: 3 units over SmolLM2's KV
 /// heads, compute-bound, one thread running two) spreads evenly: its
 /// attention took 12-21 % less time (BENCHMARKS.md, session 54). Scores

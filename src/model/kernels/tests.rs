@@ -764,14 +764,15 @@ fn attention_speed() {
     let qw = h.num_heads * h.head_dim;
     let ld = h.num_kv_heads * h.head_dim;
     let row_bytes = (ld * std::mem::size_of::<f16>()) as f64;
-    let spans: Vec<usize> = std::env::var("TANDEM_ATTENTION_SPEED_ROWS")
-        .ok()
-        .map(|v| v.split(',').filter_map(|r| r.parse().ok()).collect())
-        .unwrap_or_else(|| vec![1]);
-    let key_counts: Vec<usize> = std::env::var("TANDEM_ATTENTION_SPEED_KEYS")
-        .ok()
-        .map(|v| v.split(',').filter_map(|r| r.parse().ok()).collect())
-        .unwrap_or_else(|| vec![16, 160, 2048]);
+    // A comma-separated list from the environment, or `default`.
+    let list = |var: &str, default: &[usize]| -> Vec<usize> {
+        std::env::var(var).map_or_else(
+            |_| default.to_vec(),
+            |v| v.split(',').filter_map(|r| r.parse().ok()).collect(),
+        )
+    };
+    let spans = list("TANDEM_ATTENTION_SPEED_ROWS", &[1]);
+    let key_counts = list("TANDEM_ATTENTION_SPEED_KEYS", &[16, 160, 2048]);
     for (keys, rows) in key_counts
         .iter()
         .flat_map(|&k| spans.iter().map(move |&r| (k, r)))
