@@ -39,36 +39,29 @@ int main(void) {
     printf("512-bit FMA, %d thread(s): %.2f G/s, %.1f multiply-adds a ns\n", threads,
            threads * (double)N / dt / 1e9, threads * (double)N * 16 / dt / 1e9);
   }
-  long M = 1200000000L;
-  {
-    __m256i a[12];
-    for (int i = 0; i < 12; i++) a[i] = _mm256_set1_epi32(i);
-    __m256i b = _mm256_set1_epi8(3), c = _mm256_set1_epi8(5);
-    double t0 = now();
-    for (long n = 0; n < M / 12; n++) {
-      for (int i = 0; i < 12; i++) a[i] = _mm256_dpbusd_epi32(a[i], b, c);
-      b = _mm256_add_epi8(b, c);
-    }
-    double dt = now() - t0;
-    long s = 0;
-    for (int i = 0; i < 12; i++) s += _mm256_extract_epi32(a[i], 0);
-    printf("256-bit vpdpbusd, 1 thread: %.2f G/s, %.0f byte products a ns (%ld)\n", M / dt / 1e9,
-           M * 32.0 / dt / 1e9, s);
+  // One thread, 12 independent vpdpbusd chains of WIDTH-bit vectors.
+#define DPBUSD_RATE(WIDTH, T, SET1, SET1_8, DPBUSD, ADD8, LANE0)                          \
+  {                                                                                       \
+    long m = 1200000000L;                                                                 \
+    T a[12];                                                                              \
+    for (int i = 0; i < 12; i++) a[i] = SET1(i);                                          \
+    T b = SET1_8(3), c = SET1_8(5);                                                       \
+    double t0 = now();                                                                    \
+    for (long n = 0; n < m / 12; n++) {                                                   \
+      for (int i = 0; i < 12; i++) a[i] = DPBUSD(a[i], b, c);                             \
+      b = ADD8(b, c);                                                                     \
+    }                                                                                     \
+    double dt = now() - t0;                                                               \
+    long s = 0;                                                                           \
+    for (int i = 0; i < 12; i++) s += LANE0(a[i]);                                        \
+    printf("%d-bit vpdpbusd, 1 thread: %.2f G/s, %.0f byte products a ns (%ld)\n", WIDTH, \
+           m / dt / 1e9, m * (WIDTH / 8.0) / dt / 1e9, s);                                \
   }
-  {
-    __m512i a[12];
-    for (int i = 0; i < 12; i++) a[i] = _mm512_set1_epi32(i);
-    __m512i b = _mm512_set1_epi8(3), c = _mm512_set1_epi8(5);
-    double t0 = now();
-    for (long n = 0; n < M / 12; n++) {
-      for (int i = 0; i < 12; i++) a[i] = _mm512_dpbusd_epi32(a[i], b, c);
-      b = _mm512_add_epi8(b, c);
-    }
-    double dt = now() - t0;
-    long s = 0;
-    for (int i = 0; i < 12; i++) s += _mm_extract_epi32(_mm512_castsi512_si128(a[i]), 0);
-    printf("512-bit vpdpbusd, 1 thread: %.2f G/s, %.0f byte products a ns (%ld)\n", M / dt / 1e9,
-           M * 64.0 / dt / 1e9, s);
-  }
+#define LANE0_256(v) _mm256_extract_epi32(v, 0)
+#define LANE0_512(v) _mm_extract_epi32(_mm512_castsi512_si128(v), 0)
+  DPBUSD_RATE(256, __m256i, _mm256_set1_epi32, _mm256_set1_epi8, _mm256_dpbusd_epi32,
+              _mm256_add_epi8, LANE0_256)
+  DPBUSD_RATE(512, __m512i, _mm512_set1_epi32, _mm512_set1_epi8, _mm512_dpbusd_epi32,
+              _mm512_add_epi8, LANE0_512)
   return 0;
 }
