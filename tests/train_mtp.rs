@@ -11,7 +11,7 @@ use tandem::sampler::{argmax, SamplingOptions};
 use tandem::tiny::{tiny_model_cpu, TinyPreset};
 use tandem::train::data::Features;
 use tandem::train::prompts::random_token_prompts;
-use tandem::train::{evaluate_head, PromptSet, TrainConfig, TrainError, Trainer};
+use tandem::train::{evaluate_head, PromptSet, TrainConfig, TrainError, Trainer, Walk};
 
 fn target() -> Model {
     tiny_model_cpu(TinyPreset::Test).unwrap().0
@@ -51,7 +51,7 @@ fn acceptance_one_by_one(
     head: &mut MtpHead,
     heldout: &Features,
     k: usize,
-) -> Vec<f64> {
+) -> (Vec<f64>, Walk) {
     let step = |head: &mut MtpHead, slot, pos, token, hidden: Option<&Tensor>| {
         let mut b = Batch::default();
         b.push(slot, pos, &[token], OutputRows::Last);
@@ -59,10 +59,13 @@ fn acceptance_one_by_one(
         logits.get(0).unwrap().to_vec1::<f32>().unwrap()
     };
     let (mut hits, mut trials) = (vec![0usize; k], 0usize);
+    let mut walk = Walk::default();
     for (n, seq) in heldout.sequences.iter().enumerate() {
         let slot = n as u32;
         head.admit(slot, seq.len() + k).unwrap();
         let hidden = heldout.hidden.get(n).unwrap();
+        // Drafts accepted from each position from the answer's first token.
+        let mut depths = Vec::new();
         for t in 0..heldout.lens[n].min(seq.len()) - 1 {
             let h = hidden.narrow(0, t, 1).unwrap();
             let mut logits = step(head, slot, t, seq[t + 1], Some(&h));
@@ -70,23 +73,38 @@ fn acceptance_one_by_one(
                 continue;
             }
             trials += 1;
+            let mut depth = 0;
             for r in 0..k {
                 let d = argmax(&logits);
                 if d != seq[t + 2 + r] {
                     break;
                 }
                 hits[r] += 1;
+                depth += 1;
                 if r + 1 < k {
                     logits = step(head, slot, t + 1 + r, d, None);
                 }
             }
+            if t + 1 >= heldout.prompt_lens[n] {
+                depths.push(depth);
+            }
             head.truncate(slot, t + 1).unwrap();
+        }
+        // The walk by hand: from each step's start, past its accepted
+        // drafts and the target's own token.
+        let mut i = 0;
+        while i < depths.len() {
+            walk.steps += 1;
+            walk.accepted += depths[i];
+            i += depths[i] + 1;
         }
         head.release(slot);
     }
-    hits.iter()
+    let by_position = hits
+        .iter()
         .map(|&h| h as f64 / trials.max(1) as f64)
-        .collect()
+        .collect();
+    (by_position, walk)
 }
 
 /// Runs `trainer` to the end (into a fresh directory named by `tag`) and
@@ -138,11 +156,12 @@ fn training_lowers_heldout_loss_and_raises_agreement() {
     // The batched measurement is what drafting each sequence alone gives.
     let mut alone = MtpHead::from_dir(&model, &dir).unwrap();
     let k = report.acceptance.len();
+    let (one_by_one, walk) = acceptance_one_by_one(&model, &mut alone, trainer.heldout(), k);
     assert_eq!(
-        report.acceptance,
-        acceptance_one_by_one(&model, &mut alone, trainer.heldout(), k),
+        report.acceptance, one_by_one,
         "batched acceptance equals sequence-by-sequence drafting"
     );
+    assert!(walk.steps > 0, "the held-out answers were walked");
     // `tandem eval-mtp`'s measurement of the saved head on the held-out
     // prompts is the report's.
     let (evaluated, scored) = evaluate_head(
@@ -153,7 +172,11 @@ fn training_lowers_heldout_loss_and_raises_agreement() {
         k,
     )
     .unwrap();
-    assert_eq!(evaluated, report.acceptance);
+    assert_eq!(evaluated.by_position, report.acceptance);
+    assert_eq!(
+        evaluated.walk, walk,
+        "the batched walk is the sequence-by-sequence one"
+    );
     assert_eq!(scored, trainer.heldout().scored_labels().unwrap().len());
 
     // The saved head loads through the MTP loader and keeps greedy exact.

@@ -571,7 +571,7 @@ fn eval_mtp(args: EvalArgs) -> Result<(), BoxError> {
     let mut head = tandem::model::MtpHead::from_dir(&model, &args.head)?;
     let texts = tandem::train::prompts::read_file(&args.prompts)?;
     let prompts = tandem::train::prompts::render_chat(&tokenizer, &texts)?;
-    let (acceptance, scored) = tandem::train::evaluate_head(
+    let (score, scored) = tandem::train::evaluate_head(
         &model,
         &mut head,
         &prompts,
@@ -583,14 +583,23 @@ fn eval_mtp(args: EvalArgs) -> Result<(), BoxError> {
         args.head.display(),
         prompts.len()
     );
-    let tokens = tandem::train::tokens_per_step(&acceptance);
-    for (i, (a, t)) in acceptance.iter().zip(&tokens).enumerate() {
+    let tokens = tandem::train::tokens_per_step(&score.by_position);
+    for (i, (a, t)) in score.by_position.iter().zip(&tokens).enumerate() {
         println!(
             "draft position {}: acceptance {a:.3} (draft length {}: {t:.2} tokens per step)",
             i + 1,
             i + 1
         );
     }
+    let walk = score.walk;
+    println!(
+        "walked as an engine drafting {} a step: {} accepted in {} steps ({:.2} a step, {:.2} tokens per step)",
+        args.draft_positions,
+        walk.accepted,
+        walk.steps,
+        walk.per_step(),
+        1.0 + walk.per_step()
+    );
     Ok(())
 }
 

@@ -284,9 +284,50 @@ fn sample(row: &[f32], temperature: f32, rng: &mut ChaCha8Rng) -> u32 {
     (row.len() - 1) as u32
 }
 
-/// `result[i]`: fraction of positions where drafts 1..=i+1 all equal the
-/// greedy continuation (what greedy verification would accept), drafting
-/// recursively with the head as the engine does.
+/// The drafts a speculating engine makes while it walks an answer with
+/// `k` drafts a step: each step drafts from the position right after the
+/// previous step's accepted drafts and the target's own token (the first
+/// from the answer's first token). So it counts only the positions an
+/// engine drafts from, most of them right after a rejection, where
+/// [`HeadScore::by_position`] averages over every position.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Walk {
+    pub steps: usize,
+    pub accepted: usize,
+}
+
+impl Walk {
+    /// Accepted drafts a step.
+    pub fn per_step(&self) -> f64 {
+        self.accepted as f64 / self.steps.max(1) as f64
+    }
+
+    /// Walks one sequence: `depths[i]` drafts are accepted from its `i`-th
+    /// position (consecutive positions, the first the answer's first token).
+    pub fn add_sequence(&mut self, depths: &[usize]) {
+        let mut i = 0;
+        while let Some(&d) = depths.get(i) {
+            self.steps += 1;
+            self.accepted += d;
+            i += d + 1;
+        }
+    }
+}
+
+/// A head's greedy acceptance on answered sequences.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeadScore {
+    /// `by_position[i]`: fraction of positions where drafts 1..=i+1 all
+    /// equal the greedy continuation.
+    pub by_position: Vec<f64>,
+    /// The same drafts walked as an engine drafting `k` a step meets them.
+    pub walk: Walk,
+}
+
+/// The head's [`HeadScore`] on `heldout`: at every position, drafts
+/// 1..=k until one differs from the greedy continuation (what greedy
+/// verification would accept), drafting recursively with the head as the
+/// engine does.
 ///
 /// Every held-out sequence advances together, one position at a time:
 /// each draft round is one head call over all sequences still drafting,
@@ -299,7 +340,7 @@ pub fn acceptance_by_position(
     head: &mut MtpHead,
     heldout: &Features,
     k: usize,
-) -> Result<Vec<f64>, TrainError> {
+) -> Result<HeadScore, TrainError> {
     let seqs = &heldout.sequences;
     // Pairs (h_t, x_{t+1}) exist for t < pairs[n].
     let pairs: Vec<usize> = (0..seqs.len())
@@ -308,9 +349,12 @@ pub fn acceptance_by_position(
     for (n, seq) in seqs.iter().enumerate() {
         head.admit(n as u32, seq.len() + k)?;
     }
-    let result = (|| -> Result<Vec<f64>, TrainError> {
+    let result = (|| -> Result<HeadScore, TrainError> {
         let mut hits = vec![0usize; k];
         let mut trials = 0usize;
+        // Drafts accepted from each position an engine may draft from
+        // (the answer's first token on), per sequence, in order.
+        let mut depths = vec![Vec::new(); seqs.len()];
         for t in 0..pairs.iter().copied().max().unwrap_or(0) {
             let live: Vec<usize> = (0..seqs.len()).filter(|&n| t < pairs[n]).collect();
             let mut batch = Batch::default();
@@ -327,6 +371,14 @@ pub fn acceptance_by_position(
             let rows: Vec<usize> = (0..live.len()).filter(|&r| evaluable(live[r])).collect();
             trials += rows.len();
             let mut members: Vec<usize> = rows.iter().map(|&r| live[r]).collect();
+            let walked: Vec<usize> = members
+                .iter()
+                .copied()
+                .filter(|&n| t + 1 >= heldout.prompt_lens[n])
+                .collect();
+            for &n in &walked {
+                depths[n].push(0);
+            }
             let mut drafts = logits.argmax(&rows)?;
             for (r, hit) in hits.iter_mut().enumerate() {
                 let (kept, kept_drafts): (Vec<usize>, Vec<u32>) = members
@@ -335,6 +387,11 @@ pub fn acceptance_by_position(
                     .filter(|&(&n, &d)| d == seqs[n][t + 2 + r])
                     .unzip();
                 *hit += kept.len();
+                for &n in &kept {
+                    if let Some(d) = depths[n].last_mut().filter(|_| walked.contains(&n)) {
+                        *d += 1;
+                    }
+                }
                 if kept.is_empty() || r + 1 == k {
                     break;
                 }
@@ -350,10 +407,17 @@ pub fn acceptance_by_position(
                 head.truncate(n as u32, t + 1)?;
             }
         }
-        Ok(hits
-            .iter()
-            .map(|&h| h as f64 / trials.max(1) as f64)
-            .collect())
+        let mut walk = Walk::default();
+        for d in &depths {
+            walk.add_sequence(d);
+        }
+        Ok(HeadScore {
+            by_position: hits
+                .iter()
+                .map(|&h| h as f64 / trials.max(1) as f64)
+                .collect(),
+            walk,
+        })
     })();
     for n in 0..seqs.len() {
         head.release(n as u32);

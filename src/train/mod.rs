@@ -54,6 +54,7 @@ use serde::{Deserialize, Serialize};
 use crate::model::mtp::MTP_FILE;
 use crate::model::{Model, ModelError, MtpHead};
 use data::Features;
+pub use data::{HeadScore, Walk};
 pub use prompts::PromptSet;
 
 /// Errors of a training run.
@@ -503,12 +504,13 @@ impl<'a> Trainer<'a> {
     /// Acceptance at draft positions 1..=k on the held-out continuations.
     pub fn acceptance(&self) -> Result<Vec<f64>, TrainError> {
         let mut head = self.head()?;
-        data::acceptance_by_position(
+        Ok(data::acceptance_by_position(
             self.target,
             &mut head,
             &self.heldout,
             self.config.draft_positions,
-        )
+        )?
+        .by_position)
     }
 
     /// Writes a resumable checkpoint (head, Adam moments, progress) to `dir`,
@@ -605,7 +607,8 @@ pub fn tokens_per_step(acceptance: &[f64]) -> Vec<f64> {
 /// A head's greedy acceptance at draft positions `1..=k` on the target's
 /// greedy answers to `prompts` (one sequence each, up to `seq_len` tokens
 /// with the prompt): what `train-mtp` reports for its held-out prompts,
-/// for any prompts and any saved head. Returns the acceptance and the
+/// for any prompts and any saved head, and the same drafts walked as an
+/// engine drafting `k` a step meets them. Returns the score and the
 /// positions scored.
 pub fn evaluate_head(
     target: &Model,
@@ -613,7 +616,7 @@ pub fn evaluate_head(
     prompts: &[Vec<u32>],
     seq_len: usize,
     k: usize,
-) -> Result<(Vec<f64>, usize), TrainError> {
+) -> Result<(data::HeadScore, usize), TrainError> {
     let answers = data::generate(target, prompts, prompts.len(), seq_len, None, 0)?;
     let scored = answers.scored_labels()?.len();
     Ok((
