@@ -4,14 +4,10 @@ RUST_LOG=tandem::draft_calibration=debug (bench/spec/confidence_gate_s55.patch; 
 Prints acceptance by confidence bin, then replays the steps under fixed draft lengths and
 confidence thresholds with the step costs set below (not measured by this script).
 python3 bench/spec/draft_confidence.py TRACE"""
-import re,sys
-rows=[]
-for line in open(sys.argv[1]):
-    line=re.sub(r"\x1b\[[0-9;]*m","",line)
-    m=re.search(r"confidence\S*=\S*\[([^\]]*)\].*accepted=(\d+)",line)
-    if not m: continue
-    c=[float(x) for x in m.group(1).split(',')]
-    rows.append((c,int(m.group(2))))
+import sys
+from trace_lines import matches
+rows=[([float(x) for x in m.group(1).split(',')],int(m.group(2)))
+      for m in matches(sys.argv[1],r"confidence\S*=\S*\[([^\]]*)\].*accepted=(\d+)")]
 print(len(rows),"steps")
 bins=[0,.1,.2,.3,.4,.5,.6,.7,.8,.9,.95,1.01]
 def b(x):

@@ -2,14 +2,10 @@
 """Session 55 (issue 18): how often the target's token was among the head's first 1-4 choices at each
 verified draft position, from RUST_LOG=tandem::draft_top=debug (bench/spec/confidence_gate_s55.patch).
 python3 bench/spec/draft_top.py TRACE"""
-import re,sys,collections
-steps=[]
-for line in open(sys.argv[1]):
-    line=re.sub(r"\x1b\[[0-9;]*m","",line)
-    m=re.search(r"top=(\[\[.*?\]\]) confidence=\[(.*?)\] kept=\[(.*?)\] accepted=(\d+)",line)
-    if not m: continue
-    top=eval(m.group(1)); kept=[int(x) for x in m.group(3).split(',')]; a=int(m.group(4))
-    steps.append((top,kept,a))
+import ast,sys,collections
+from trace_lines import matches
+steps=[(ast.literal_eval(m.group(1)),[int(x) for x in m.group(3).split(',')],int(m.group(4)))
+       for m in matches(sys.argv[1],r"top=(\[\[.*?\]\]) confidence=\[(.*?)\] kept=\[(.*?)\] accepted=(\d+)")]
 print(len(steps),"steps")
 # hit by rank per position (given prefix accepted)
 hits=collections.defaultdict(lambda:[0]*5); tried=collections.Counter()

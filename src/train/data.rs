@@ -371,12 +371,9 @@ pub fn acceptance_by_position(
             let rows: Vec<usize> = (0..live.len()).filter(|&r| evaluable(live[r])).collect();
             trials += rows.len();
             let mut members: Vec<usize> = rows.iter().map(|&r| live[r]).collect();
-            let walked: Vec<usize> = members
-                .iter()
-                .copied()
-                .filter(|&n| t + 1 >= heldout.prompt_lens[n])
-                .collect();
-            for &n in &walked {
+            // The walk starts at the answer's first token.
+            let walks = |n: usize| t + 1 >= heldout.prompt_lens[n];
+            for &n in members.iter().filter(|&&n| walks(n)) {
                 depths[n].push(0);
             }
             let mut drafts = logits.argmax(&rows)?;
@@ -387,10 +384,8 @@ pub fn acceptance_by_position(
                     .filter(|&(&n, &d)| d == seqs[n][t + 2 + r])
                     .unzip();
                 *hit += kept.len();
-                for &n in &kept {
-                    if let Some(d) = depths[n].last_mut().filter(|_| walked.contains(&n)) {
-                        *d += 1;
-                    }
+                for &n in kept.iter().filter(|&&n| walks(n)) {
+                    *depths[n].last_mut().expect("pushed above") += 1;
                 }
                 if kept.is_empty() || r + 1 == k {
                     break;
